@@ -1,0 +1,41 @@
+# AgentServing — every target does its own set-up on a fresh machine.
+#   make run    the main job (local fleet + multi-turn agent workload + report)
+#   make test   the whole test suite
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+TORCH_VERSION := 2.13.0
+LMCACHE_VERSION := 0.5.6
+PYTEST_ARGS ?=
+
+.PHONY: setup system-deps test bench lint run clean
+
+setup: system-deps $(STAMP)
+
+system-deps:
+	@bash scripts/install-system-deps.sh
+
+# Re-installs only when the package definition changes.
+$(STAMP): pyproject.toml setup.py
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade "pip==25.3"
+	# the CPU torch wheel lies on disk; an unpinned torch would pull a multi-GB CUDA build
+	$(PIP) install -q "torch==$(TORCH_VERSION)"
+	# lmcache's wheel requires CUDA-only packages; its CPU runtime deps are in the worker extra
+	$(PIP) install -q --no-deps "lmcache==$(LMCACHE_VERSION)"
+	$(PIP) install -q -e ".[all]"
+	@touch $(STAMP)
+
+test: setup
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) -m bench $(BENCH_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

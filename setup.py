@@ -10,6 +10,10 @@ FOLDERS = {
     "agentserving.core": "core",
     "agentserving.kvindex": "services/kvindex",
     "agentserving.operator": "operator",
+    "agentserving.engine": "engine",
+    "agentserving.prefill": "services/prefill",
+    "agentserving.decode": "services/decode",
+    "agentserving.proxy": "services/proxy",
 }
 
 

@@ -18,6 +18,8 @@ SUBCOMMANDS: dict[str, str] = {
     "chunk-hashes": "agentserving.core.hash_cli:command",
     "kvindex": "agentserving.kvindex.cli:command",
     "operator": "agentserving.operator.cli:command",
+    "worker": "agentserving.engine.cli:command",
+    "proxy": "agentserving.proxy.cli:command",
 }
 
 # Every option shows its default and its environment variable in --help.

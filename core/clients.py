@@ -1,0 +1,152 @@
+"""HTTP clients for the kvindex and the pods' memory API, speaking core.schemas.
+
+Failures of the remote side surface as ``ServiceUnavailable`` (connection refused, timeout,
+503), so callers can degrade (route without the index, recompute) with one ``except``.
+A 4xx surfaces as ``RequestRejected`` carrying the server's message and field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import httpx
+from pydantic import BaseModel
+
+from agentserving.core.schemas import (
+    ChunkLocations,
+    ChunkSnapshot,
+    EventBatch,
+    EventBatchResult,
+    EvictRequest,
+    FanoutResponse,
+    ForkRequest,
+    IntentChunks,
+    LeaseInfo,
+    LookupRequest,
+    LookupResponse,
+    MemoryEvictRequest,
+    MemoryEvictResponse,
+    MemoryPrefetchRequest,
+    MemoryPrefetchResponse,
+    PodInfo,
+    PodList,
+    PodRegistration,
+    PrefetchRequest,
+    SessionInfo,
+)
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ServiceUnavailable(Exception):
+    """The service could not be reached or said it cannot serve now."""
+
+
+class RequestRejected(Exception):
+    def __init__(self, status_code: int, message: str, param: str | None) -> None:
+        super().__init__(f"{status_code}: {message}")
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+
+
+class NotFound(RequestRejected):
+    pass
+
+
+class _JsonClient:
+    def __init__(self, base_url: str, timeout_s: float = 2.0,
+                 client: httpx.AsyncClient | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._client = client or httpx.AsyncClient(timeout=timeout_s)
+        self._owns_client = client is None
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
+
+    async def _call(self, method: str, path: str, body: BaseModel | None,
+                    model: type[M] | None) -> Any:
+        try:
+            resp = await self._client.request(
+                method, self.base_url + path,
+                content=body.model_dump_json(exclude_none=True) if body is not None else None,
+                headers={"content-type": "application/json"} if body is not None else None,
+            )
+        except httpx.HTTPError as exc:
+            raise ServiceUnavailable(f"{method} {self.base_url}{path}: {exc!r}") from exc
+        if resp.status_code >= 500:
+            raise ServiceUnavailable(f"{method} {path}: HTTP {resp.status_code} {resp.text[:200]}")
+        if resp.status_code >= 400:
+            try:
+                err = resp.json().get("error", {})
+            except ValueError:
+                err = {}
+            cls = NotFound if resp.status_code == 404 else RequestRejected
+            raise cls(resp.status_code, err.get("message", resp.text[:200]), err.get("param"))
+        if model is None or resp.status_code == 204:
+            return None
+        return model.model_validate_json(resp.content)
+
+
+class KvindexClient(_JsonClient):
+    """The kvindex's REST API (services/kvindex), one method per route."""
+
+    async def register(self, reg: PodRegistration) -> PodInfo:
+        return await self._call("POST", "/v1/pods", reg, PodInfo)
+
+    async def heartbeat(self, pod: str) -> LeaseInfo:
+        return await self._call("POST", f"/v1/pods/{pod}/heartbeat", None, LeaseInfo)
+
+    async def deregister(self, pod: str) -> None:
+        await self._call("DELETE", f"/v1/pods/{pod}", None, None)
+
+    async def pods(self) -> PodList:
+        return await self._call("GET", "/v1/pods", None, PodList)
+
+    async def events(self, batch: EventBatch) -> EventBatchResult:
+        return await self._call("POST", "/v1/events", batch, EventBatchResult)
+
+    async def snapshot(self, pod: str, snap: ChunkSnapshot) -> LeaseInfo:
+        return await self._call("PUT", f"/v1/pods/{pod}/chunks", snap, LeaseInfo)
+
+    async def locate(self, chunk_hash: str) -> ChunkLocations:
+        return await self._call("GET", f"/v1/chunks/{chunk_hash}", None, ChunkLocations)
+
+    async def lookup(self, req: LookupRequest) -> LookupResponse:
+        return await self._call("POST", "/v1/lookup", req, LookupResponse)
+
+    async def prefetch(self, req: PrefetchRequest) -> FanoutResponse:
+        return await self._call("POST", "/v1/prefetch", req, FanoutResponse)
+
+    async def evict(self, req: EvictRequest) -> FanoutResponse:
+        return await self._call("POST", "/v1/evict", req, FanoutResponse)
+
+    async def put_intent(self, session_id: str, intent: str, chunks: list[str]) -> SessionInfo:
+        return await self._call("PUT", f"/v1/sessions/{session_id}/intents/{intent}",
+                                IntentChunks(chunk_hashes=chunks), SessionInfo)
+
+    async def get_intent(self, session_id: str, intent: str) -> list[str]:
+        body = await self._call("GET", f"/v1/sessions/{session_id}/intents/{intent}", None,
+                                IntentChunks)
+        return body.chunk_hashes
+
+    async def session(self, session_id: str) -> SessionInfo:
+        return await self._call("GET", f"/v1/sessions/{session_id}", None, SessionInfo)
+
+    async def delete_session(self, session_id: str) -> None:
+        await self._call("DELETE", f"/v1/sessions/{session_id}", None, None)
+
+    async def fork(self, session_id: str, child: str) -> SessionInfo:
+        return await self._call("POST", f"/v1/sessions/{session_id}/fork",
+                                ForkRequest(child=child), SessionInfo)
+
+
+class MemoryApiClient(_JsonClient):
+    """A pod's memory API (seed 000): asynchronous prefetch, evict by location."""
+
+    async def prefetch(self, req: MemoryPrefetchRequest) -> MemoryPrefetchResponse:
+        return await self._call("POST", "/memory/prefetch", req, MemoryPrefetchResponse)
+
+    async def evict(self, req: MemoryEvictRequest) -> MemoryEvictResponse:
+        return await self._call("POST", "/memory/evict", req, MemoryEvictResponse)

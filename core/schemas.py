@@ -1,0 +1,266 @@
+"""Wire contracts shared by servers and their clients: one pydantic model per body.
+
+A field is named once, here; the kvindex, the workers' memory API and the proxy import these
+models, and so do the HTTP clients that talk to them.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import StrEnum
+from typing import Annotated, Literal
+
+from agentserving.core.hashing import HashScheme, is_chunk_hash
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+
+class Tier(StrEnum):
+    """Where a chunk lives on a pod, fastest first."""
+
+    DEVICE = "device"
+    CPU = "cpu"
+    DISK = "disk"
+
+
+TIERS_FASTEST_FIRST: tuple[Tier, ...] = (Tier.DEVICE, Tier.CPU, Tier.DISK)
+
+# LMCache's storage backends behind each tier (the memory API's "locations").
+TIER_BACKENDS: dict[Tier, str] = {
+    Tier.CPU: "LocalCPUBackend",
+    Tier.DISK: "LocalDiskBackend",
+}
+
+
+class PodRole(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+
+def _check_chunk_hash(value: str) -> str:
+    if not is_chunk_hash(value):
+        raise ValueError(
+            "not a chunk hash: expected lower-case hex (optionally '-'-signed), 1-64 digits"
+        )
+    return value
+
+
+ChunkHash = Annotated[str, AfterValidator(_check_chunk_hash)]
+
+_POD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+
+
+def _check_pod_name(value: str) -> str:
+    if not _POD_NAME.match(value):
+        raise ValueError("pod name must be 1-253 characters of [A-Za-z0-9._-], starting alnum")
+    return value
+
+
+PodName = Annotated[str, AfterValidator(_check_pod_name)]
+
+
+def _check_http_url(value: str) -> str:
+    if not re.match(r"^https?://[^/\s]+", value):
+        raise ValueError("must be an http(s):// URL")
+    return value.rstrip("/")
+
+
+HttpUrlStr = Annotated[str, AfterValidator(_check_http_url)]
+
+
+class Strict(BaseModel):
+    """Unknown fields are errors: a typo in a field name must not pass silently."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---------------------------------------------------------------- pods
+
+
+class PodRegistration(Strict):
+    pod: PodName
+    memory_api_url: HttpUrlStr = Field(description="Base URL of the pod's memory API (:6999).")
+    api_url: HttpUrlStr | None = Field(
+        default=None, description="Base URL of the pod's OpenAI-compatible API, for the proxy."
+    )
+    role: PodRole = PodRole.BOTH
+    model: str = Field(min_length=1)
+    hash_scheme: HashScheme = HashScheme.BLAKE3
+    chunk_size: int = Field(default=256, gt=0)
+    capacity_bytes: dict[Tier, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class PodInfo(PodRegistration):
+    registered_at: float
+    last_heartbeat: float
+    lease_expires_at: float
+    seq: int = Field(description="Last residency batch sequence number applied.")
+    needs_resync: bool = Field(description="A sequence gap was seen: send a full snapshot.")
+    chunks: dict[Tier, int] = Field(default_factory=dict)
+    used_bytes: dict[Tier, int] = Field(default_factory=dict)
+
+
+class PodList(BaseModel):
+    pods: list[PodInfo]
+
+
+class LeaseInfo(BaseModel):
+    pod: str
+    lease_expires_at: float
+    seq: int
+    needs_resync: bool
+
+
+# ---------------------------------------------------------------- residency
+
+
+class EventOp(StrEnum):
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+
+
+class ResidencyEvent(Strict):
+    op: EventOp
+    tier: Tier | None = Field(default=None, description="Required unless op is 'cleared'.")
+    chunk_hashes: list[ChunkHash] = Field(default_factory=list)
+    bytes: int | None = Field(default=None, ge=0, description="Total bytes of these chunks.")
+
+    def model_post_init(self, _context: object) -> None:
+        if self.op is not EventOp.CLEARED and self.tier is None:
+            raise ValueError(f"tier: required for op '{self.op}'")
+
+
+class EventBatch(Strict):
+    pod: PodName
+    seq: int = Field(ge=0)
+    events: list[ResidencyEvent]
+
+
+class EventBatchResult(BaseModel):
+    pod: str
+    seq: int
+    applied: bool = Field(description="False when this seq was already applied (a replay).")
+    chunk_events: int
+    needs_resync: bool
+
+
+class ChunkSnapshot(Strict):
+    """A pod's full residency, replacing whatever the index holds for it."""
+
+    seq: int = Field(ge=0)
+    chunks: dict[Tier, list[ChunkHash]]
+    bytes: dict[Tier, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+
+
+class ChunkLocation(BaseModel):
+    pod: str
+    tier: Tier
+
+
+class ChunkLocations(BaseModel):
+    chunk_hash: str
+    locations: list[ChunkLocation]
+
+
+class LookupRequest(Strict):
+    chunk_hashes: list[ChunkHash] = Field(description="A prefix chain, in order.")
+    pods: list[str] | None = Field(default=None, description="Only consider these pods.")
+    role: PodRole | None = Field(
+        default=None, description="Only consider pods serving this role ('both' pods match)."
+    )
+
+
+class PodPrefix(BaseModel):
+    pod: str
+    prefix_chunks: int = Field(description="How many leading chunks this pod holds.")
+    tiers: dict[Tier, int] = Field(description="Those chunks by the fastest tier holding each.")
+    score: float = Field(description="Tier-weighted prefix length (device 1, cpu 0.8, disk 0.5).")
+
+
+class LookupResponse(BaseModel):
+    num_chunks: int
+    pods: list[PodPrefix] = Field(description="Pods holding at least the first chunk, best first.")
+    best_pod: str | None
+
+
+# ---------------------------------------------------------------- control (fan-out)
+
+
+class PrefetchRequest(Strict):
+    chunk_hashes: list[ChunkHash] = Field(min_length=1)
+    pod: str | None = None
+    lookup_id: str | None = None
+
+
+class EvictRequest(Strict):
+    chunk_hashes: list[ChunkHash] = Field(min_length=1)
+    locations: list[str] | None = Field(
+        default=None, description="Tiers or LMCache backends; none means every tier."
+    )
+    pod: str | None = None
+    session_id: str | None = Field(
+        default=None, description="The session asking: its own references never protect."
+    )
+    force: bool = Field(default=False, description="Evict even chunks other sessions reference.")
+
+
+class PodCallResult(BaseModel):
+    ok: bool
+    num_chunks: int = Field(description="Chunks sent to this pod.")
+    status_code: int | None = None
+    response: dict | None = None
+    error: str | None = None
+
+
+class FanoutResponse(BaseModel):
+    lookup_id: str | None = None
+    results: dict[str, PodCallResult]
+    missing: list[str] = Field(description="Chunks no live pod holds.")
+    protected: list[str] = Field(
+        default_factory=list, description="Chunks kept because another session references them."
+    )
+
+
+# ---------------------------------------------------------------- memory API (seed 000)
+
+
+class MemoryPrefetchRequest(Strict):
+    chunk_hashes: list[ChunkHash]
+    lookup_id: str | None = None
+
+
+class MemoryPrefetchResponse(BaseModel):
+    status: Literal["prefetch_started"] = "prefetch_started"
+    lookup_id: str | None
+    num_chunks: int
+
+
+class MemoryEvictRequest(Strict):
+    chunk_hashes: list[ChunkHash]
+    locations: list[str] | None = None
+
+
+class MemoryEvictResponse(BaseModel):
+    status: Literal["success"] = "success"
+    num_evicted: int
+
+
+# ---------------------------------------------------------------- sessions
+
+
+class IntentChunks(Strict):
+    chunk_hashes: list[ChunkHash]
+
+
+class SessionInfo(BaseModel):
+    session_id: str
+    parent: str | None = None
+    intents: dict[str, list[str]]
+    created_at: float
+    updated_at: float
+
+
+class ForkRequest(Strict):
+    child: str = Field(min_length=1, max_length=256)

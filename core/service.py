@@ -1,0 +1,105 @@
+"""What every HTTP service shares: error format, request-size limit, /metrics and /healthz.
+
+Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, so an OpenAI
+client shows them as they are, and ``param`` names the offending field (``chunk_hashes[3]``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+
+class ApiError(Exception):
+    """An error the caller can act on; rendered in OpenAI's error shape."""
+
+    def __init__(
+        self, status_code: int, message: str, *, param: str | None = None,
+        type: str = "invalid_request_error", code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.param = param
+        self.type = type
+        self.code = code
+        self.headers = headers
+
+
+def error_body(message: str, *, type: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def field_path(loc: Sequence[Any]) -> str:
+    """('body', 'events', 2, 'tier') -> 'events[2].tier'."""
+    parts = [p for p in loc if p not in ("body", "query", "path", "header")]
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "body"
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str]:
+    errors = exc.errors()
+    first = errors[0]
+    param = field_path(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        return "body", f"malformed JSON: {first.get('msg')}"
+    msgs = [f"{field_path(e.get('loc', ()))}: {e.get('msg')}" for e in errors[:5]]
+    return param, "; ".join(msgs)
+
+
+def install_error_handlers(app: FastAPI, max_body_bytes: int | None = None) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(
+            error_body(exc.message, type=exc.type, param=exc.param, code=exc.code),
+            status_code=exc.status_code, headers=exc.headers,
+        )
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        param, message = _validation_message(exc)
+        return JSONResponse(error_body(message, type="invalid_request_error", param=param),
+                            status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), type=kind), status_code=exc.status_code)
+
+    if max_body_bytes is not None:
+        @app.middleware("http")
+        async def _limit_body(request: Request, call_next):  # type: ignore[no-untyped-def]
+            length = request.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > max_body_bytes:
+                return JSONResponse(
+                    error_body(f"body of {length} bytes exceeds the limit of {max_body_bytes}",
+                               type="invalid_request_error", param="body"),
+                    status_code=413,
+                )
+            return await call_next(request)
+
+
+def install_metrics_route(app: FastAPI, registry: CollectorRegistry) -> None:
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def install_health_route(app: FastAPI) -> None:
+    @app.get("/healthz", tags=["health"], summary="The process is up.")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}

@@ -1,0 +1,118 @@
+"""Helpers for tests and benchmarks that start real servers on loopback.
+
+Kept in the package (not under tests/) because every unit's tests and the benches share them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None) -> None:
+    """Poll ``url`` until it answers 2xx; fail early if ``proc`` exits."""
+    deadline = time.monotonic() + timeout_s
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} was ready")
+        try:
+            if httpx.get(url, timeout=1.0).is_success:
+                return
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not ready after {timeout_s}s: {last}")
+
+
+def wait_for_port(port: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"port {port} not open after {timeout_s}s")
+
+
+class RedisServer:
+    """A private redis-server on a free loopback port, without persistence; stop() kills it."""
+
+    def __init__(self, port: int | None = None) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server not found: run `make setup` (installs Debian's)")
+        self.port = port or free_port()
+        self.dir = tempfile.mkdtemp(prefix="agentserving-redis-")
+        self.proc = subprocess.Popen(
+            [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+             "--appendonly", "no", "--dir", self.dir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_for_port(self.port)
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def restart(self) -> None:
+        """Start again on the same port (an outage and recovery, as tests need)."""
+        self.stop()
+        self.__init__(self.port)  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@contextlib.contextmanager
+def service_process(args: list[str], ready_url: str, env: dict[str, str] | None = None,
+                    log_path: Path | None = None, timeout_s: float = 60.0
+                    ) -> Iterator[subprocess.Popen]:
+    """Run a service as a real process until the block ends; its log goes to ``log_path``."""
+    log = open(log_path, "wb") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    proc = subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for_http(ready_url, timeout_s, proc)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        if log_path:
+            log.close()  # type: ignore[union-attr]

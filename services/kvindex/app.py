@@ -1,0 +1,85 @@
+"""The kvindex service: the FastAPI app, its lifespan (reaper, event ingest), and routers."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import httpx
+from agentserving.core.service import (
+    ApiError,
+    install_error_handlers,
+    install_health_route,
+    install_metrics_route,
+)
+from agentserving.kvindex.controllers.reaper import reap_forever
+from agentserving.kvindex.http_apis import control, pods, residency, sessions
+from agentserving.kvindex.http_apis.deps import KvindexState, ServiceMetrics
+from agentserving.kvindex.index.base import BackendUnavailable, Index, SessionStore
+from agentserving.kvindex.index.instrumented import IndexMetrics, Instrumented
+from agentserving.kvindex.settings import KvindexSettings
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
+
+def create_app(settings: KvindexSettings, index: Index | None = None,
+               session_store: SessionStore | None = None) -> FastAPI:
+    """Build the app; ``index``/``session_store`` default to the backends named by ``store``."""
+    if index is None or session_store is None:
+        from agentserving.kvindex.index.factory import new_index
+
+        index, session_store = new_index(settings.store)
+    registry = CollectorRegistry()
+    store_kind = "memory" if settings.store == "memory" else "redis"
+    index_metrics = IndexMetrics(registry)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        st = KvindexState(
+            settings=settings,
+            index=Instrumented(index, index_metrics, store_kind),  # type: ignore[arg-type]
+            sessions=Instrumented(session_store, index_metrics, store_kind),  # type: ignore[arg-type]
+            http=httpx.AsyncClient(),
+            registry=registry,
+            metrics=ServiceMetrics(registry),
+        )
+        app.state.kv = st
+        tasks = [asyncio.create_task(reap_forever(st.index, settings.reap_interval_s))]
+        if settings.vllm_event_endpoints:
+            from agentserving.kvindex.ingest.vllm_events import subscribe_forever
+
+            tasks.append(asyncio.create_task(subscribe_forever(st, settings.vllm_event_endpoints)))
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await st.http.aclose()
+            await index.close()
+            await session_store.close()
+
+    app = FastAPI(
+        title="AgentServing kvindex",
+        version="v1",
+        summary="The cluster's directory of KV chunks: chunk_hash -> (pod, tier).",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app, max_body_bytes=settings.max_body_bytes)
+    install_metrics_route(app, registry)
+    install_health_route(app)
+
+    @app.get("/readyz", tags=["health"], summary="The store behind the index answers.")
+    async def readyz() -> dict[str, str]:
+        st: KvindexState = app.state.kv
+        try:
+            await st.index.ping()
+            await st.sessions.ping()
+        except BackendUnavailable as exc:
+            raise ApiError(503, f"store unavailable: {exc}", type="service_unavailable") from exc
+        return {"status": "ready", "store": store_kind}
+
+    for router in (pods.router, residency.router, control.router, sessions.router):
+        app.include_router(router)
+    return app

@@ -1,0 +1,49 @@
+"""`agentserving kvindex`: run the kvindex service."""
+
+from __future__ import annotations
+
+import click
+from agentserving.core.cli import option
+from agentserving.kvindex.settings import KvindexSettings
+
+
+def _parse_endpoints(values: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for value in values:
+        pod, sep, endpoint = value.partition("=")
+        if not sep or not pod or not endpoint:
+            raise click.BadParameter(f"'{value}': expected POD=tcp://HOST:PORT",
+                                     param_hint="--vllm-events")
+        out[pod] = endpoint
+    return out
+
+
+@click.command("kvindex")
+@option("--host", default="127.0.0.1", help="Address to bind (0.0.0.0 in a pod).")
+@option("--port", type=click.IntRange(0, 65535), default=8300, help="HTTP port.")
+@option("--store", default="memory",
+        help="'memory' (one process, lost on exit) or a Redis URL, e.g. redis://redis:6379/0.")
+@option("--lease-ttl", "lease_ttl_s", type=click.FloatRange(min=0.01), default=15.0,
+        help="Seconds a pod stays registered without a heartbeat.")
+@option("--reap-interval", "reap_interval_s", type=click.FloatRange(min=0.01), default=1.0,
+        help="Seconds between sweeps that drop pods whose lease lapsed.")
+@option("--max-batch-chunks", type=click.IntRange(min=1), default=65536,
+        help="Most chunk hashes one request may carry (more: 413).")
+@option("--fanout-timeout", "fanout_timeout_s", type=click.FloatRange(min=0.01), default=2.0,
+        help="Seconds to wait for each pod's memory API during prefetch/evict fan-out.")
+@option("--vllm-events", multiple=True, metavar="POD=ENDPOINT",
+        help="Subscribe to a vLLM KV event stream (ZMQ PUB) on behalf of POD; repeatable.")
+@option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+        default="info", help="Log level.")
+@option("--log-json/--log-console", default=True, help="JSON log lines, or readable ones.")
+def command(**kwargs: object) -> None:
+    """Run the kvindex: the cluster's directory of where every KV chunk lives."""
+    import uvicorn
+    from agentserving.core.logging import configure_logging
+    from agentserving.kvindex.app import create_app
+
+    endpoints = _parse_endpoints(kwargs.pop("vllm_events"))  # type: ignore[arg-type]
+    settings = KvindexSettings(**kwargs, vllm_event_endpoints=endpoints)  # type: ignore[arg-type]
+    configure_logging(settings.log_level, settings.log_json)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                log_level=settings.log_level, access_log=False)

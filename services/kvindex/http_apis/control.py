@@ -1,0 +1,71 @@
+"""Prefetch and evict by chunk hash, fanned out to the pods that hold them."""
+
+from __future__ import annotations
+
+from agentserving.core.schemas import EvictRequest, FanoutResponse, PrefetchRequest
+from agentserving.core.service import ApiError
+from agentserving.kvindex.controllers.fanout import (
+    backends_for_locations,
+    call_pods,
+    plan,
+    tiers_for_locations,
+)
+from agentserving.kvindex.http_apis.deps import KvindexState, guarded, state
+from agentserving.kvindex.http_apis.validation import check_chain_size
+from fastapi import APIRouter, Depends
+
+router = APIRouter(prefix="/v1", tags=["control"])
+
+
+async def _live_pods(st: KvindexState) -> dict:
+    return {p.pod: p for p in await guarded(st, st.index.list_pods())}
+
+
+def _check_pod(pod: str | None, pods: dict) -> None:
+    if pod is not None and pod not in pods:
+        raise ApiError(404, f"unknown pod '{pod}'", param="pod", type="not_found_error")
+
+
+@router.post("/prefetch", response_model=FanoutResponse,
+             summary="Ask the holders of these chunks to load them from disk into DRAM.")
+async def prefetch(req: PrefetchRequest, st: KvindexState = Depends(state)) -> FanoutResponse:
+    check_chain_size(req.chunk_hashes, st.settings.max_batch_chunks)
+    pods = await _live_pods(st)
+    _check_pod(req.pod, pods)
+    holders = await guarded(st, st.index.holders(req.chunk_hashes))
+    per_pod, missing = plan(req.chunk_hashes, holders, only_pod=req.pod)
+    bodies = {pod: {"chunk_hashes": chunks, "lookup_id": req.lookup_id}
+              for pod, chunks in per_pod.items()}
+    results = await call_pods(st.http, pods, "/memory/prefetch", bodies,
+                              st.settings.fanout_timeout_s)
+    for r in results.values():
+        st.metrics.fanout.labels("prefetch", str(r.ok).lower()).inc()
+    return FanoutResponse(lookup_id=req.lookup_id, results=results, missing=missing)
+
+
+@router.post("/evict", response_model=FanoutResponse,
+             summary="Ask the holders of these chunks to drop them (named tiers, or all).")
+async def evict(req: EvictRequest, st: KvindexState = Depends(state)) -> FanoutResponse:
+    check_chain_size(req.chunk_hashes, st.settings.max_batch_chunks)
+    try:
+        tiers = tiers_for_locations(req.locations)
+    except ValueError as exc:
+        raise ApiError(400, f"locations: {exc}", param="locations") from exc
+    pods = await _live_pods(st)
+    _check_pod(req.pod, pods)
+    protected: set[str] = set()
+    if not req.force:
+        protected = await guarded(
+            st, st.sessions.referenced_elsewhere(req.chunk_hashes, req.session_id))
+    holders = await guarded(st, st.index.holders(req.chunk_hashes))
+    per_pod, missing = plan(req.chunk_hashes, holders, only_pod=req.pod, tiers=tiers,
+                            skip=protected)
+    backends = backends_for_locations(req.locations)
+    bodies = {pod: {"chunk_hashes": chunks, **({"locations": backends} if backends else {})}
+              for pod, chunks in per_pod.items()}
+    results = await call_pods(st.http, pods, "/memory/evict", bodies,
+                              st.settings.fanout_timeout_s)
+    for r in results.values():
+        st.metrics.fanout.labels("evict", str(r.ok).lower()).inc()
+    return FanoutResponse(results=results, missing=missing,
+                          protected=[c for c in req.chunk_hashes if c in protected])

@@ -1,0 +1,51 @@
+"""Residency in (event batches) and out (where is a chunk; longest cached prefix per pod)."""
+
+from __future__ import annotations
+
+from agentserving.core.hashing import is_chunk_hash
+from agentserving.core.schemas import (
+    ChunkLocations,
+    EventBatch,
+    EventBatchResult,
+    LookupRequest,
+    LookupResponse,
+)
+from agentserving.core.service import ApiError
+from agentserving.kvindex.http_apis.deps import KvindexState, guarded, state
+from agentserving.kvindex.http_apis.validation import check_batch_size, check_chain_size
+from agentserving.kvindex.index.base import rank_prefixes
+from fastapi import APIRouter, Depends
+
+router = APIRouter(prefix="/v1", tags=["residency"])
+
+
+@router.post("/events", response_model=EventBatchResult,
+             summary="Apply a pod's batch of residency events (idempotent by seq).")
+async def events(batch: EventBatch, st: KvindexState = Depends(state)) -> EventBatchResult:
+    check_batch_size(batch, st.settings.max_batch_chunks)
+    result = await guarded(st, st.index.apply_events(batch))
+    st.metrics.batches.labels("applied" if result.applied else "replay").inc()
+    st.metrics.chunk_events.labels("rest").inc(result.chunk_events)
+    return result
+
+
+@router.get("/chunks/{chunk_hash}", response_model=ChunkLocations,
+            summary="Every (pod, tier) holding a chunk.")
+async def locate(chunk_hash: str, st: KvindexState = Depends(state)) -> ChunkLocations:
+    if not is_chunk_hash(chunk_hash):
+        raise ApiError(400, "chunk_hash: not a chunk hash: expected lower-case hex",
+                       param="chunk_hash")
+    return ChunkLocations(chunk_hash=chunk_hash,
+                          locations=await guarded(st, st.index.locate(chunk_hash)))
+
+
+@router.post("/lookup", response_model=LookupResponse,
+             summary="For a prefix chain: each pod's cached prefix, its tiers, and the best pod.")
+async def lookup(req: LookupRequest, st: KvindexState = Depends(state)) -> LookupResponse:
+    check_chain_size(req.chunk_hashes, st.settings.max_batch_chunks)
+    prefixes = await guarded(st, st.index.lookup(req.chunk_hashes, req.pods, req.role))
+    ranked = rank_prefixes(prefixes)
+    st.metrics.lookups.labels("hit" if ranked else "miss").inc()
+    st.metrics.lookup_prefix.observe(ranked[0].prefix_chunks if ranked else 0)
+    return LookupResponse(num_chunks=len(req.chunk_hashes), pods=ranked,
+                          best_pod=ranked[0].pod if ranked else None)

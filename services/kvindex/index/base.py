@@ -1,0 +1,200 @@
+"""The kvindex's two interfaces and the pure rules every backend shares.
+
+``Index`` is the cluster's directory of KV residency: which pod holds which chunk in which
+tier, and which pods are alive. ``SessionStore`` is the agent memory layer's map from a
+session's intents to the chunks they reuse, with copy-on-write sharing between forks.
+
+Contract every backend honours (``tests/test_contract.py`` runs against each):
+- A pod exists from ``register_pod`` until ``deregister`` or until its lease lapses; a lapsed
+  pod is invisible to every read at once, and ``expire_leases`` then drops it together with
+  all of its residency in one atomic step.
+- Residency is only what pods reported (``apply_events``/``replace_chunks``): the index never
+  claims a chunk a pod has not confirmed. Batches are idempotent by ``seq``: a replayed seq is
+  ignored, a gap is applied but flags the pod ``needs_resync`` until a snapshot arrives.
+- ``lookup`` walks the chain in order and, for each live pod, counts how many leading chunks it
+  holds (any tier) and which tier is the fastest for each of them.
+- A backend that cannot reach its store raises ``BackendUnavailable`` at once (the HTTP layer
+  answers 503 and the proxy routes without the index); nothing stored is lost by that.
+- All methods are safe to call concurrently from one event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from agentserving.core.schemas import (
+    TIERS_FASTEST_FIRST,
+    ChunkLocation,
+    ChunkSnapshot,
+    EventBatch,
+    EventBatchResult,
+    LeaseInfo,
+    PodInfo,
+    PodPrefix,
+    PodRegistration,
+    PodRole,
+    SessionInfo,
+    Tier,
+)
+
+
+class KvIndexError(Exception):
+    """Base of the errors the HTTP layer maps to status codes."""
+
+
+class UnknownPod(KvIndexError):
+    def __init__(self, pod: str) -> None:
+        super().__init__(f"unknown pod '{pod}'")
+        self.pod = pod
+
+
+class UnknownSession(KvIndexError):
+    def __init__(self, session_id: str, intent: str | None = None) -> None:
+        what = f"session '{session_id}'" + (f" has no intent '{intent}'" if intent else "")
+        super().__init__(what if intent else f"unknown {what}")
+        self.session_id = session_id
+
+
+class SessionExists(KvIndexError):
+    def __init__(self, session_id: str) -> None:
+        super().__init__(f"session '{session_id}' already exists")
+
+
+class BackendUnavailable(KvIndexError):
+    """The store behind the index cannot be reached; callers should degrade, not retry hard."""
+
+
+# Tier weights for scoring a prefix: a device-resident chunk costs nothing to reuse, a DRAM one a
+# copy, a disk one a read. Used to pick the best pod when prefixes tie or nearly tie.
+TIER_WEIGHTS: dict[Tier, float] = {Tier.DEVICE: 1.0, Tier.CPU: 0.8, Tier.DISK: 0.5}
+
+# Tiers as bits, so a (pod, chunk) residency is one small integer in every backend.
+TIER_BITS: dict[Tier, int] = {Tier.DEVICE: 1, Tier.CPU: 2, Tier.DISK: 4}
+
+
+def tiers_of(mask: int) -> list[Tier]:
+    return [t for t in TIERS_FASTEST_FIRST if mask & TIER_BITS[t]]
+
+
+def fastest_tier(mask: int) -> Tier | None:
+    for tier in TIERS_FASTEST_FIRST:
+        if mask & TIER_BITS[tier]:
+            return tier
+    return None
+
+
+@dataclass
+class PrefixCount:
+    """One pod's answer to a lookup, before scoring."""
+
+    pod: str
+    prefix_chunks: int
+    tiers: dict[Tier, int] = field(default_factory=dict)
+
+
+def prefix_of(masks: list[int]) -> PrefixCount | None:
+    """Count leading non-zero masks and tally each one's fastest tier (pod filled by caller)."""
+    tiers: dict[Tier, int] = {}
+    n = 0
+    for mask in masks:
+        tier = fastest_tier(mask)
+        if tier is None:
+            break
+        tiers[tier] = tiers.get(tier, 0) + 1
+        n += 1
+    return PrefixCount(pod="", prefix_chunks=n, tiers=tiers) if n else None
+
+
+def score(prefix: PrefixCount) -> float:
+    return sum(TIER_WEIGHTS[t] * n for t, n in prefix.tiers.items())
+
+
+def rank_prefixes(prefixes: list[PrefixCount]) -> list[PodPrefix]:
+    """Best pod first: highest tier-weighted score, then longest prefix, then name (stable)."""
+    ranked = sorted(prefixes, key=lambda p: (-score(p), -p.prefix_chunks, p.pod))
+    return [
+        PodPrefix(pod=p.pod, prefix_chunks=p.prefix_chunks, tiers=p.tiers, score=round(score(p), 6))
+        for p in ranked
+    ]
+
+
+def role_matches(pod_role: PodRole, wanted: PodRole | None) -> bool:
+    return wanted is None or pod_role == wanted or pod_role == PodRole.BOTH
+
+
+def next_seq_state(last_seq: int, needs_resync: bool, seq: int) -> tuple[bool, bool]:
+    """(apply, needs_resync) for a batch numbered ``seq`` after ``last_seq``.
+
+    The first batch of a pod may carry any seq (a restarted pod, or one that registered late).
+    A replayed seq is not applied again; a gap is applied (it is still true) but marks the pod
+    for a full resync, since what happened in the gap is unknown.
+    """
+    if last_seq < 0:
+        return True, needs_resync
+    if seq <= last_seq:
+        return False, needs_resync
+    return True, needs_resync or seq != last_seq + 1
+
+
+@runtime_checkable
+class Index(Protocol):
+    async def register_pod(self, reg: PodRegistration, ttl_s: float) -> PodInfo: ...
+
+    async def heartbeat(self, pod: str, ttl_s: float) -> LeaseInfo: ...
+
+    async def deregister(self, pod: str) -> bool: ...
+
+    async def get_pod(self, pod: str) -> PodInfo: ...
+
+    async def list_pods(self) -> list[PodInfo]: ...
+
+    async def apply_events(self, batch: EventBatch) -> EventBatchResult: ...
+
+    async def replace_chunks(self, pod: str, snapshot: ChunkSnapshot) -> LeaseInfo: ...
+
+    async def locate(self, chunk_hash: str) -> list[ChunkLocation]: ...
+
+    async def lookup(
+        self, chunk_hashes: list[str], pods: list[str] | None = None,
+        role: PodRole | None = None,
+    ) -> list[PrefixCount]: ...
+
+    async def holders(self, chunk_hashes: list[str]) -> dict[str, dict[str, int]]:
+        """pod -> {chunk_hash: tier mask} for the given chunks held by live pods."""
+        ...
+
+    async def expire_leases(self) -> list[str]:
+        """Drop every pod whose lease lapsed, with its residency; return their names."""
+        ...
+
+    async def ping(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class SessionStore(Protocol):
+    async def put_intent(self, session_id: str, intent: str, chunks: list[str]) -> SessionInfo: ...
+
+    async def get_intent(self, session_id: str, intent: str) -> list[str]: ...
+
+    async def delete_intent(self, session_id: str, intent: str) -> SessionInfo: ...
+
+    async def get_session(self, session_id: str) -> SessionInfo: ...
+
+    async def delete_session(self, session_id: str) -> bool: ...
+
+    async def fork(self, session_id: str, child: str) -> SessionInfo:
+        """The child starts with the parent's intents; shared chunks count one reference each."""
+        ...
+
+    async def referenced_elsewhere(
+        self, chunk_hashes: list[str], session_id: str | None
+    ) -> set[str]:
+        """The chunks some live session other than ``session_id`` still references."""
+        ...
+
+    async def ping(self) -> None: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,320 @@
+"""In-memory backends: the embedded default for one-process local runs and the tests' oracle.
+
+State lives in plain dicts guarded by the event loop (every method runs to completion without
+awaiting), so each method is atomic by construction.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+from agentserving.core.schemas import (
+    ChunkLocation,
+    ChunkSnapshot,
+    EventBatch,
+    EventBatchResult,
+    EventOp,
+    LeaseInfo,
+    PodInfo,
+    PodRegistration,
+    PodRole,
+    SessionInfo,
+    Tier,
+)
+from agentserving.kvindex.index.base import (
+    TIER_BITS,
+    PrefixCount,
+    SessionExists,
+    UnknownPod,
+    UnknownSession,
+    next_seq_state,
+    prefix_of,
+    role_matches,
+    tiers_of,
+)
+
+
+class _Pod:
+    def __init__(self, reg: PodRegistration, now: float, ttl_s: float) -> None:
+        self.reg = reg
+        self.registered_at = now
+        self.last_heartbeat = now
+        self.lease_expires_at = now + ttl_s
+        self.seq = -1
+        self.needs_resync = False
+        self.chunks: dict[str, int] = {}  # chunk_hash -> tier mask
+        self.used_bytes: dict[Tier, int] = defaultdict(int)
+
+    def info(self) -> PodInfo:
+        counts: dict[Tier, int] = defaultdict(int)
+        for mask in self.chunks.values():
+            for tier in tiers_of(mask):
+                counts[tier] += 1
+        return PodInfo(
+            **self.reg.model_dump(), registered_at=self.registered_at,
+            last_heartbeat=self.last_heartbeat, lease_expires_at=self.lease_expires_at,
+            seq=self.seq, needs_resync=self.needs_resync, chunks=dict(counts),
+            used_bytes={t: b for t, b in self.used_bytes.items() if b},
+        )
+
+    def lease(self) -> LeaseInfo:
+        return LeaseInfo(pod=self.reg.pod, lease_expires_at=self.lease_expires_at, seq=self.seq,
+                         needs_resync=self.needs_resync)
+
+
+class InMemoryIndex:
+    def __init__(self, clock=time.time) -> None:  # type: ignore[no-untyped-def]
+        self._clock = clock
+        self._pods: dict[str, _Pod] = {}
+        self._chunks: dict[str, dict[str, int]] = {}  # chunk_hash -> {pod: tier mask}
+
+    # -- pods
+    def _live(self, pod: str) -> _Pod:
+        state = self._pods.get(pod)
+        if state is None or state.lease_expires_at <= self._clock():
+            raise UnknownPod(pod)
+        return state
+
+    async def register_pod(self, reg: PodRegistration, ttl_s: float) -> PodInfo:
+        now = self._clock()
+        old = self._pods.get(reg.pod)
+        if old is not None and old.lease_expires_at <= now:
+            self._drop(reg.pod)
+            old = None
+        if old is None:
+            self._pods[reg.pod] = _Pod(reg, now, ttl_s)
+        else:  # re-registration keeps residency: a restarted API process, same KV store
+            old.reg = reg
+            old.last_heartbeat = now
+            old.lease_expires_at = now + ttl_s
+        return self._pods[reg.pod].info()
+
+    async def heartbeat(self, pod: str, ttl_s: float) -> LeaseInfo:
+        state = self._live(pod)
+        state.last_heartbeat = self._clock()
+        state.lease_expires_at = state.last_heartbeat + ttl_s
+        return state.lease()
+
+    async def deregister(self, pod: str) -> bool:
+        if pod not in self._pods:
+            return False
+        self._drop(pod)
+        return True
+
+    async def get_pod(self, pod: str) -> PodInfo:
+        return self._live(pod).info()
+
+    async def list_pods(self) -> list[PodInfo]:
+        now = self._clock()
+        return [p.info() for name, p in sorted(self._pods.items()) if p.lease_expires_at > now]
+
+    async def expire_leases(self) -> list[str]:
+        now = self._clock()
+        gone = [name for name, p in self._pods.items() if p.lease_expires_at <= now]
+        for name in gone:
+            self._drop(name)
+        return gone
+
+    def _drop(self, pod: str) -> None:
+        state = self._pods.pop(pod)
+        for chunk in state.chunks:
+            holders = self._chunks.get(chunk)
+            if holders is not None:
+                holders.pop(pod, None)
+                if not holders:
+                    del self._chunks[chunk]
+
+    # -- residency
+    def _set_mask(self, state: _Pod, chunk: str, mask: int) -> None:
+        pod = state.reg.pod
+        if mask:
+            state.chunks[chunk] = mask
+            self._chunks.setdefault(chunk, {})[pod] = mask
+        else:
+            state.chunks.pop(chunk, None)
+            holders = self._chunks.get(chunk)
+            if holders is not None:
+                holders.pop(pod, None)
+                if not holders:
+                    del self._chunks[chunk]
+
+    async def apply_events(self, batch: EventBatch) -> EventBatchResult:
+        state = self._live(batch.pod)
+        apply, state.needs_resync = next_seq_state(state.seq, state.needs_resync, batch.seq)
+        count = 0
+        if apply:
+            state.seq = batch.seq
+            for event in batch.events:
+                count += self._apply_one(state, event.op, event.tier, event.chunk_hashes,
+                                         event.bytes)
+        return EventBatchResult(pod=batch.pod, seq=batch.seq, applied=apply, chunk_events=count,
+                                needs_resync=state.needs_resync)
+
+    def _apply_one(self, state: _Pod, op: EventOp, tier: Tier | None, chunks: list[str],
+                   nbytes: int | None) -> int:
+        if op is EventOp.CLEARED:
+            bits = TIER_BITS[tier] if tier else sum(TIER_BITS.values())
+            for chunk, mask in list(state.chunks.items()):
+                self._set_mask(state, chunk, mask & ~bits)
+            for t in [tier] if tier else list(state.used_bytes):
+                state.used_bytes[t] = 0
+            return 1
+        assert tier is not None
+        bit = TIER_BITS[tier]
+        for chunk in chunks:
+            mask = state.chunks.get(chunk, 0)
+            self._set_mask(state, chunk, mask | bit if op is EventOp.STORED else mask & ~bit)
+        if nbytes:
+            sign = 1 if op is EventOp.STORED else -1
+            state.used_bytes[tier] = max(0, state.used_bytes[tier] + sign * nbytes)
+        return len(chunks)
+
+    async def replace_chunks(self, pod: str, snapshot: ChunkSnapshot) -> LeaseInfo:
+        state = self._live(pod)
+        for chunk in list(state.chunks):
+            self._set_mask(state, chunk, 0)
+        for tier, chunks in snapshot.chunks.items():
+            for chunk in chunks:
+                self._set_mask(state, chunk, state.chunks.get(chunk, 0) | TIER_BITS[tier])
+        state.used_bytes = defaultdict(int, snapshot.bytes)
+        state.seq = snapshot.seq
+        state.needs_resync = False
+        return state.lease()
+
+    async def locate(self, chunk_hash: str) -> list[ChunkLocation]:
+        now = self._clock()
+        out = []
+        for pod, mask in sorted(self._chunks.get(chunk_hash, {}).items()):
+            if self._pods[pod].lease_expires_at > now:
+                out.extend(ChunkLocation(pod=pod, tier=t) for t in tiers_of(mask))
+        return out
+
+    async def lookup(self, chunk_hashes: list[str], pods: list[str] | None = None,
+                     role: PodRole | None = None) -> list[PrefixCount]:
+        if not chunk_hashes:
+            return []
+        now = self._clock()
+        first = self._chunks.get(chunk_hashes[0], {})
+        wanted = set(pods) if pods is not None else None
+        out = []
+        for pod in first:
+            state = self._pods[pod]
+            if state.lease_expires_at <= now or (wanted is not None and pod not in wanted):
+                continue
+            if not role_matches(state.reg.role, role):
+                continue
+            prefix = prefix_of([state.chunks.get(c, 0) for c in chunk_hashes])
+            if prefix is not None:
+                prefix.pod = pod
+                out.append(prefix)
+        return out
+
+    async def holders(self, chunk_hashes: list[str]) -> dict[str, dict[str, int]]:
+        now = self._clock()
+        out: dict[str, dict[str, int]] = {}
+        for chunk in chunk_hashes:
+            for pod, mask in self._chunks.get(chunk, {}).items():
+                if self._pods[pod].lease_expires_at > now:
+                    out.setdefault(pod, {})[chunk] = mask
+        return out
+
+    async def ping(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+class _Session:
+    def __init__(self, sid: str, parent: str | None, now: float) -> None:
+        self.sid = sid
+        self.parent = parent
+        self.intents: dict[str, list[str]] = {}
+        self.created_at = now
+        self.updated_at = now
+
+    def info(self) -> SessionInfo:
+        return SessionInfo(session_id=self.sid, parent=self.parent, intents=dict(self.intents),
+                           created_at=self.created_at, updated_at=self.updated_at)
+
+
+class InMemorySessionStore:
+    """Sessions and their chunk references; ``_refs[chunk]`` counts sessions referencing it."""
+
+    def __init__(self, clock=time.time) -> None:  # type: ignore[no-untyped-def]
+        self._clock = clock
+        self._sessions: dict[str, _Session] = {}
+        self._refs: dict[str, int] = defaultdict(int)
+
+    def _session(self, sid: str) -> _Session:
+        session = self._sessions.get(sid)
+        if session is None:
+            raise UnknownSession(sid)
+        return session
+
+    def _session_chunks(self, session: _Session) -> set[str]:
+        return {c for chunks in session.intents.values() for c in chunks}
+
+    def _set_intents(self, session: _Session, intents: dict[str, list[str]]) -> None:
+        before = self._session_chunks(session)
+        session.intents = intents
+        after = self._session_chunks(session)
+        for chunk in after - before:
+            self._refs[chunk] += 1
+        for chunk in before - after:
+            self._refs[chunk] -= 1
+            if self._refs[chunk] <= 0:
+                del self._refs[chunk]
+        session.updated_at = self._clock()
+
+    async def put_intent(self, session_id: str, intent: str, chunks: list[str]) -> SessionInfo:
+        session = self._sessions.get(session_id)
+        if session is None:
+            session = self._sessions[session_id] = _Session(session_id, None, self._clock())
+        self._set_intents(session, {**session.intents, intent: list(chunks)})
+        return session.info()
+
+    async def get_intent(self, session_id: str, intent: str) -> list[str]:
+        session = self._session(session_id)
+        if intent not in session.intents:
+            raise UnknownSession(session_id, intent)
+        return list(session.intents[intent])
+
+    async def delete_intent(self, session_id: str, intent: str) -> SessionInfo:
+        session = self._session(session_id)
+        if intent not in session.intents:
+            raise UnknownSession(session_id, intent)
+        self._set_intents(session, {k: v for k, v in session.intents.items() if k != intent})
+        return session.info()
+
+    async def get_session(self, session_id: str) -> SessionInfo:
+        return self._session(session_id).info()
+
+    async def delete_session(self, session_id: str) -> bool:
+        session = self._sessions.get(session_id)
+        if session is None:
+            return False
+        self._set_intents(session, {})
+        del self._sessions[session_id]
+        return True
+
+    async def fork(self, session_id: str, child: str) -> SessionInfo:
+        parent = self._session(session_id)
+        if child in self._sessions:
+            raise SessionExists(child)
+        session = self._sessions[child] = _Session(child, session_id, self._clock())
+        self._set_intents(session, dict(parent.intents))
+        return session.info()
+
+    async def referenced_elsewhere(self, chunk_hashes: list[str],
+                                   session_id: str | None) -> set[str]:
+        own = (self._session_chunks(self._sessions[session_id])
+               if session_id in self._sessions else set())
+        return {c for c in chunk_hashes if self._refs.get(c, 0) - (c in own) > 0}
+
+    async def ping(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None

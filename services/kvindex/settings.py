@@ -1,0 +1,22 @@
+"""The kvindex's configuration: built from CLI flags / environment by ``cli.py``, then passed
+to constructors. No other module reads the environment."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class KvindexSettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8300, ge=0, le=65535)
+    store: str = Field(default="memory", description="'memory' or a redis:// URL.")
+    lease_ttl_s: float = Field(default=15.0, gt=0)
+    reap_interval_s: float = Field(default=1.0, gt=0)
+    max_batch_chunks: int = Field(default=65536, gt=0)
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
+    fanout_timeout_s: float = Field(default=2.0, gt=0)
+    vllm_event_endpoints: dict[str, str] = Field(
+        default_factory=dict, description="pod name -> ZMQ PUB endpoint of a vLLM KV event stream"
+    )
+    log_level: str = "info"
+    log_json: bool = True

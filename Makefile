@@ -37,5 +37,9 @@ bench: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
+# Until the main job lands (replay issue): the kvindex, in the foreground.
+run: setup
+	$(VENV)/bin/agentserving kvindex --port 8300 --log-console
+
 clean:
 	rm -rf $(VENV) runs .pytest_cache

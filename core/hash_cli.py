@@ -6,6 +6,7 @@ import json
 import sys
 
 import click
+
 from agentserving.core.cli import option
 from agentserving.core.hashing import DEFAULT_CHUNK_SIZE, ChunkHasher, HashScheme
 

@@ -10,8 +10,9 @@ import re
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from agentserving.core.hashing import HashScheme, is_chunk_hash
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from agentserving.core.hashing import HashScheme, is_chunk_hash
 
 
 class Tier(StrEnum):

@@ -116,3 +116,31 @@ def service_process(args: list[str], ready_url: str, env: dict[str, str] | None 
                 proc.wait()
         if log_path:
             log.close()  # type: ignore[union-attr]
+
+
+class ThreadedServer:
+    """Serve an ASGI app with uvicorn on a loopback port from a background thread."""
+
+    def __init__(self, app, port: int | None = None) -> None:  # type: ignore[no-untyped-def]
+        import threading
+
+        import uvicorn
+
+        self.port = port or free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                    log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

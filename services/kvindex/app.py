@@ -7,6 +7,9 @@ import contextlib
 from collections.abc import AsyncIterator
 
 import httpx
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+
 from agentserving.core.service import (
     ApiError,
     install_error_handlers,
@@ -19,8 +22,6 @@ from agentserving.kvindex.http_apis.deps import KvindexState, ServiceMetrics
 from agentserving.kvindex.index.base import BackendUnavailable, Index, SessionStore
 from agentserving.kvindex.index.instrumented import IndexMetrics, Instrumented
 from agentserving.kvindex.settings import KvindexSettings
-from fastapi import FastAPI
-from prometheus_client import CollectorRegistry
 
 
 def create_app(settings: KvindexSettings, index: Index | None = None,

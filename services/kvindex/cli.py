@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import click
+
 from agentserving.core.cli import option
 from agentserving.kvindex.settings import KvindexSettings
 
@@ -39,6 +40,7 @@ def _parse_endpoints(values: tuple[str, ...]) -> dict[str, str]:
 def command(**kwargs: object) -> None:
     """Run the kvindex: the cluster's directory of where every KV chunk lives."""
     import uvicorn
+
     from agentserving.core.logging import configure_logging
     from agentserving.kvindex.app import create_app
 

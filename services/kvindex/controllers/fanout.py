@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import Iterable
 
 import httpx
+
 from agentserving.core.schemas import TIER_BACKENDS, PodCallResult, PodInfo, Tier
 from agentserving.kvindex.index.base import TIER_BITS
 
@@ -46,7 +47,7 @@ def backends_for_locations(locations: Iterable[str] | None) -> list[str] | None:
 def plan(chunk_hashes: list[str], holders: dict[str, dict[str, int]], *,
          only_pod: str | None = None, tiers: set[Tier] | None = None,
          skip: set[str] = frozenset()) -> tuple[dict[str, list[str]], list[str]]:
-    """(pod -> its chunks to act on, in request order; chunks no live pod holds)."""
+    """(pod -> its chunks to act on, in request order; chunks none of the asked pods hold)."""
     bits = sum(TIER_BITS[t] for t in tiers) if tiers is not None else -1
     per_pod: dict[str, list[str]] = {}
     held = set()

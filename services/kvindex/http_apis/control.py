@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fastapi import APIRouter, Depends
+
 from agentserving.core.schemas import EvictRequest, FanoutResponse, PrefetchRequest
 from agentserving.core.service import ApiError
 from agentserving.kvindex.controllers.fanout import (
@@ -12,7 +14,6 @@ from agentserving.kvindex.controllers.fanout import (
 )
 from agentserving.kvindex.http_apis.deps import KvindexState, guarded, state
 from agentserving.kvindex.http_apis.validation import check_chain_size
-from fastapi import APIRouter, Depends
 
 router = APIRouter(prefix="/v1", tags=["control"])
 

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import httpx
+from fastapi import Request
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
 from agentserving.core.service import ApiError
 from agentserving.kvindex.index.base import (
     BackendUnavailable,
@@ -17,8 +20,6 @@ from agentserving.kvindex.index.base import (
     UnknownSession,
 )
 from agentserving.kvindex.settings import KvindexSettings
-from fastapi import Request
-from prometheus_client import CollectorRegistry, Counter, Histogram
 
 T = TypeVar("T")
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from fastapi import APIRouter, Depends, Response
+
 from agentserving.core.schemas import ChunkSnapshot, LeaseInfo, PodInfo, PodList, PodRegistration
 from agentserving.core.service import ApiError
 from agentserving.kvindex.http_apis.deps import KvindexState, guarded, state
 from agentserving.kvindex.http_apis.validation import check_snapshot_size
-from fastapi import APIRouter, Depends, Response
 
 router = APIRouter(prefix="/v1/pods", tags=["pods"])
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from fastapi import APIRouter, Depends
+
 from agentserving.core.hashing import is_chunk_hash
 from agentserving.core.schemas import (
     ChunkLocations,
@@ -14,7 +16,6 @@ from agentserving.core.service import ApiError
 from agentserving.kvindex.http_apis.deps import KvindexState, guarded, state
 from agentserving.kvindex.http_apis.validation import check_batch_size, check_chain_size
 from agentserving.kvindex.index.base import rank_prefixes
-from fastapi import APIRouter, Depends
 
 router = APIRouter(prefix="/v1", tags=["residency"])
 

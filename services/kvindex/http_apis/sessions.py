@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from fastapi import APIRouter, Depends, Response
+
 from agentserving.core.schemas import ForkRequest, IntentChunks, SessionInfo
 from agentserving.core.service import ApiError
 from agentserving.kvindex.http_apis.deps import KvindexState, guarded, state
 from agentserving.kvindex.http_apis.validation import check_chain_size
-from fastapi import APIRouter, Depends, Response
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 

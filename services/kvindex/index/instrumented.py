@@ -7,8 +7,9 @@ import inspect
 import time
 from typing import Any
 
-from agentserving.kvindex.index.base import BackendUnavailable
 from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from agentserving.kvindex.index.base import BackendUnavailable
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1)
 

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import msgspec
+
 from agentserving.core.hashing import render_hash
 from agentserving.core.logging import get_logger
 from agentserving.core.schemas import EventBatch, EventOp, ResidencyEvent, Tier

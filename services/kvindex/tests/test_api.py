@@ -143,11 +143,11 @@ def test_bad_input_names_the_field(client, path, body, status, param):
 
 
 def test_malformed_json_and_oversized_body(client):
-    r = client.post("/v1/lookup", content=b"{not json", headers={"content-type": "application/json"})
+    json_type = {"content-type": "application/json"}
+    r = client.post("/v1/lookup", content=b"{not json", headers=json_type)
     assert r.status_code == 400 and "malformed JSON" in r.json()["error"]["message"]
     big = b"[" + b'"ab",' * 20000 + b'"ab"]'
-    r = client.post("/v1/lookup", content=b'{"chunk_hashes": ' + big + b"}",
-                    headers={"content-type": "application/json"})
+    r = client.post("/v1/lookup", content=b'{"chunk_hashes": ' + big + b"}", headers=json_type)
     assert r.status_code == 413 and r.json()["error"]["param"] == "body"
     assert client.get("/v1/chunks/NOTHEX").status_code == 400
 

@@ -1,0 +1,104 @@
+"""Names, labels and metadata shared by every child of an AgentServing resource."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+API_VERSION = "agentserving.io/v1alpha1"
+KIND = "AgentServing"
+
+NAME_LABEL = "app.kubernetes.io/name"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+PART_OF_LABEL = "app.kubernetes.io/part-of"
+MANAGED_BY = "agentserving-operator"
+CONFIG_HASH_ANNOTATION = "agentserving.io/config-hash"
+
+# Ports of DESIGN.md.
+WORKER_PORT = 8000
+MEMORY_PORT_START = 6999  # the API process; engine process k listens on MEMORY_PORT_START + 1 + k
+PROXY_PORT = 8080
+KVINDEX_PORT = 8300
+REDIS_PORT = 6379
+KVCACHE_DIR = "/kvcache"
+CONFIG_DIR = "/etc/agentserving"
+
+POOLS = ("prefill", "decode")
+
+
+class SpecError(ValueError):
+    """The spec passed the CRD's schema but cannot be served as written (a cross-field rule)."""
+
+    def __init__(self, field_path: str, message: str):
+        super().__init__(f"{field_path}: {message}")
+        self.field_path = field_path
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One AgentServing resource as the builders see it (spec already defaulted by the CRD)."""
+
+    name: str
+    namespace: str
+    uid: str
+    spec: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_body(cls, body: dict[str, Any]) -> Instance:
+        meta = body["metadata"]
+        return cls(meta["name"], meta["namespace"], meta["uid"], dict(body.get("spec") or {}))
+
+    def child_name(self, component: str) -> str:
+        return f"{self.name}-{component}"
+
+    def service_host(self, component: str) -> str:
+        return f"{self.child_name(component)}.{self.namespace}.svc"
+
+
+def selector_labels(inst: Instance, component: str) -> dict[str, str]:
+    return {NAME_LABEL: "agentserving", INSTANCE_LABEL: inst.name, COMPONENT_LABEL: component}
+
+
+def labels(inst: Instance, component: str) -> dict[str, str]:
+    return {**selector_labels(inst, component), MANAGED_BY_LABEL: MANAGED_BY,
+            PART_OF_LABEL: "agentserving"}
+
+
+def selector_string(inst: Instance, component: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector_labels(inst, component).items())
+
+
+def owner_reference(inst: Instance) -> dict[str, Any]:
+    return {"apiVersion": API_VERSION, "kind": KIND, "name": inst.name, "uid": inst.uid,
+            "controller": True, "blockOwnerDeletion": True}
+
+
+def metadata(inst: Instance, component: str, name: str | None = None) -> dict[str, Any]:
+    return {
+        "name": name or inst.child_name(component),
+        "namespace": inst.namespace,
+        "labels": labels(inst, component),
+        "ownerReferences": [owner_reference(inst)],
+    }
+
+
+def content_hash(data: Any) -> str:
+    """A short, stable hash of JSON-able data (pod template annotations that roll pods)."""
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def env_var(name: str, value: Any) -> dict[str, Any]:
+    return {"name": name, "value": str(value)}
+
+
+def field_env(name: str, field_path: str) -> dict[str, Any]:
+    return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": field_path}}}
+
+
+def http_probe(path: str, port: int | str, period: int = 10, failures: int = 3) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period,
+            "failureThreshold": failures, "timeoutSeconds": 2}

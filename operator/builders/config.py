@@ -1,0 +1,70 @@
+"""The ConfigMap every worker mounts at /etc/agentserving: engine and LMCache settings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from .common import CONFIG_DIR, KVCACHE_DIR, Instance, metadata
+
+
+def engine_settings(inst: Instance, kvindex_url: str) -> dict[str, Any]:
+    """The deployment-wide settings every worker reads (agentserving.yaml)."""
+    spec = inst.spec
+    model, kv = spec["model"], spec["kvCache"]
+    return {
+        "model": {
+            "name": model["name"],
+            "source": model.get("source", ""),
+            "servedName": model.get("servedName") or model["name"],
+            "maxContext": model.get("maxContext"),
+        },
+        "engine": spec["engine"]["type"],
+        "kvindex": kvindex_url,
+        "kvCache": {
+            "chunkSize": kv["chunkSize"],
+            "hashScheme": kv["hashScheme"],
+            "cpuGiB": kv["cpuGiB"],
+            "diskGiB": kv["diskGiB"],
+            "diskDir": KVCACHE_DIR,
+            "transferBackend": kv["transferBackend"],
+            "prefetch": {"policy": kv["prefetch"]["policy"],
+                         "lookahead": kv["prefetch"]["lookahead"]},
+        },
+        "pools": {role: {"schedulerPolicy": spec[role]["schedulerPolicy"],
+                         "tensorParallelSize": spec[role]["tensorParallelSize"]}
+                  for role in ("prefill", "decode")},
+    }
+
+
+def lmcache_settings(inst: Instance) -> dict[str, Any]:
+    """LMCache's own configuration file (lmcache.yaml): the CPU and local-disk tiers."""
+    kv = inst.spec["kvCache"]
+    settings: dict[str, Any] = {
+        "chunk_size": kv["chunkSize"],
+        "local_cpu": kv["cpuGiB"] > 0,
+        "max_local_cpu_size": float(kv["cpuGiB"]),
+        "save_unfull_chunk": False,
+        "enable_async_loading": True,
+    }
+    if kv["diskGiB"] > 0:
+        settings["local_disk"] = f"file://{KVCACHE_DIR}/"
+        settings["max_local_disk_size"] = float(kv["diskGiB"])
+    return settings
+
+
+def build_config(inst: Instance, kvindex_url: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(inst, "config"),
+        "data": {
+            "agentserving.yaml": yaml.safe_dump(engine_settings(inst, kvindex_url), sort_keys=True),
+            "lmcache.yaml": yaml.safe_dump(lmcache_settings(inst), sort_keys=True),
+        },
+    }
+
+
+CONFIG_FILE = f"{CONFIG_DIR}/agentserving.yaml"
+LMCACHE_CONFIG_FILE = f"{CONFIG_DIR}/lmcache.yaml"

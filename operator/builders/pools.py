@@ -1,0 +1,128 @@
+"""The prefill and decode pools: a StatefulSet (stable pod names, which the kvindex keys
+residency by) and a headless Service each."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from .common import (
+    CONFIG_DIR,
+    CONFIG_HASH_ANNOTATION,
+    KVCACHE_DIR,
+    MEMORY_PORT_START,
+    WORKER_PORT,
+    Instance,
+    SpecError,
+    labels,
+    metadata,
+    selector_labels,
+)
+from .engines import ENGINES, WorkerContext
+
+# accelerator type -> the extended resource its device plugin advertises (overridable per pool)
+DEFAULT_RESOURCE_NAMES = {"nvidia": "nvidia.com/gpu", "ascend": "huawei.com/ascend-1980"}
+
+
+def accelerator_resources(pool: dict[str, Any]) -> dict[str, Any]:
+    """The pod's resources: the pool's own requests/limits plus its accelerators."""
+    resources = copy.deepcopy(pool.get("resources") or {})
+    acc = pool["accelerator"]
+    if acc["type"] != "cpu" and acc["count"] > 0:
+        name = acc.get("resourceName") or DEFAULT_RESOURCE_NAMES[acc["type"]]
+        resources.setdefault("limits", {})[name] = str(acc["count"])
+        resources.setdefault("requests", {})[name] = str(acc["count"])
+    return resources
+
+
+def validate_pool(inst: Instance, role: str) -> None:
+    engine = inst.spec["engine"]["type"]
+    acc = inst.spec[role]["accelerator"]
+    if engine == "vllm-ascend" and acc["type"] != "ascend":
+        raise SpecError(f"spec.{role}.accelerator.type",
+                        f"engine vllm-ascend needs ascend accelerators, not {acc['type']}")
+    if engine == "vllm" and acc["type"] == "ascend":
+        raise SpecError(f"spec.{role}.accelerator.type",
+                        "ascend accelerators need engine vllm-ascend (or reference)")
+
+
+def _disk_volume(inst: Instance) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(pod volumes, volumeClaimTemplates) for the disk tier."""
+    kv = inst.spec["kvCache"]
+    vol = kv.get("diskVolume") or {}
+    size = f"{max(int(kv['diskGiB']), 1)}Gi"
+    if vol.get("storageClassName"):
+        claim = {
+            "metadata": {"name": "kvcache"},
+            "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": vol["storageClassName"],
+                     "resources": {"requests": {"storage": size}}},
+        }
+        return [], [claim]
+    empty_dir: dict[str, Any] = {"sizeLimit": size}
+    if vol.get("medium"):
+        empty_dir["medium"] = vol["medium"]
+    return [{"name": "kvcache", "emptyDir": empty_dir}], []
+
+
+def build_pool(inst: Instance, role: str, image: str, kvindex_url: str,
+               config_hash: str) -> dict[str, Any]:
+    validate_pool(inst, role)
+    pool = inst.spec[role]
+    ctx = WorkerContext(role=role, spec=inst.spec, image=image, kvindex_url=kvindex_url)
+    container = ENGINES[inst.spec["engine"]["type"]](ctx)
+    container["volumeMounts"] = [
+        {"name": "kvcache", "mountPath": KVCACHE_DIR},
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+    ]
+    resources = accelerator_resources(pool)
+    if resources:
+        container["resources"] = resources
+    volumes, claims = _disk_volume(inst)
+    volumes.append({"name": "config", "configMap": {"name": inst.child_name("config")}})
+    pod_spec: dict[str, Any] = {
+        "containers": [container],
+        "volumes": volumes,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": 30,
+    }
+    if pool.get("nodeSelector"):
+        pod_spec["nodeSelector"] = dict(pool["nodeSelector"])
+    if pool.get("tolerations"):
+        pod_spec["tolerations"] = [dict(t) for t in pool["tolerations"]]
+    if pool.get("schedulerName"):
+        pod_spec["schedulerName"] = pool["schedulerName"]
+    spec: dict[str, Any] = {
+        "serviceName": inst.child_name(role),
+        "replicas": pool["replicas"],
+        # Workers are independent: start and replace them all at once, not one by one.
+        "podManagementPolicy": "Parallel",
+        "selector": {"matchLabels": selector_labels(inst, role)},
+        "template": {
+            "metadata": {"labels": labels(inst, role),
+                         "annotations": {CONFIG_HASH_ANNOTATION: config_hash}},
+            "spec": pod_spec,
+        },
+    }
+    if claims:
+        spec["volumeClaimTemplates"] = claims
+    return {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": metadata(inst, role),
+            "spec": spec}
+
+
+def build_pool_service(inst: Instance, role: str) -> dict[str, Any]:
+    """Headless: one DNS name per worker pod, for the KV hand-off and the memory API."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(inst, role),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": selector_labels(inst, role),
+            "ports": [
+                {"name": "http", "port": WORKER_PORT, "targetPort": "http", "protocol": "TCP"},
+                {"name": "mem-api", "port": MEMORY_PORT_START, "targetPort": "mem-api",
+                 "protocol": "TCP"},
+            ],
+        },
+    }

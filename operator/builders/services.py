@@ -1,0 +1,120 @@
+"""The proxy, the kvindex and (when asked) an in-cluster Redis: a Deployment and a Service each."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .common import (
+    KVINDEX_PORT,
+    PROXY_PORT,
+    REDIS_PORT,
+    Instance,
+    SpecError,
+    http_probe,
+    labels,
+    metadata,
+    selector_labels,
+)
+
+
+def kvindex_store(inst: Instance) -> str:
+    """The kvindex's --store: an external Redis, the in-cluster one, or memory."""
+    kvi = inst.spec["kvindex"]
+    redis = kvi.get("redis") or {}
+    if redis.get("url") and redis.get("inCluster"):
+        raise SpecError("spec.kvindex.redis", "set either url or inCluster, not both")
+    if redis.get("url"):
+        return redis["url"]
+    if redis.get("inCluster"):
+        return f"redis://{inst.service_host('redis')}:{REDIS_PORT}/0"
+    if kvi["replicas"] > 1:
+        raise SpecError("spec.kvindex.replicas",
+                        "more than one kvindex replica needs Redis (redis.url or redis.inCluster)")
+    return "memory"
+
+
+def wants_redis(inst: Instance) -> bool:
+    return bool((inst.spec["kvindex"].get("redis") or {}).get("inCluster"))
+
+
+def _deployment(inst: Instance, component: str, replicas: int, container: dict[str, Any],
+                strategy: str = "RollingUpdate") -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(inst, component),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(inst, component)},
+            "strategy": {"type": strategy},
+            "template": {
+                "metadata": {"labels": labels(inst, component)},
+                "spec": {"containers": [container], "enableServiceLinks": False},
+            },
+        },
+    }
+
+
+def _service(inst: Instance, component: str, port: int,
+             service_type: str = "ClusterIP") -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(inst, component),
+        "spec": {
+            "type": service_type,
+            "selector": selector_labels(inst, component),
+            "ports": [{"name": "http" if component != "redis" else "redis", "port": port,
+                       "targetPort": port, "protocol": "TCP"}],
+        },
+    }
+
+
+def build_kvindex(inst: Instance, image: str) -> list[dict[str, Any]]:
+    kvi = inst.spec["kvindex"]
+    store = kvindex_store(inst)
+    container: dict[str, Any] = {
+        "name": "kvindex",
+        "image": kvi.get("image") or image,
+        "command": ["agentserving", "kvindex", "--host", "0.0.0.0", "--port", str(KVINDEX_PORT),
+                    "--store", store],
+        "ports": [{"name": "http", "containerPort": KVINDEX_PORT, "protocol": "TCP"}],
+        "readinessProbe": http_probe("/readyz", "http", period=5),
+        "livenessProbe": http_probe("/healthz", "http", period=10),
+    }
+    if kvi.get("resources"):
+        container["resources"] = dict(kvi["resources"])
+    # An in-memory index cannot have two writers: replace it, never run two side by side.
+    strategy = "Recreate" if store == "memory" else "RollingUpdate"
+    return [_deployment(inst, "kvindex", kvi["replicas"], container, strategy),
+            _service(inst, "kvindex", KVINDEX_PORT)]
+
+
+def build_proxy(inst: Instance, image: str, kvindex_url: str) -> list[dict[str, Any]]:
+    proxy = inst.spec["proxy"]
+    container: dict[str, Any] = {
+        "name": "proxy",
+        "image": proxy.get("image") or image,
+        "command": ["agentserving", "proxy", "--port", str(PROXY_PORT), "--kvindex", kvindex_url,
+                    "--routing", proxy["routing"]],
+        "ports": [{"name": "http", "containerPort": PROXY_PORT, "protocol": "TCP"}],
+        "readinessProbe": http_probe("/healthz", "http", period=5),
+        "livenessProbe": http_probe("/healthz", "http", period=10),
+    }
+    if proxy.get("resources"):
+        container["resources"] = dict(proxy["resources"])
+    return [_deployment(inst, "proxy", proxy["replicas"], container),
+            _service(inst, "proxy", PROXY_PORT, proxy["serviceType"])]
+
+
+def build_redis(inst: Instance, image: str) -> list[dict[str, Any]]:
+    redis = inst.spec["kvindex"].get("redis") or {}
+    container = {
+        "name": "redis",
+        "image": redis.get("image") or image,
+        "args": ["--save", "", "--appendonly", "no"],
+        "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": REDIS_PORT}, "periodSeconds": 5},
+    }
+    return [_deployment(inst, "redis", 1, container, "Recreate"),
+            _service(inst, "redis", REDIS_PORT)]

@@ -1,0 +1,717 @@
+"""Redis backends: the kvindex's directory shared by every kvindex replica in a cluster.
+
+Each operation is one Lua script, loaded once and called by EVALSHA, so it is atomic and costs
+one round trip. The key layout (``P`` is ``key_prefix``, default ``as:``):
+
+- ``P pods`` (set): every registered pod, live or lapsed-but-not-yet-reaped.
+- ``P p:<pod>`` (hash): the registration (``reg``, JSON), ``role``, timestamps, ``seq``, ``rs``
+  (needs resync), per-tier chunk counts ``n1/n2/n4`` and bytes ``b1/b2/b4`` (by tier bit).
+- ``P l:<pod>`` (string with a PX TTL): the lease. A pod is live exactly while this key
+  exists, so every read skips a lapsed pod at once, before ``expire_leases`` reaps it.
+- ``P pc:<pod>`` (hash ``chunk -> mask``) and ``P c:<chunk>`` (hash ``pod -> mask``): residency,
+  written together by every script so the two views never disagree.
+- Sessions: ``P s:<sid>`` (hash: parent, created/updated), ``P si:<sid>`` (hash ``intent ->
+  JSON list``), ``P sc:<sid>`` (hash ``chunk -> number of the session's intents naming it``)
+  and ``P refs`` (hash ``chunk -> number of sessions referencing it``).
+
+The scripts touch keys they compute from their arguments, which standalone Redis (and
+Sentinel) allows; Redis Cluster would need hash tags and is not supported.
+
+Failure contract: any connection error or timeout raises ``BackendUnavailable``; after one, a
+circuit breaker fails every call at once, without touching a socket, for ``breaker_s``, then
+lets calls probe again. The client reconnects by itself once Redis answers; a stale pooled
+connection (Redis restarted) is retried once on a fresh one, transparently.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import BusyLoadingError, ReadOnlyError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from agentserving.core.schemas import (
+    TIERS_FASTEST_FIRST,
+    ChunkLocation,
+    ChunkSnapshot,
+    EventBatch,
+    EventBatchResult,
+    EventOp,
+    LeaseInfo,
+    PodInfo,
+    PodRegistration,
+    PodRole,
+    SessionInfo,
+)
+from agentserving.kvindex.index.base import (
+    TIER_BITS,
+    BackendUnavailable,
+    PrefixCount,
+    SessionExists,
+    UnknownPod,
+    UnknownSession,
+    tiers_of,
+)
+
+T = TypeVar("T")
+
+_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, ReadOnlyError, OSError)
+
+# ---------------------------------------------------------------------------------------------
+# Lua. Every script starts with this library; ARGV[1] is always the key prefix.
+
+_LIB = r"""
+local P = ARGV[1]
+local W = 1000  -- fields per variadic call (Lua's unpack limit is ~8000 values)
+local function live(pod) return redis.call('EXISTS', P .. 'l:' .. pod) == 1 end
+local function window(cmd, key, list)
+  for i = 1, #list, W do
+    local args = {}
+    for k = i, math.min(i + W - 1, #list) do args[#args + 1] = list[k] end
+    redis.call(cmd, key, unpack(args))
+  end
+end
+local function drop(pod)
+  local pc = P .. 'pc:' .. pod
+  local chunks = redis.call('HKEYS', pc)
+  for i = 1, #chunks do redis.call('HDEL', P .. 'c:' .. chunks[i], pod) end
+  redis.call('DEL', pc, P .. 'p:' .. pod, P .. 'l:' .. pod)
+  redis.call('SREM', P .. 'pods', pod)
+end
+local POD_FIELDS = {'reg', 'ra', 'hb', 'exp', 'seq', 'rs', 'n1', 'n2', 'n4', 'b1', 'b2', 'b4'}
+local function pod_info(pod) return redis.call('HMGET', P .. 'p:' .. pod, unpack(POD_FIELDS)) end
+"""
+
+# ARGV: P, pod, reg_json, role, now, expires_at, ttl_ms
+_REGISTER = _LIB + r"""
+local pod = ARGV[2]
+local pk = P .. 'p:' .. pod
+if redis.call('EXISTS', pk) == 1 and not live(pod) then drop(pod) end
+if redis.call('EXISTS', pk) == 0 then
+  redis.call('HSET', pk, 'reg', ARGV[3], 'role', ARGV[4], 'ra', ARGV[5], 'hb', ARGV[5],
+             'exp', ARGV[6], 'seq', -1, 'rs', 0, 'n1', 0, 'n2', 0, 'n4', 0,
+             'b1', 0, 'b2', 0, 'b4', 0)
+  redis.call('SADD', P .. 'pods', pod)
+else
+  redis.call('HSET', pk, 'reg', ARGV[3], 'role', ARGV[4], 'hb', ARGV[5], 'exp', ARGV[6])
+end
+redis.call('SET', P .. 'l:' .. pod, '1', 'PX', ARGV[7])
+return pod_info(pod)
+"""
+
+# ARGV: P, pod, now, expires_at, ttl_ms
+_HEARTBEAT = _LIB + r"""
+local pod = ARGV[2]
+if not live(pod) then return false end
+local pk = P .. 'p:' .. pod
+redis.call('HSET', pk, 'hb', ARGV[3], 'exp', ARGV[4])
+redis.call('SET', P .. 'l:' .. pod, '1', 'PX', ARGV[5])
+return redis.call('HMGET', pk, 'exp', 'seq', 'rs')
+"""
+
+# ARGV: P, pod
+_DEREGISTER = _LIB + r"""
+if redis.call('SISMEMBER', P .. 'pods', ARGV[2]) == 0 then return 0 end
+drop(ARGV[2])
+return 1
+"""
+
+# ARGV: P, pod
+_GET_POD = _LIB + r"""
+if not live(ARGV[2]) then return false end
+return pod_info(ARGV[2])
+"""
+
+# ARGV: P
+_LIST_PODS = _LIB + r"""
+local names = redis.call('SMEMBERS', P .. 'pods')
+table.sort(names)
+local out = {}
+for _, pod in ipairs(names) do
+  if live(pod) then out[#out + 1] = pod_info(pod) end
+end
+return out
+"""
+
+# ARGV: P
+_EXPIRE = _LIB + r"""
+local names = redis.call('SMEMBERS', P .. 'pods')
+table.sort(names)
+local gone = {}
+for _, pod in ipairs(names) do
+  if not live(pod) then drop(pod); gone[#gone + 1] = pod end
+end
+return gone
+"""
+
+# ARGV: P, pod, seq, then per event: op ('s'|'r'|'c'), tier bit (0: every tier), bytes (-1: none),
+# n, n chunk hashes. Returns false (unknown pod) or {applied, chunk_events, needs_resync}.
+_APPLY = _LIB + r"""
+local pod = ARGV[2]
+if not live(pod) then return false end
+local pk, pc = P .. 'p:' .. pod, P .. 'pc:' .. pod
+local seq = tonumber(ARGV[3])
+local st = redis.call('HMGET', pk, 'seq', 'rs', 'b1', 'b2', 'b4')
+local last, rs = tonumber(st[1]), tonumber(st[2])
+if last >= 0 then
+  if seq <= last then return {0, 0, rs} end
+  if seq ~= last + 1 then rs = 1 end
+end
+local used = {[1] = tonumber(st[3]), [2] = tonumber(st[4]), [4] = tonumber(st[5])}
+local dn = {[1] = 0, [2] = 0, [4] = 0}
+local cur, pending = {}, {}   -- chunk -> mask as of now; chunk -> mask not yet written
+local function setmask(chunk, old, new)
+  cur[chunk] = new
+  if new == old then return end
+  pending[chunk] = new
+  for b, _ in pairs(dn) do
+    local was, is = bit.band(old, b) ~= 0, bit.band(new, b) ~= 0
+    if was ~= is then dn[b] = dn[b] + (is and 1 or -1) end
+  end
+end
+local function flush()
+  local sets, dels = {}, {}
+  for chunk, m in pairs(pending) do
+    if m == 0 then
+      dels[#dels + 1] = chunk
+      redis.call('HDEL', P .. 'c:' .. chunk, pod)
+    else
+      sets[#sets + 1] = chunk; sets[#sets + 1] = m
+      redis.call('HSET', P .. 'c:' .. chunk, pod, m)
+    end
+  end
+  if #sets > 0 then window('HSET', pc, sets) end
+  if #dels > 0 then window('HDEL', pc, dels) end
+  pending = {}
+end
+local count = 0
+local i = 4
+while i <= #ARGV do
+  local op, tb, nbytes, n = ARGV[i], tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]),
+                            tonumber(ARGV[i + 3])
+  local first = i + 4
+  i = first + n
+  if op == 'c' then
+    flush()
+    local bits = tb == 0 and 7 or tb
+    local all = redis.call('HGETALL', pc)
+    for k = 1, #all, 2 do
+      local old = tonumber(all[k + 1])
+      setmask(all[k], old, bit.band(old, bit.bnot(bits)))
+    end
+    flush()
+    for b, _ in pairs(used) do
+      if bit.band(bits, b) ~= 0 then used[b] = 0 end
+    end
+    count = count + 1
+  else
+    for s = first, i - 1, W do
+      local e = math.min(s + W - 1, i - 1)
+      local args = {}
+      for k = s, e do args[#args + 1] = ARGV[k] end
+      local got = redis.call('HMGET', pc, unpack(args))
+      for k = 1, #args do
+        local chunk = args[k]
+        local old = cur[chunk] or tonumber(got[k]) or 0
+        if op == 's' then setmask(chunk, old, bit.bor(old, tb))
+        else setmask(chunk, old, bit.band(old, bit.bnot(tb))) end
+      end
+    end
+    if nbytes > 0 then
+      used[tb] = math.max(0, used[tb] + (op == 's' and nbytes or -nbytes))
+    end
+    count = count + n
+  end
+end
+flush()
+redis.call('HSET', pk, 'seq', ARGV[3], 'rs', rs, 'b1', used[1], 'b2', used[2], 'b4', used[4])
+for b, d in pairs(dn) do
+  if d ~= 0 then redis.call('HINCRBY', pk, 'n' .. b, d) end
+end
+return {1, count, rs}
+"""
+
+# ARGV: P, pod, seq, bytes device/cpu/disk, count device/cpu/disk, then the chunks of each tier.
+# Writes only the difference from what the index holds. Returns false or {exp, seq, rs}.
+_REPLACE = _LIB + r"""
+local pod = ARGV[2]
+if not live(pod) then return false end
+local pk, pc = P .. 'p:' .. pod, P .. 'pc:' .. pod
+local new, n = {}, {[1] = 0, [2] = 0, [4] = 0}
+local idx = 10
+for t, b in ipairs({1, 2, 4}) do
+  local cnt = tonumber(ARGV[6 + t])
+  for k = idx, idx + cnt - 1 do
+    local c = ARGV[k]
+    local m = new[c] or 0
+    if bit.band(m, b) == 0 then new[c] = bit.bor(m, b); n[b] = n[b] + 1 end
+  end
+  idx = idx + cnt
+end
+local all = redis.call('HGETALL', pc)
+local old, dels, sets = {}, {}, {}
+for k = 1, #all, 2 do
+  local c = all[k]
+  old[c] = tonumber(all[k + 1])
+  if new[c] == nil then
+    dels[#dels + 1] = c
+    redis.call('HDEL', P .. 'c:' .. c, pod)
+  end
+end
+for c, m in pairs(new) do
+  if old[c] ~= m then
+    sets[#sets + 1] = c; sets[#sets + 1] = m
+    redis.call('HSET', P .. 'c:' .. c, pod, m)
+  end
+end
+if #dels > 0 then window('HDEL', pc, dels) end
+if #sets > 0 then window('HSET', pc, sets) end
+redis.call('HSET', pk, 'seq', ARGV[3], 'rs', 0, 'b1', ARGV[4], 'b2', ARGV[5], 'b4', ARGV[6],
+           'n1', n[1], 'n2', n[2], 'n4', n[4])
+return redis.call('HMGET', pk, 'exp', 'seq', 'rs')
+"""
+
+# ARGV: P, role ('' for any), number of pod filters (-1: none), the filters, then the chain.
+# Returns {pod, prefix_chunks, on_device, on_cpu, on_disk, ...} flattened.
+_LOOKUP = _LIB + r"""
+local role, nf = ARGV[2], tonumber(ARGV[3])
+local wanted = nil
+if nf >= 0 then
+  wanted = {}
+  for k = 4, 3 + nf do wanted[ARGV[k]] = true end
+end
+local c0 = 4 + math.max(nf, 0)
+if c0 > #ARGV then return {} end
+local first = redis.call('HGETALL', P .. 'c:' .. ARGV[c0])
+local out = {}
+for i = 1, #first, 2 do
+  local pod = first[i]
+  local ok = (wanted == nil or wanted[pod]) and live(pod)
+  if ok and role ~= '' then
+    local r = redis.call('HGET', P .. 'p:' .. pod, 'role')
+    ok = r == role or r == 'both'
+  end
+  if ok then
+    local pc = P .. 'pc:' .. pod
+    local t = {[1] = 0, [2] = 0, [4] = 0}
+    local total = 0
+    local function tally(m)
+      if bit.band(m, 1) ~= 0 then t[1] = t[1] + 1
+      elseif bit.band(m, 2) ~= 0 then t[2] = t[2] + 1
+      elseif bit.band(m, 4) ~= 0 then t[4] = t[4] + 1
+      else return false end
+      total = total + 1
+      return true
+    end
+    local going = tally(tonumber(first[i + 1]))
+    local s, w = c0 + 1, 64
+    while going and s <= #ARGV do
+      local e = math.min(s + w - 1, #ARGV)
+      local args = {}
+      for k = s, e do args[#args + 1] = ARGV[k] end
+      local got = redis.call('HMGET', pc, unpack(args))
+      for k = 1, #got do
+        if not tally(tonumber(got[k]) or 0) then going = false; break end
+      end
+      s, w = e + 1, math.min(w * 4, W)
+    end
+    if total > 0 then
+      out[#out + 1] = pod; out[#out + 1] = total
+      out[#out + 1] = t[1]; out[#out + 1] = t[2]; out[#out + 1] = t[4]
+    end
+  end
+end
+return out
+"""
+
+# ARGV: P, chunks. Returns {chunk, pod, mask, ...} for live holders.
+_HOLDERS = _LIB + r"""
+local alive, out = {}, {}
+for k = 2, #ARGV do
+  local hs = redis.call('HGETALL', P .. 'c:' .. ARGV[k])
+  for i = 1, #hs, 2 do
+    local pod = hs[i]
+    if alive[pod] == nil then alive[pod] = live(pod) end
+    if alive[pod] then
+      out[#out + 1] = ARGV[k]; out[#out + 1] = pod; out[#out + 1] = tonumber(hs[i + 1])
+    end
+  end
+end
+return out
+"""
+
+# -------------------------------------------------------------------------------- sessions
+
+_SLIB = _LIB + r"""
+-- Count a session's references: sc[chunk] = how many of its intents name the chunk; refs[chunk]
+-- = how many sessions name it. ``list`` may repeat a chunk; it counts once per intent.
+local function addrefs(sid, list, d)
+  local sc, seen = P .. 'sc:' .. sid, {}
+  for _, c in ipairs(list) do
+    if not seen[c] then
+      seen[c] = true
+      local v = redis.call('HINCRBY', sc, c, d)
+      if d > 0 and v == 1 then
+        redis.call('HINCRBY', P .. 'refs', c, 1)
+      elseif d < 0 and v <= 0 then
+        redis.call('HDEL', sc, c)
+        if redis.call('HINCRBY', P .. 'refs', c, -1) <= 0 then
+          redis.call('HDEL', P .. 'refs', c)
+        end
+      end
+    end
+  end
+end
+local function session(sid)
+  local s = redis.call('HMGET', P .. 's:' .. sid, 'parent', 'ca', 'ua')
+  return {s[1], s[2], s[3], redis.call('HGETALL', P .. 'si:' .. sid)}
+end
+"""
+
+# ARGV: P, sid, intent, chunks JSON, now
+_PUT_INTENT = _SLIB + r"""
+local sid, intent = ARGV[2], ARGV[3]
+local sk, si = P .. 's:' .. sid, P .. 'si:' .. sid
+if redis.call('EXISTS', sk) == 0 then
+  redis.call('HSET', sk, 'parent', '', 'ca', ARGV[5], 'ua', ARGV[5])
+end
+addrefs(sid, cjson.decode(ARGV[4]), 1)
+local old = redis.call('HGET', si, intent)
+if old then addrefs(sid, cjson.decode(old), -1) end
+redis.call('HSET', si, intent, ARGV[4])
+redis.call('HSET', sk, 'ua', ARGV[5])
+return session(sid)
+"""
+
+# ARGV: P, sid, intent. Returns -1 (no session), -2 (no intent) or the JSON list.
+_GET_INTENT = _SLIB + r"""
+if redis.call('EXISTS', P .. 's:' .. ARGV[2]) == 0 then return -1 end
+return redis.call('HGET', P .. 'si:' .. ARGV[2], ARGV[3]) or -2
+"""
+
+# ARGV: P, sid, intent, now
+_DELETE_INTENT = _SLIB + r"""
+local sid, intent = ARGV[2], ARGV[3]
+if redis.call('EXISTS', P .. 's:' .. sid) == 0 then return -1 end
+local old = redis.call('HGET', P .. 'si:' .. sid, intent)
+if not old then return -2 end
+addrefs(sid, cjson.decode(old), -1)
+redis.call('HDEL', P .. 'si:' .. sid, intent)
+redis.call('HSET', P .. 's:' .. sid, 'ua', ARGV[4])
+return session(sid)
+"""
+
+# ARGV: P, sid
+_GET_SESSION = _SLIB + r"""
+if redis.call('EXISTS', P .. 's:' .. ARGV[2]) == 0 then return false end
+return session(ARGV[2])
+"""
+
+# ARGV: P, sid
+_DELETE_SESSION = _SLIB + r"""
+local sid = ARGV[2]
+if redis.call('EXISTS', P .. 's:' .. sid) == 0 then return 0 end
+local chunks = redis.call('HKEYS', P .. 'sc:' .. sid)
+for _, c in ipairs(chunks) do
+  if redis.call('HINCRBY', P .. 'refs', c, -1) <= 0 then redis.call('HDEL', P .. 'refs', c) end
+end
+redis.call('DEL', P .. 's:' .. sid, P .. 'si:' .. sid, P .. 'sc:' .. sid)
+return 1
+"""
+
+# ARGV: P, parent, child, now. Returns -1 (no parent), -2 (child exists) or the child session.
+_FORK = _SLIB + r"""
+local parent, child = ARGV[2], ARGV[3]
+if redis.call('EXISTS', P .. 's:' .. parent) == 0 then return -1 end
+if redis.call('EXISTS', P .. 's:' .. child) == 1 then return -2 end
+redis.call('HSET', P .. 's:' .. child, 'parent', parent, 'ca', ARGV[4], 'ua', ARGV[4])
+local intents = redis.call('HGETALL', P .. 'si:' .. parent)
+if #intents > 0 then window('HSET', P .. 'si:' .. child, intents) end
+local counts = redis.call('HGETALL', P .. 'sc:' .. parent)
+if #counts > 0 then window('HSET', P .. 'sc:' .. child, counts) end
+for k = 1, #counts, 2 do redis.call('HINCRBY', P .. 'refs', counts[k], 1) end
+return session(child)
+"""
+
+# ARGV: P, has_session ('0'|'1'), sid, chunks. Returns the chunks referenced by another session.
+_REFERENCED = _SLIB + r"""
+local own = ARGV[2] == '1' and (P .. 'sc:' .. ARGV[3]) or nil
+local out = {}
+for k = 4, #ARGV do
+  local c = ARGV[k]
+  local r = tonumber(redis.call('HGET', P .. 'refs', c)) or 0
+  if own and r > 0 and redis.call('HEXISTS', own, c) == 1 then r = r - 1 end
+  if r > 0 then out[#out + 1] = c end
+end
+return out
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class _RedisBackend:
+    """A redis.asyncio client with the scripts registered and a circuit breaker in front."""
+
+    _SCRIPTS: dict[str, str] = {}
+
+    def __init__(self, url: str, *, key_prefix: str = "as:", connect_timeout_s: float = 0.25,
+                 op_timeout_s: float = 2.0, breaker_s: float = 1.0,
+                 max_connections: int | None = 64) -> None:
+        self.url = url
+        self._prefix = key_prefix
+        self._breaker_s = breaker_s
+        self._open_until = 0.0  # monotonic time until which calls fail without trying
+        # One retry, on connection errors only: it reconnects a pooled connection that went
+        # stale when Redis restarted. Timeouts are not retried (the op may be running).
+        pool = aioredis.ConnectionPool.from_url(
+            url, decode_responses=True, socket_connect_timeout=connect_timeout_s,
+            socket_timeout=op_timeout_s, max_connections=max_connections,
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        )
+        self._redis = aioredis.Redis(connection_pool=pool)
+        self._scripts = {name: self._redis.register_script(src)
+                         for name, src in self._SCRIPTS.items()}
+
+    def _unavailable(self, exc: BaseException | None) -> BackendUnavailable:
+        why = f"{type(exc).__name__}: {exc}" if exc else "circuit open after a recent failure"
+        return BackendUnavailable(f"redis at {_redact(self.url)} unavailable ({why})")
+
+    async def _guard(self, make: Callable[[], Awaitable[T]]) -> T:
+        if self._open_until and time.monotonic() < self._open_until:
+            raise self._unavailable(None)
+        try:
+            result = await make()
+        except _UNAVAILABLE as exc:
+            self._open_until = time.monotonic() + self._breaker_s
+            raise self._unavailable(exc) from exc
+        self._open_until = 0.0
+        return result
+
+    async def _run(self, name: str, *args: Any) -> Any:
+        script = self._scripts[name]
+        return await self._guard(lambda: script(args=[self._prefix, *args]))
+
+    async def ping(self) -> None:
+        await self._guard(self._redis.ping)
+
+    async def close(self) -> None:
+        await self._redis.aclose()
+
+    async def flush_prefix(self) -> int:
+        """Delete every key under this backend's prefix (tests and benches); returns how many."""
+        async def flush() -> int:
+            n = 0
+            async for key in self._redis.scan_iter(match=f"{self._prefix}*", count=1000):
+                n += await self._redis.unlink(key)
+            return n
+
+        return await self._guard(flush)
+
+
+def _redact(url: str) -> str:
+    """The URL without its password, for error messages."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+    return url
+
+
+_BIT_TIERS = {bit: tier for tier, bit in TIER_BITS.items()}
+
+
+def _pod_info(fields: list[Any]) -> PodInfo:
+    reg, ra, hb, exp, seq, rs, *rest = fields
+    counts, used = rest[:3], rest[3:]
+    bits = (1, 2, 4)
+    return PodInfo(
+        **json.loads(reg), registered_at=float(ra), last_heartbeat=float(hb),
+        lease_expires_at=float(exp), seq=int(seq), needs_resync=rs == "1",
+        chunks={_BIT_TIERS[b]: int(n) for b, n in zip(bits, counts, strict=True) if int(n)},
+        used_bytes={_BIT_TIERS[b]: int(n) for b, n in zip(bits, used, strict=True) if int(n)},
+    )
+
+
+def _ttl_ms(ttl_s: float) -> int:
+    return max(1, round(ttl_s * 1000))
+
+
+class RedisIndex(_RedisBackend):
+    """``Index`` on Redis; see the module docstring for the layout and failure contract."""
+
+    _SCRIPTS = {"register": _REGISTER, "heartbeat": _HEARTBEAT, "deregister": _DEREGISTER,
+                "get_pod": _GET_POD, "list_pods": _LIST_PODS, "expire": _EXPIRE,
+                "apply": _APPLY, "replace": _REPLACE, "lookup": _LOOKUP, "holders": _HOLDERS}
+
+    def __init__(self, url: str, *, clock: Callable[[], float] = time.time,
+                 **options: Any) -> None:
+        super().__init__(url, **options)
+        self._clock = clock
+
+    # -- pods
+    async def register_pod(self, reg: PodRegistration, ttl_s: float) -> PodInfo:
+        now = self._clock()
+        fields = await self._run("register", reg.pod, reg.model_dump_json(), reg.role.value,
+                                 repr(now), repr(now + ttl_s), _ttl_ms(ttl_s))
+        return _pod_info(fields)
+
+    async def heartbeat(self, pod: str, ttl_s: float) -> LeaseInfo:
+        now = self._clock()
+        got = await self._run("heartbeat", pod, repr(now), repr(now + ttl_s), _ttl_ms(ttl_s))
+        if got is None:
+            raise UnknownPod(pod)
+        return _lease(pod, got)
+
+    async def deregister(self, pod: str) -> bool:
+        return bool(await self._run("deregister", pod))
+
+    async def get_pod(self, pod: str) -> PodInfo:
+        fields = await self._run("get_pod", pod)
+        if fields is None:
+            raise UnknownPod(pod)
+        return _pod_info(fields)
+
+    async def list_pods(self) -> list[PodInfo]:
+        return [_pod_info(f) for f in await self._run("list_pods")]
+
+    async def expire_leases(self) -> list[str]:
+        return list(await self._run("expire"))
+
+    # -- residency
+    async def apply_events(self, batch: EventBatch) -> EventBatchResult:
+        args: list[Any] = [batch.pod, batch.seq]
+        for event in batch.events:
+            if event.op is EventOp.CLEARED:
+                args += ("c", TIER_BITS[event.tier] if event.tier else 0, -1, 0)
+                continue
+            assert event.tier is not None
+            args += ("s" if event.op is EventOp.STORED else "r", TIER_BITS[event.tier],
+                     -1 if event.bytes is None else event.bytes, len(event.chunk_hashes))
+            args += event.chunk_hashes
+        got = await self._run("apply", *args)
+        if got is None:
+            raise UnknownPod(batch.pod)
+        applied, count, rs = got
+        return EventBatchResult(pod=batch.pod, seq=batch.seq, applied=bool(applied),
+                                chunk_events=count, needs_resync=bool(rs))
+
+    async def replace_chunks(self, pod: str, snapshot: ChunkSnapshot) -> LeaseInfo:
+        lists = [snapshot.chunks.get(t, []) for t in TIERS_FASTEST_FIRST]
+        args: list[Any] = [pod, snapshot.seq]
+        args += [snapshot.bytes.get(t, 0) for t in TIERS_FASTEST_FIRST]
+        args += [len(chunks) for chunks in lists]
+        for chunks in lists:
+            args += chunks
+        got = await self._run("replace", *args)
+        if got is None:
+            raise UnknownPod(pod)
+        return _lease(pod, got)
+
+    async def locate(self, chunk_hash: str) -> list[ChunkLocation]:
+        flat = await self._run("holders", chunk_hash)
+        held = sorted((flat[i + 1], flat[i + 2]) for i in range(0, len(flat), 3))
+        return [ChunkLocation(pod=pod, tier=t) for pod, mask in held for t in tiers_of(mask)]
+
+    async def lookup(self, chunk_hashes: list[str], pods: list[str] | None = None,
+                     role: PodRole | None = None) -> list[PrefixCount]:
+        if not chunk_hashes:
+            return []
+        filters = [] if pods is None else list(pods)
+        flat = await self._run("lookup", str(role) if role else "",
+                               -1 if pods is None else len(filters), *filters, *chunk_hashes)
+        out = []
+        for i in range(0, len(flat), 5):
+            tiers = {t: n for t, n in zip(TIERS_FASTEST_FIRST, flat[i + 2:i + 5], strict=True)
+                     if n}
+            out.append(PrefixCount(pod=flat[i], prefix_chunks=flat[i + 1], tiers=tiers))
+        return out
+
+    async def holders(self, chunk_hashes: list[str]) -> dict[str, dict[str, int]]:
+        if not chunk_hashes:
+            return {}
+        flat = await self._run("holders", *chunk_hashes)
+        out: dict[str, dict[str, int]] = {}
+        for i in range(0, len(flat), 3):
+            out.setdefault(flat[i + 1], {})[flat[i]] = flat[i + 2]
+        return out
+
+
+def _lease(pod: str, got: list[Any]) -> LeaseInfo:
+    exp, seq, rs = got
+    return LeaseInfo(pod=pod, lease_expires_at=float(exp), seq=int(seq), needs_resync=rs == "1")
+
+
+class RedisSessionStore(_RedisBackend):
+    """``SessionStore`` on Redis, with per-session and global chunk reference counts."""
+
+    _SCRIPTS = {"put_intent": _PUT_INTENT, "get_intent": _GET_INTENT,
+                "delete_intent": _DELETE_INTENT, "get_session": _GET_SESSION,
+                "delete_session": _DELETE_SESSION, "fork": _FORK, "referenced": _REFERENCED}
+
+    def __init__(self, url: str, *, clock: Callable[[], float] = time.time,
+                 **options: Any) -> None:
+        super().__init__(url, **options)
+        self._clock = clock
+
+    async def put_intent(self, session_id: str, intent: str, chunks: list[str]) -> SessionInfo:
+        got = await self._run("put_intent", session_id, intent, json.dumps(list(chunks)),
+                              repr(self._clock()))
+        return _session_info(session_id, got)
+
+    async def get_intent(self, session_id: str, intent: str) -> list[str]:
+        got = await self._run("get_intent", session_id, intent)
+        if got == -1:
+            raise UnknownSession(session_id)
+        if got == -2:
+            raise UnknownSession(session_id, intent)
+        return json.loads(got)
+
+    async def delete_intent(self, session_id: str, intent: str) -> SessionInfo:
+        got = await self._run("delete_intent", session_id, intent, repr(self._clock()))
+        if got == -1:
+            raise UnknownSession(session_id)
+        if got == -2:
+            raise UnknownSession(session_id, intent)
+        return _session_info(session_id, got)
+
+    async def get_session(self, session_id: str) -> SessionInfo:
+        got = await self._run("get_session", session_id)
+        if got is None:
+            raise UnknownSession(session_id)
+        return _session_info(session_id, got)
+
+    async def delete_session(self, session_id: str) -> bool:
+        return bool(await self._run("delete_session", session_id))
+
+    async def fork(self, session_id: str, child: str) -> SessionInfo:
+        got = await self._run("fork", session_id, child, repr(self._clock()))
+        if got == -1:
+            raise UnknownSession(session_id)
+        if got == -2:
+            raise SessionExists(child)
+        return _session_info(child, got)
+
+    async def referenced_elsewhere(self, chunk_hashes: list[str],
+                                   session_id: str | None) -> set[str]:
+        if not chunk_hashes:
+            return set()
+        got = await self._run("referenced", "0" if session_id is None else "1",
+                              session_id or "", *chunk_hashes)
+        return set(got)
+
+
+def _session_info(session_id: str, got: list[Any]) -> SessionInfo:
+    parent, created, updated, flat = got
+    intents = {flat[i]: json.loads(flat[i + 1]) for i in range(0, len(flat), 2)}
+    return SessionInfo(session_id=session_id, parent=parent or None, intents=intents,
+                       created_at=float(created), updated_at=float(updated))
+
+
+__all__ = ["RedisIndex", "RedisSessionStore"]

@@ -1,0 +1,58 @@
+"""Fixtures shared by the kvindex tests: one private redis-server for the whole session, and
+the ``index``/``sessions`` pair parametrized over both backends (the contract suite)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis
+
+from agentserving.core.testing import RedisServer
+from agentserving.kvindex.index.base import Index, SessionStore
+from agentserving.kvindex.index.factory import new_index
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store(request: pytest.FixtureRequest) -> str:
+    """The ``store`` setting for one backend; the Redis database starts empty."""
+    if request.param == "memory":
+        return "memory"
+    server: RedisServer = request.getfixturevalue("redis_server")
+    with redis.Redis(port=server.port) as client:
+        client.flushdb()
+    return server.url
+
+
+@pytest.fixture
+async def backends(store: str) -> AsyncIterator[tuple[Index, SessionStore]]:
+    index, sessions = new_index(store)
+    try:
+        yield index, sessions
+    finally:
+        await index.close()
+        await sessions.close()
+
+
+@pytest.fixture
+def index(backends: tuple[Index, SessionStore]) -> Index:
+    return backends[0]
+
+
+@pytest.fixture
+def sessions(backends: tuple[Index, SessionStore]) -> SessionStore:
+    return backends[1]

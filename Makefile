@@ -10,7 +10,7 @@ TORCH_VERSION := 2.13.0
 LMCACHE_VERSION := 0.5.6
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps test bench lint run clean
+.PHONY: setup system-deps k8s test bench lint run clean
 
 setup: system-deps $(STAMP)
 
@@ -28,8 +28,13 @@ $(STAMP): pyproject.toml setup.py
 	$(PIP) install -q -e ".[all]"
 	@touch $(STAMP)
 
-test: setup
+test: setup k8s
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# The operator's e2e tests run against a real kube-apiserver + etcd + controller-manager built
+# from Debian's kubernetes source; cached in ~/.cache/agentserving (about 5 min the first time).
+k8s:
+	bash scripts/k8s-test-cluster.sh build
 
 bench: setup
 	$(PY) -m bench $(BENCH_ARGS)

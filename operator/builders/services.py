@@ -95,10 +95,11 @@ def build_proxy(inst: Instance, image: str, kvindex_url: str) -> list[dict[str, 
     container: dict[str, Any] = {
         "name": "proxy",
         "image": proxy.get("image") or image,
-        "command": ["agentserving", "proxy", "--port", str(PROXY_PORT), "--kvindex", kvindex_url,
-                    "--routing", proxy["routing"]],
+        "command": ["agentserving", "proxy", "--host", "0.0.0.0", "--port", str(PROXY_PORT),
+                    "--kvindex", kvindex_url, "--routing", proxy["routing"]],
         "ports": [{"name": "http", "containerPort": PROXY_PORT, "protocol": "TCP"}],
-        "readinessProbe": http_probe("/healthz", "http", period=5),
+        # Ready once it knows at least one worker pod (from the kvindex).
+        "readinessProbe": http_probe("/readyz", "http", period=5),
         "livenessProbe": http_probe("/healthz", "http", period=10),
     }
     if proxy.get("resources"):

@@ -1,0 +1,34 @@
+# syntax=docker/dockerfile:1
+# AgentServing worker image (prefill and decode pools, reference engine): transformers on the
+# CPU with LMCache as the CPU-DRAM and local-disk KV store, and the memory API.
+# `agentserving worker --role prefill|decode ...` (the operator renders the command line).
+# Build from the repository root (BuildKit reads docker/worker.Dockerfile.dockerignore):
+#   docker build -f docker/worker.Dockerfile -t agentserving/worker:0.1.0 .
+# vLLM / vLLM-Ascend pools use the upstream vLLM images instead.
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG TORCH_VERSION=2.13.0
+ARG LMCACHE_VERSION=0.5.6
+
+FROM ${PYTHON_IMAGE} AS build
+WORKDIR /src
+RUN pip install --no-cache-dir "pip==25.3" "setuptools>=77.0.3,<81" wheel
+COPY . .
+RUN pip wheel --no-cache-dir --no-deps --no-build-isolation -w /wheels .
+
+FROM ${PYTHON_IMAGE}
+ARG TORCH_VERSION
+ARG LMCACHE_VERSION
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HF_HOME=/tmp/hf
+RUN groupadd --gid 65532 agentserving && useradd --uid 65532 --gid 65532 --no-create-home agentserving
+# The CPU build of torch, pinned (an unpinned torch would pull a multi-GB CUDA build).
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
+# lmcache's wheel requires CUDA-only packages; its CPU runtime deps are in the worker extra.
+RUN pip install --no-cache-dir --no-deps "lmcache==${LMCACHE_VERSION}"
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir "$(ls /wheels/agentserving-*.whl)[worker]" && rm -rf /wheels
+RUN mkdir -p /kvcache && chown 65532:65532 /kvcache
+VOLUME /kvcache
+USER 65532:65532
+EXPOSE 8000 6999 7000
+ENTRYPOINT ["agentserving"]
+CMD ["worker", "--help"]

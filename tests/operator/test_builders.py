@@ -1,0 +1,324 @@
+from __future__ import annotations
+
+import copy
+
+import pytest
+import yaml
+
+from agentserving.operator.builders import (
+    ENGINES,
+    Instance,
+    SpecError,
+    build_children,
+    endpoint,
+    workloads,
+)
+from agentserving.operator.builders.common import CONFIG_HASH_ANNOTATION
+from agentserving.operator.settings import OperatorSettings
+
+from .operator_testing import EXAMPLES, defaulted, make_instance
+
+
+def by_key(children):
+    return {(c["kind"], c["metadata"]["name"]): c for c in children}
+
+
+def worker(children, role):
+    sts = by_key(children)[("StatefulSet", f"demo-{role}")]
+    return sts["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_default_children_names_and_kinds(settings):
+    children = build_children(make_instance(), settings)
+    assert sorted(by_key(children)) == sorted([
+        ("ConfigMap", "demo-config"),
+        ("StatefulSet", "demo-prefill"), ("Service", "demo-prefill"),
+        ("StatefulSet", "demo-decode"), ("Service", "demo-decode"),
+        ("Deployment", "demo-kvindex"), ("Service", "demo-kvindex"),
+        ("Deployment", "demo-proxy"), ("Service", "demo-proxy"),
+    ])
+
+
+def test_every_child_is_owned_and_labelled(settings):
+    spec = {"model": {"name": "m"}, "kvindex": {"redis": {"inCluster": True}}}
+    for child in build_children(make_instance(spec), settings):
+        meta = child["metadata"]
+        assert meta["namespace"] == "ns1"
+        assert meta["ownerReferences"] == [{
+            "apiVersion": "agentserving.io/v1alpha1", "kind": "AgentServing", "name": "demo",
+            "uid": "uid-1234", "controller": True, "blockOwnerDeletion": True}]
+        assert meta["labels"]["app.kubernetes.io/instance"] == "demo"
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "agentserving-operator"
+
+
+def test_reference_worker_command_line_follows_the_contract(settings):
+    spec = {"model": {"name": "tiny-llama"}, "kvCache": {"cpuGiB": 3, "diskGiB": 7,
+                                                         "hashScheme": "lmcache-builtin"}}
+    c = worker(build_children(make_instance(spec), settings), "decode")
+    assert c["command"] == [
+        "agentserving", "worker", "--role", "decode", "--port", "8000",
+        "--memory-port-start", "6999", "--model", "tiny-llama", "--pod-name", "$(POD_NAME)",
+        "--kvindex", "http://demo-kvindex.ns1.svc:8300", "--cpu-cache-gib", "3",
+        "--disk-cache-dir", "/kvcache", "--disk-cache-gib", "7", "--chunk-size", "256",
+        "--hash-scheme", "lmcache-builtin"]
+    env = {e["name"]: e for e in c["env"]}
+    assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert c["image"] == "agentserving/worker:0.1.0"
+
+
+def test_memory_api_ports_follow_tensor_parallel(settings):
+    spec = {"model": {"name": "m"}, "prefill": {"tensorParallelSize": 4}}
+    children = build_children(make_instance(spec), settings)
+    ports = {p["name"]: p["containerPort"] for p in worker(children, "prefill")["ports"]}
+    assert ports == {"http": 8000, "mem-api": 6999, "mem-0": 7000, "mem-1": 7001, "mem-2": 7002,
+                     "mem-3": 7003}
+    decode_ports = [p["containerPort"] for p in worker(children, "decode")["ports"]]
+    assert decode_ports == [8000, 6999, 7000]
+
+
+def test_roles_and_pools_are_separate(settings):
+    spec = {"model": {"name": "m"}, "prefill": {"replicas": 1}, "decode": {"replicas": 3}}
+    children = by_key(build_children(make_instance(spec), settings))
+    assert children[("StatefulSet", "demo-prefill")]["spec"]["replicas"] == 1
+    assert children[("StatefulSet", "demo-decode")]["spec"]["replicas"] == 3
+    assert "prefill" in children[("StatefulSet", "demo-prefill")]["spec"]["template"]["spec"][
+        "containers"][0]["command"]
+    for role in ("prefill", "decode"):
+        sts = children[("StatefulSet", f"demo-{role}")]
+        assert sts["spec"]["podManagementPolicy"] == "Parallel"
+        assert sts["spec"]["serviceName"] == f"demo-{role}"
+        assert sts["spec"]["selector"]["matchLabels"]["app.kubernetes.io/component"] == role
+        svc = children[("Service", f"demo-{role}")]
+        assert svc["spec"]["clusterIP"] == "None"
+
+
+@pytest.mark.parametrize("acc, resource", [
+    ({"type": "nvidia", "count": 2}, "nvidia.com/gpu"),
+    ({"type": "ascend", "count": 1}, "huawei.com/ascend-1980"),
+    ({"type": "ascend", "count": 8, "resourceName": "huawei.com/Ascend910"},
+     "huawei.com/Ascend910"),
+])
+def test_accelerators_become_resource_limits(settings, acc, resource):
+    engine = "vllm-ascend" if acc["type"] == "ascend" else "vllm"
+    spec = {"model": {"name": "m"}, "engine": {"type": engine}, "decode": {"accelerator": acc},
+            "prefill": {"accelerator": acc}}
+    c = worker(build_children(make_instance(spec), settings), "decode")
+    assert c["resources"]["limits"] == {resource: str(acc["count"])}
+    assert c["resources"]["requests"] == {resource: str(acc["count"])}
+
+
+def test_cpu_pool_asks_for_no_accelerator_and_keeps_own_resources(settings):
+    spec = {"model": {"name": "m"},
+            "prefill": {"resources": {"requests": {"cpu": "2", "memory": "4Gi"}}}}
+    children = build_children(make_instance(spec), settings)
+    assert worker(children, "prefill")["resources"] == {"requests": {"cpu": "2",
+                                                                     "memory": "4Gi"}}
+    assert "resources" not in worker(children, "decode")
+
+
+def test_disk_tier_volume_empty_dir_or_claim(settings):
+    children = by_key(build_children(make_instance(), settings))
+    pod = children[("StatefulSet", "demo-decode")]["spec"]["template"]["spec"]
+    vols = {v["name"]: v for v in pod["volumes"]}
+    assert vols["kvcache"]["emptyDir"] == {"sizeLimit": "50Gi"}
+    assert vols["config"]["configMap"]["name"] == "demo-config"
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts == {"kvcache": "/kvcache", "config": "/etc/agentserving"}
+
+    spec = {"model": {"name": "m"}, "kvCache": {"diskGiB": 100,
+                                                "diskVolume": {"storageClassName": "nvme"}}}
+    sts = by_key(build_children(make_instance(spec), settings))[("StatefulSet", "demo-decode")]
+    [claim] = sts["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "kvcache"
+    assert claim["spec"]["storageClassName"] == "nvme"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "100Gi"
+    assert "kvcache" not in {v["name"] for v in sts["spec"]["template"]["spec"]["volumes"]}
+
+
+def test_scheduling_fields_reach_the_pod(settings):
+    tol = [{"key": "k", "operator": "Exists", "effect": "NoSchedule"}]
+    spec = {"model": {"name": "m"}, "decode": {"nodeSelector": {"pool": "gpu"},
+                                               "tolerations": tol, "schedulerName": "volcano"}}
+    children = by_key(build_children(make_instance(spec), settings))
+    pod = children[("StatefulSet", "demo-decode")]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "gpu"}
+    assert pod["tolerations"] == tol
+    assert pod["schedulerName"] == "volcano"
+    assert "nodeSelector" not in children[("StatefulSet", "demo-prefill")]["spec"]["template"][
+        "spec"]
+
+
+def test_proxy_and_kvindex_command_lines(settings):
+    spec = {"model": {"name": "m"}, "proxy": {"routing": "session", "replicas": 3,
+                                              "serviceType": "LoadBalancer"}}
+    children = by_key(build_children(make_instance(spec), settings))
+    proxy = children[("Deployment", "demo-proxy")]
+    assert proxy["spec"]["replicas"] == 3
+    assert proxy["spec"]["template"]["spec"]["containers"][0]["command"] == [
+        "agentserving", "proxy", "--host", "0.0.0.0", "--port", "8080", "--kvindex",
+        "http://demo-kvindex.ns1.svc:8300", "--routing", "session"]
+    assert children[("Service", "demo-proxy")]["spec"]["type"] == "LoadBalancer"
+    kvi = children[("Deployment", "demo-kvindex")]
+    assert kvi["spec"]["template"]["spec"]["containers"][0]["command"] == [
+        "agentserving", "kvindex", "--host", "0.0.0.0", "--port", "8300", "--store", "memory"]
+    assert kvi["spec"]["strategy"] == {"type": "Recreate"}
+    assert children[("Service", "demo-kvindex")]["spec"]["ports"][0]["port"] == 8300
+
+
+def test_kvindex_store_choices(settings):
+    def store(kvindex):
+        spec = {"model": {"name": "m"}, "kvindex": kvindex}
+        children = by_key(build_children(make_instance(spec), settings))
+        return children, children[("Deployment", "demo-kvindex")]["spec"]["template"]["spec"][
+            "containers"][0]["command"][-1]
+
+    children, s = store({"replicas": 2, "redis": {"url": "redis://r.example:6379/1"}})
+    assert s == "redis://r.example:6379/1"
+    assert ("Deployment", "demo-redis") not in children
+    children, s = store({"replicas": 2, "redis": {"inCluster": True}})
+    assert s == "redis://demo-redis.ns1.svc:6379/0"
+    redis = children[("Deployment", "demo-redis")]
+    assert redis["spec"]["template"]["spec"]["containers"][0]["image"] == "redis:7.4-alpine"
+    assert children[("Service", "demo-redis")]["spec"]["ports"][0]["port"] == 6379
+
+
+@pytest.mark.parametrize("spec, field", [
+    ({"kvindex": {"replicas": 2}}, "spec.kvindex.replicas"),
+    ({"kvindex": {"redis": {"url": "redis://x:1/0", "inCluster": True}}}, "spec.kvindex.redis"),
+    ({"engine": {"type": "vllm-ascend"}}, "spec.prefill.accelerator.type"),
+    ({"engine": {"type": "vllm"}, "decode": {"accelerator": {"type": "ascend"}}},
+     "spec.decode.accelerator.type"),
+])
+def test_unservable_specs_name_the_field(settings, spec, field):
+    with pytest.raises(SpecError) as e:
+        build_children(make_instance({"model": {"name": "m"}, **spec}), settings)
+    assert e.value.field_path == field
+    assert str(e.value).startswith(field)
+
+
+def test_changing_one_pools_replicas_changes_only_that_pool(settings):
+    base = {"model": {"name": "m"}, "prefill": {"replicas": 1}, "decode": {"replicas": 2}}
+    before = by_key(build_children(make_instance(base), settings))
+    scaled = copy.deepcopy(base)
+    scaled["prefill"]["replicas"] = 4
+    after = by_key(build_children(make_instance(scaled), settings))
+    changed = {k for k in before if before[k] != after[k]}
+    assert changed == {("StatefulSet", "demo-prefill")}
+    assert after[("StatefulSet", "demo-prefill")]["spec"]["replicas"] == 4
+
+
+def test_cache_settings_change_config_and_roll_both_pools(settings):
+    base = {"model": {"name": "m"}}
+    before = by_key(build_children(make_instance(base), settings))
+    after = by_key(build_children(make_instance({**base, "kvCache": {"cpuGiB": 32}}), settings))
+    changed = {k for k in before if before[k] != after[k]}
+    assert changed == {("ConfigMap", "demo-config"), ("StatefulSet", "demo-prefill"),
+                       ("StatefulSet", "demo-decode")}
+    def config_hash(children, role):
+        template = children[("StatefulSet", f"demo-{role}")]["spec"]["template"]
+        return template["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+
+    for role in ("prefill", "decode"):
+        assert config_hash(before, role) != config_hash(after, role)
+    lmcache = yaml.safe_load(after[("ConfigMap", "demo-config")]["data"]["lmcache.yaml"])
+    assert lmcache["max_local_cpu_size"] == 32.0
+    assert lmcache["chunk_size"] == 256
+    assert lmcache["local_disk"] == "file:///kvcache/"
+
+
+def test_proxy_change_touches_only_the_proxy(settings):
+    base = {"model": {"name": "m"}}
+    before = by_key(build_children(make_instance(base), settings))
+    after = by_key(build_children(make_instance({**base, "proxy": {"routing": "round-robin"}}),
+                                  settings))
+    assert {k for k in before if before[k] != after[k]} == {("Deployment", "demo-proxy")}
+
+
+def test_vllm_engine_renders_vllm_serve_with_kv_transfer_config(settings):
+    spec = {"model": {"name": "Qwen/Qwen2.5-7B", "servedName": "qwen", "maxContext": 32768},
+            "engine": {"type": "vllm", "args": ["--enforce-eager"]},
+            "prefill": {"accelerator": {"type": "nvidia", "count": 2}, "tensorParallelSize": 2}}
+    c = worker(build_children(make_instance(spec), settings), "prefill")
+    cmd = c["command"]
+    assert cmd[:3] == ["vllm", "serve", "Qwen/Qwen2.5-7B"]
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+    assert cmd[cmd.index("--served-model-name") + 1] == "qwen"
+    assert cmd[cmd.index("--max-model-len") + 1] == "32768"
+    assert '"kv_role": "kv_producer"' in cmd[cmd.index("--kv-transfer-config") + 1]
+    assert cmd[-1] == "--enforce-eager"
+    assert c["image"] == OperatorSettings().vllm_image
+    assert [p["containerPort"] for p in c["ports"]] == [8000, 6999, 7000, 7001]
+    decode = worker(build_children(make_instance(spec), settings), "decode")
+    assert '"kv_role": "kv_consumer"' in decode["command"][
+        decode["command"].index("--kv-transfer-config") + 1]
+
+
+def test_engine_image_and_env_overrides(settings):
+    spec = {"model": {"name": "m"}, "engine": {"image": "me/worker:dev",
+                                               "env": [{"name": "X", "value": "1"}]}}
+    c = worker(build_children(make_instance(spec), settings), "prefill")
+    assert c["image"] == "me/worker:dev"
+    assert {"name": "X", "value": "1"} in c["env"]
+
+
+def test_engine_builders_are_swappable(settings, monkeypatch):
+    def custom(ctx):
+        return {"name": "worker", "image": ctx.image, "command": ["custom", ctx.role],
+                "ports": [], "env": []}
+
+    monkeypatch.setitem(ENGINES, "reference", custom)
+    c = worker(build_children(make_instance(), settings), "decode")
+    assert c["command"] == ["custom", "decode"]
+    assert c["volumeMounts"][0]["mountPath"] == "/kvcache"
+
+
+def test_settings_images(settings):
+    s = OperatorSettings(image_registry="reg.example/as", image_tag="9.9")
+    children = by_key(build_children(make_instance(), s))
+    images = {k: v["spec"]["template"]["spec"]["containers"][0]["image"]
+              for k, v in children.items() if k[0] in ("StatefulSet", "Deployment")}
+    assert images == {("StatefulSet", "demo-prefill"): "reg.example/as/worker:9.9",
+                      ("StatefulSet", "demo-decode"): "reg.example/as/worker:9.9",
+                      ("Deployment", "demo-kvindex"): "reg.example/as/kvindex:9.9",
+                      ("Deployment", "demo-proxy"): "reg.example/as/proxy:9.9"}
+
+
+def test_workloads_and_endpoint():
+    inst = make_instance({"model": {"name": "m"}, "kvindex": {"redis": {"inCluster": True}}})
+    assert workloads(inst) == {
+        "prefill": ("StatefulSet", "demo-prefill"), "decode": ("StatefulSet", "demo-decode"),
+        "proxy": ("Deployment", "demo-proxy"), "kvindex": ("Deployment", "demo-kvindex"),
+        "redis": ("Deployment", "demo-redis")}
+    assert endpoint(inst) == "http://demo-proxy.ns1.svc:8080/v1"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_examples_build(settings, path):
+    doc = yaml.safe_load(path.read_text())
+    inst = Instance(doc["metadata"]["name"], "default", "u", defaulted(doc["spec"]))
+    children = build_children(inst, settings)
+    kinds = [c["kind"] for c in children]
+    assert kinds.count("StatefulSet") == 2
+    assert len(children) >= 9
+
+
+def test_examples_cover_every_engine():
+    engines = {yaml.safe_load(p.read_text())["spec"]["engine"]["type"] for p in EXAMPLES}
+    assert engines == set(ENGINES)
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"decode": {"replicas": 5}}, {("StatefulSet", "demo-decode")}),
+    ({"engine": {"image": "me/worker:2"}},
+     {("StatefulSet", "demo-prefill"), ("StatefulSet", "demo-decode")}),
+    ({"decode": {"tensorParallelSize": 2}}, {("StatefulSet", "demo-decode")}),
+    ({"prefill": {"schedulerPolicy": "fcfs"}}, {("StatefulSet", "demo-prefill")}),
+    ({"kvindex": {"image": "me/kvindex:2"}}, {("Deployment", "demo-kvindex")}),
+    ({"proxy": {"serviceType": "NodePort"}}, {("Service", "demo-proxy")}),
+])
+def test_each_field_rolls_only_its_children(settings, change, expected):
+    base = {"model": {"name": "m"}}
+    before = by_key(build_children(make_instance(base), settings))
+    after = by_key(build_children(make_instance({**base, **change}), settings))
+    assert set(before) == set(after)
+    assert {k for k in before if before[k] != after[k]} == expected

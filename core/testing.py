@@ -144,3 +144,24 @@ class ThreadedServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+def free_port_run(n: int) -> int:
+    """The first of ``n`` consecutive free loopback ports (a worker's memory API needs 2+)."""
+    for _ in range(200):
+        start = free_port()
+        if start + n > 65535:
+            continue
+        socks = []
+        try:
+            for port in range(start, start + n):
+                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return start
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no run of {n} free ports found")

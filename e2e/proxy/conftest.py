@@ -1,0 +1,80 @@
+"""A local fleet of real processes on loopback: kvindex, workers (tiny model), proxies."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from agentserving.core.testing import free_port, free_port_run, service_process
+
+AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
+
+
+@dataclass
+class Proc:
+    url: str
+    proc: object
+    log: Path
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # type: ignore[attr-defined]
+        self.proc.wait()  # type: ignore[attr-defined]
+
+
+@dataclass
+class Fleet:
+    root: Path
+    stack: contextlib.ExitStack
+    kvindex: Proc | None = None
+    workers: dict[str, Proc] = field(default_factory=dict)
+
+    def start_kvindex(self) -> Proc:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        log = self.root / "kvindex.log"
+        proc = self.stack.enter_context(service_process(
+            [AGENTSERVING, "kvindex", "--port", str(port), "--lease-ttl", "3",
+             "--reap-interval", "0.5"], url + "/readyz", log_path=log))
+        self.kvindex = Proc(url, proc, log)
+        return self.kvindex
+
+    def start_worker(self, name: str, role: str = "both", disk: bool = True) -> Proc:
+        port, mem = free_port(), free_port_run(2)
+        url = f"http://127.0.0.1:{port}"
+        args = [AGENTSERVING, "worker", "--role", role, "--port", str(port),
+                "--memory-port-start", str(mem), "--pod-name", name, "--model", "tiny",
+                "--cpu-cache-gib", "0.25", "--chunk-size", "256", "--torch-threads", "1",
+                "--heartbeat-interval", "0.5"]
+        if self.kvindex is not None:
+            args += ["--kvindex", self.kvindex.url]
+        if disk:
+            args += ["--disk-cache-dir", str(self.root / f"disk-{name}"), "--disk-cache-gib", "1"]
+        log = self.root / f"worker-{name}.log"
+        proc = self.stack.enter_context(service_process(args, url + "/readyz", log_path=log,
+                                                        timeout_s=180))
+        self.workers[name] = Proc(url, proc, log)
+        return self.workers[name]
+
+    def start_proxy(self, *extra: str, name: str = "proxy") -> Proc:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        args = [AGENTSERVING, "proxy", "--port", str(port), "--discovery-interval", "0.3",
+                "--kvindex-timeout", "0.5", *extra]
+        if self.kvindex is not None and "--kvindex" not in extra:
+            args += ["--kvindex", self.kvindex.url]
+        log = self.root / f"{name}.log"
+        proc = self.stack.enter_context(service_process(args, url + "/healthz", log_path=log))
+        return Proc(url, proc, log)
+
+
+@pytest.fixture(scope="module")
+def fleet_factory(tmp_path_factory):
+    with contextlib.ExitStack() as stack:
+        yield Fleet(tmp_path_factory.mktemp("fleet"), stack)

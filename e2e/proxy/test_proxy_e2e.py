@@ -1,0 +1,228 @@
+"""The proxy with the official `openai` SDK, in front of real workers and a real kvindex.
+
+One module-scoped fleet (kvindex, two workers that do both roles, one decode worker); the
+tests that break things (a killed worker, the kvindex stopped) run last.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import openai
+import pytest
+
+TURN_TOKENS = 300
+
+
+def prompt_for(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + i * 31) % 30000 + 10 for i in range(n)]
+
+
+def wait_for(check, timeout_s: float = 15.0, what: str = "condition"):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def fleet(fleet_factory):
+    f = fleet_factory
+    f.start_kvindex()
+    f.start_worker("w0")
+    f.start_worker("w1")
+    f.start_worker("d0", role="decode", disk=False)
+    kv = f.start_proxy("--prefill", f.workers["w0"].url, "--prefill", f.workers["w1"].url,
+                       name="proxy-kv")
+    pd = f.start_proxy(name="proxy-pd")  # discovers all three pods from the kvindex
+    f.proxy_kv, f.proxy_pd = kv, pd
+    wait_for(lambda: len(httpx.get(f.kvindex.url + "/v1/pods").json()["pods"]) == 3,
+             what="three pods registered")
+    return f
+
+
+def client(proxy, **kw) -> openai.OpenAI:
+    return openai.OpenAI(base_url=proxy.url + "/v1", api_key=kw.pop("api_key", "unused"),
+                         max_retries=0, timeout=120, **kw)
+
+
+def turn(c: openai.OpenAI, session: str, prompt: list[int], *, max_tokens: int = 4,
+         headers: dict | None = None, extra: dict | None = None):  # type: ignore[no-untyped-def]
+    raw = c.completions.with_raw_response.create(
+        model="tiny", prompt=prompt, max_tokens=max_tokens,
+        extra_headers={"x-session-id": session, **(headers or {})},
+        extra_body={"forced_output_token_ids": list(range(100, 100 + max_tokens)),
+                    **(extra or {})})
+    return raw.parse(), raw.headers
+
+
+def chunk_hashes_of(resp) -> list[str]:  # type: ignore[no-untyped-def]
+    return (resp.model_extra or {})["kv_transfer_params"]["chunk_hashes"]
+
+
+def kvindex_get(fleet, path):  # type: ignore[no-untyped-def]
+    return httpx.get(fleet.kvindex.url + path, timeout=5)
+
+
+def test_models_list_through_the_sdk(fleet):
+    models = client(fleet.proxy_kv).models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_three_turn_session_reuses_its_kv(fleet):
+    c = client(fleet.proxy_kv)
+    prompt = prompt_for(1, 700)
+    pods, cached, hashes = [], [], []
+    for k in range(3):
+        resp, headers = turn(c, "three-turns", prompt)
+        pods.append(headers["x-agentserving-prefill-pod"])
+        cached.append(resp.usage.prompt_tokens_details.cached_tokens)
+        hashes.append(chunk_hashes_of(resp))
+        assert len(hashes[-1]) == resp.usage.prompt_tokens // 256
+        prompt = prompt + list(range(100, 104)) + prompt_for(10 + k, TURN_TOKENS)
+    assert cached[0] == 0
+    assert cached[1] >= 512 and cached[2] >= cached[1] + 256, cached
+    assert len(set(pods)) == 1  # kv-aware: every turn went back to where its KV was
+    assert hashes[1][: len(hashes[0])] == hashes[0]  # the chain extends, prefix unchanged
+    assert headers["x-agentserving-routing"] == "kv-aware"
+
+
+def test_streaming_carries_chunk_hashes_and_usage(fleet):
+    c = client(fleet.proxy_kv)
+    prompt = prompt_for(2, 600)
+    turn(c, "stream", prompt)
+    events = list(c.completions.create(
+        model="tiny", prompt=prompt + prompt_for(3, 100), max_tokens=4, stream=True,
+        stream_options={"include_usage": True}, extra_headers={"x-session-id": "stream"}))
+    finals = [e for e in events if (e.model_extra or {}).get("kv_transfer_params")]
+    assert finals and len(finals[-1].model_extra["kv_transfer_params"]["chunk_hashes"]) == 2
+    usage = [e.usage for e in events if e.usage is not None][-1]
+    assert usage.prompt_tokens == 700 and usage.prompt_tokens_details.cached_tokens == 512
+
+
+def test_prefill_decode_disaggregation_matches_one_pod(fleet):
+    prompt = prompt_for(4, 500)
+    single = client(fleet.proxy_kv).completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, extra_headers={"x-session-id": "pd-1"})
+    raw = client(fleet.proxy_pd).completions.with_raw_response.create(
+        model="tiny", prompt=prompt, max_tokens=12, extra_headers={"x-session-id": "pd-2"})
+    split = raw.parse()
+    assert raw.headers["x-agentserving-decode-pod"] == "d0"
+    assert raw.headers["x-agentserving-prefill-pod"] in ("w0", "w1")
+    assert split.choices[0].text == single.choices[0].text
+    assert split.usage.completion_tokens == 12
+    assert chunk_hashes_of(split) == chunk_hashes_of(single)
+
+
+def test_fork_shares_the_parents_kv(fleet):
+    c = client(fleet.proxy_kv)
+    base = prompt_for(5, 800)
+    parent, headers = turn(c, "parent", base, extra={"agent_memory": {"intent": "root"}})
+    wait_for(lambda: kvindex_get(fleet, "/v1/sessions/parent").status_code == 200,
+             what="parent session written")
+    child, child_headers = turn(c, "child", base + prompt_for(6, 200),
+                                headers={"x-parent-session-id": "parent"})
+    info = kvindex_get(fleet, "/v1/sessions/child").json()
+    assert info["parent"] == "parent" and info["intents"]["root"] == chunk_hashes_of(parent)
+    assert child_headers["x-agentserving-prefill-pod"] == headers["x-agentserving-prefill-pod"]
+    assert child.usage.prompt_tokens_details.cached_tokens >= 768
+
+
+def test_memory_hooks_evict_old_topic_and_prefetch_the_next(fleet):
+    c = client(fleet.proxy_kv)
+    a, _ = turn(c, "mem", prompt_for(7, 520), extra={"agent_memory": {"intent": "topic-a"}})
+    topic_a = chunk_hashes_of(a)
+    stored = wait_for(lambda: kvindex_get(fleet, "/v1/sessions/mem/intents/topic-a").json(),
+                      what="intent write-back")
+    assert stored["chunk_hashes"] == topic_a
+    wait_for(lambda: kvindex_get(fleet, f"/v1/chunks/{topic_a[0]}").json()["locations"],
+             what="topic-a resident")
+
+    b, headers = turn(c, "mem", prompt_for(8, 520), extra={
+        "agent_memory": {"intent": "topic-b", "evict_intents": ["topic-a"]}})
+    topic_b = chunk_hashes_of(b)
+    pod = headers["x-agentserving-prefill-pod"]
+    # the old topic's chunks leave every tier of every pod
+    wait_for(lambda: not kvindex_get(fleet, f"/v1/chunks/{topic_a[0]}").json()["locations"],
+             what="topic-a evicted")
+
+    # drop topic-b's DRAM copies, keep them on disk; a prefetch hook brings them back
+    wait_for(lambda: {"pod": pod, "tier": "disk"} in kvindex_get(
+        fleet, f"/v1/chunks/{topic_b[0]}").json()["locations"], what="topic-b on disk")
+    r = httpx.post(fleet.kvindex.url + "/v1/evict", json={
+        "chunk_hashes": topic_b, "locations": ["cpu"], "force": True}, timeout=5).json()
+    assert r["results"][pod]["ok"]
+    wait_for(lambda: kvindex_get(fleet, f"/v1/chunks/{topic_b[0]}").json()["locations"] == [
+        {"pod": pod, "tier": "disk"}], what="topic-b only on disk")
+    turn(c, "mem", prompt_for(9, 300), extra={"agent_memory": {"prefetch_intents": ["topic-b"]}})
+    wait_for(lambda: {"pod": pod, "tier": "cpu"} in kvindex_get(
+        fleet, f"/v1/chunks/{topic_b[0]}").json()["locations"], what="topic-b prefetched")
+    metrics = httpx.get(fleet.proxy_kv.url + "/metrics").text
+    assert 'proxy_memory_hook_calls_total{ok="true",op="evict"}' in metrics
+    assert 'proxy_memory_hook_calls_total{ok="true",op="prefetch"}' in metrics
+
+
+def test_tool_gap_prefetch_is_warm_on_arrival(fleet):
+    c = client(fleet.proxy_kv)
+    prompt = prompt_for(11, 520)
+    turn(c, "tools", prompt, headers={"x-agentserving-next-tool": "bash"})
+    time.sleep(2.2)  # the default prediction is 2 s; the prefetch fires 0.5 s before
+    resp, _ = turn(c, "tools", prompt + list(range(100, 104)) + prompt_for(12, 50))
+    assert resp.usage.prompt_tokens_details.cached_tokens >= 512
+    metrics = httpx.get(fleet.proxy_kv.url + "/metrics").text
+    assert 'proxy_tool_gap_prefetch_total{outcome="warm"} 1.0' in metrics
+    assert "proxy_tool_gap_prediction_error_seconds_count 1.0" in metrics
+
+
+def test_tenants_never_share_prefixes(fleet, tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"key": "sk-tenant-a-0001", "tenant": "a"},
+                                         {"key": "sk-tenant-b-0001", "tenant": "b"}]}))
+    proxy = fleet.start_proxy("--prefill", fleet.workers["w0"].url, "--api-keys", str(keys),
+                              name="proxy-auth")
+    prompt = prompt_for(13, 520)
+    ra, _ = turn(client(proxy, api_key="sk-tenant-a-0001"), "t", prompt)
+    rb, _ = turn(client(proxy, api_key="sk-tenant-b-0001"), "t", prompt)
+    assert set(chunk_hashes_of(ra)).isdisjoint(chunk_hashes_of(rb))
+    assert rb.usage.prompt_tokens_details.cached_tokens == 0  # a's KV is invisible to b
+    with pytest.raises(openai.AuthenticationError):
+        client(proxy, api_key="sk-wrong-key-000").models.list()
+
+
+def test_bad_requests_name_the_field(fleet):
+    c = client(fleet.proxy_kv)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=2,
+                             extra_body={"agent_memory": {"evict_intents": "not-a-list"}})
+    assert err.value.body["param"] == "agent_memory.evict_intents"
+    r = httpx.post(fleet.proxy_kv.url + "/v1/completions", content=b"{oops",
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+
+
+def test_a_killed_worker_mid_session_still_answers(fleet):
+    c = client(fleet.proxy_kv)
+    prompt = prompt_for(14, 600)
+    _, headers = turn(c, "survivor", prompt)
+    victim = headers["x-agentserving-prefill-pod"]
+    fleet.workers[victim].kill()
+    resp, headers = turn(c, "survivor", prompt + list(range(100, 104)) + prompt_for(15, 100))
+    assert headers["x-agentserving-prefill-pod"] != victim
+    assert resp.usage.completion_tokens == 4
+    assert "proxy_retries_total" in httpx.get(fleet.proxy_kv.url + "/metrics").text
+
+
+def test_kvindex_stopped_turns_still_answer_degraded(fleet):
+    c = client(fleet.proxy_kv)
+    prompt = prompt_for(16, 600)
+    turn(c, "degraded", prompt)
+    fleet.kvindex.kill()
+    resp, headers = turn(c, "degraded", prompt + list(range(100, 104)))
+    assert resp.usage.completion_tokens == 4
+    assert "kvindex-unavailable" in headers["x-agentserving-degraded"]
+    assert "proxy_degraded_total 1.0" in httpx.get(fleet.proxy_kv.url + "/metrics").text

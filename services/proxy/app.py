@@ -1,0 +1,152 @@
+"""The proxy service: OpenAI-compatible routes in front of the worker pools."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
+
+from agentserving.core.clients import KvindexClient
+from agentserving.core.service import (
+    ApiError,
+    field_path,
+    install_error_handlers,
+    install_health_route,
+    install_metrics_route,
+)
+from agentserving.proxy.auth import ApiKeys, Principal
+from agentserving.proxy.memory_hooks import AgentMemory
+from agentserving.proxy.metrics import ProxyMetrics
+from agentserving.proxy.orchestrator import H_NEXT_TOOL, Orchestrator, Turn
+from agentserving.proxy.pods import PodPool
+from agentserving.proxy.routing import make_policy
+from agentserving.proxy.sessions import session_key
+from agentserving.proxy.settings import ProxySettings
+
+_EXTENSION_FIELDS = ("agent_memory",)
+
+
+def create_app(settings: ProxySettings) -> FastAPI:
+    registry = CollectorRegistry()
+    metrics = ProxyMetrics(registry)
+    keys = ApiKeys.load(settings.api_keys_file) if settings.api_keys_file else None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        timeout = httpx.Timeout(settings.upstream_timeout_s,
+                                connect=settings.upstream_connect_timeout_s)
+        http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1000,
+                                                                      max_keepalive_connections=200))
+        kvindex = (KvindexClient(settings.kvindex_url, settings.kvindex_timeout_s)
+                   if settings.kvindex_url else None)
+        pool = PodPool(settings.prefill_urls, settings.decode_urls, kvindex)
+        await pool.refresh()
+        policy = make_policy(settings.routing, settings.chunk_size, settings.load_penalty_tokens)
+        app.state.orch = Orchestrator(settings, pool, kvindex, policy, http, metrics)
+        follower = asyncio.create_task(pool.follow(settings.discovery_interval_s))
+        try:
+            yield
+        finally:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+            await app.state.orch.aclose()
+            await http.aclose()
+            if kvindex is not None:
+                await kvindex.aclose()
+
+    app = FastAPI(title="AgentServing proxy", version="v1", lifespan=lifespan,
+                  summary="OpenAI-compatible front door routing each agent turn to its KV.")
+    install_error_handlers(app)
+    install_metrics_route(app, registry)
+    install_health_route(app)
+
+    def authenticate(request: Request) -> Principal | None:
+        if keys is None:
+            return None
+        principal = keys.authenticate(request.headers.get("authorization"))
+        if principal is None:
+            raise ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+                           type="authentication_error", code="invalid_api_key")
+        return principal
+
+    async def read_turn(request: Request, endpoint: str, required: str) -> Turn:
+        principal = authenticate(request)
+        try:
+            body = json.loads(await request.body())
+        except ValueError as exc:
+            raise ApiError(400, f"malformed JSON: {exc}", param="body") from exc
+        if not isinstance(body, dict):
+            raise ApiError(400, "body must be a JSON object", param="body")
+        if required not in body:
+            raise ApiError(400, f"{required}: field required", param=required)
+        if "stream" in body and not isinstance(body["stream"], bool):
+            raise ApiError(400, "stream: must be a boolean", param="stream")
+        memory = None
+        if (raw := body.pop("agent_memory", None)) is not None:
+            try:
+                memory = AgentMemory.model_validate(raw)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                param = "agent_memory." + field_path(err["loc"]) if err["loc"] else "agent_memory"
+                raise ApiError(400, f"{param}: {err['msg']}", param=param) from exc
+        tenant = principal.tenant if principal else None
+        if principal is not None and principal.cache_salt:
+            body["cache_salt"] = principal.cache_salt  # tenants never share or probe prefixes
+        sid = request.headers.get("x-session-id") or (
+            body.get("user") if isinstance(body.get("user"), str) else None)
+        return Turn(endpoint=endpoint, body=body, session_id=sid,
+                    session_key=session_key(tenant, sid), tenant=tenant,
+                    parent_session_id=request.headers.get("x-parent-session-id"),
+                    memory=memory, next_tool=request.headers.get(H_NEXT_TOOL))
+
+    @app.post("/v1/chat/completions", tags=["openai"],
+              summary="Chat completion, routed to the pod holding the session's KV.")
+    async def chat_completions(request: Request) -> Any:
+        return await app.state.orch.handle(
+            await read_turn(request, "/v1/chat/completions", "messages"))
+
+    @app.post("/v1/completions", tags=["openai"],
+              summary="Text completion, routed to the pod holding the session's KV.")
+    async def completions(request: Request) -> Any:
+        return await app.state.orch.handle(await read_turn(request, "/v1/completions", "prompt"))
+
+    @app.get("/v1/models", tags=["openai"], summary="The models the worker pools serve.")
+    async def models(request: Request) -> dict[str, Any]:
+        authenticate(request)
+        orch: Orchestrator = app.state.orch
+        await orch.pool.refresh()
+        names = orch.pool.models() or await _models_from_pods(orch)
+        return {"object": "list", "data": [
+            {"id": m, "object": "model", "created": 0, "owned_by": "agentserving"}
+            for m in names]}
+
+    @app.get("/readyz", tags=["health"], summary="At least one worker pod is known.")
+    async def readyz() -> dict[str, Any]:
+        orch: Orchestrator = app.state.orch
+        if not orch.pool.prefill_candidates():
+            await orch.pool.refresh()
+        pods = orch.pool.prefill_candidates()
+        if not pods:
+            raise ApiError(503, "no worker pods known", type="service_unavailable")
+        return {"status": "ready", "prefill_pods": len(pods),
+                "decode_pods": len(orch.pool.decode_candidates())}
+
+    return app
+
+
+async def _models_from_pods(orch: Orchestrator) -> list[str]:
+    names: set[str] = set()
+    for pod in orch.pool.all():
+        try:
+            resp = await orch.http.get(pod.url + "/v1/models", timeout=2.0)
+            names.update(m["id"] for m in resp.json().get("data", []))
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            continue
+    return sorted(names)

@@ -1,0 +1,58 @@
+"""`agentserving proxy`: run the OpenAI-compatible front door."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from agentserving.core.cli import option
+from agentserving.proxy.settings import ProxySettings, RoutingName
+
+
+@click.command("proxy")
+@option("--host", default="127.0.0.1", help="Address to bind (0.0.0.0 in a pod).")
+@option("--port", type=click.IntRange(0, 65535), default=8080, help="HTTP port.")
+@option("--kvindex", "kvindex_url", default=None,
+        help="kvindex base URL; without --prefill/--decode, pods are discovered from it.")
+@option("--prefill", "prefill_urls", multiple=True,
+        help="A prefill (or prefill+decode) worker's base URL; repeatable.")
+@option("--decode", "decode_urls", multiple=True,
+        help="A decode worker's base URL; repeatable. None: prefill pods do both.")
+@option("--routing", type=click.Choice([r.value for r in RoutingName]), default="kv-aware",
+        help="kv-aware: to the longest cached prefix, balanced by load; session: affinity; "
+             "round-robin: even spread, no KV awareness.")
+@option("--api-keys", "api_keys_file", type=click.Path(exists=True, dir_okay=False,
+                                                        path_type=Path), default=None,
+        help='JSON {"keys": [{"key", "tenant", "cache_salt"?}]}; when set, Bearer keys are '
+             "required and each tenant's chunks are salted apart.")
+@option("--discovery-interval", "discovery_interval_s", type=click.FloatRange(min=0.05),
+        default=2.0, help="Seconds between kvindex pod-registry refreshes.")
+@option("--kvindex-timeout", "kvindex_timeout_s", type=click.FloatRange(min=0.01), default=0.5,
+        help="Seconds to wait for the kvindex before routing without it.")
+@option("--upstream-timeout", "upstream_timeout_s", type=click.FloatRange(min=0.1),
+        default=600.0, help="Seconds a worker may take to answer a turn.")
+@option("--max-attempts", type=click.IntRange(min=1), default=3,
+        help="Pods tried for one turn before answering 502.")
+@option("--load-penalty-tokens", type=click.IntRange(min=0), default=2048,
+        help="kv-aware: cached tokens worth giving up to avoid one more in-flight turn.")
+@option("--chunk-size", type=click.IntRange(min=1), default=256,
+        help="Tokens per KV chunk (turns kvindex scores into tokens).")
+@option("--prefetch-lead", "prefetch_lead_s", type=click.FloatRange(min=0), default=0.5,
+        help="Seconds before a tool call's predicted return to prefetch the session's KV.")
+@option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+        default="info", help="Log level.")
+@option("--log-json/--log-console", default=True, help="JSON log lines, or readable ones.")
+def command(**kwargs: object) -> None:
+    """Run the proxy: OpenAI API in, each turn routed to where its KV already is."""
+    import uvicorn
+
+    from agentserving.core.logging import configure_logging
+    from agentserving.proxy.app import create_app
+
+    for key in ("prefill_urls", "decode_urls"):
+        kwargs[key] = list(kwargs[key])  # type: ignore[call-overload]
+    settings = ProxySettings(**kwargs)  # type: ignore[arg-type]
+    configure_logging(settings.log_level, settings.log_json)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                log_level=settings.log_level, access_log=False)

@@ -1,0 +1,44 @@
+"""The proxy's Prometheus metrics."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ProxyMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.routed = Counter("proxy_routing_decisions_total", "Turns routed, by pod and stage.",
+                              ["stage", "pod", "policy"], registry=registry)
+        self.cached_tokens = Counter("proxy_cached_tokens_total",
+                                     "Prompt tokens served from cache, by prefill pod.", ["pod"],
+                                     registry=registry)
+        self.prompt_tokens = Counter("proxy_prompt_tokens_total", "Prompt tokens, by prefill pod.",
+                                     ["pod"], registry=registry)
+        self.ttft = Histogram("proxy_ttft_seconds", "Time to first token seen by the caller.",
+                              buckets=_LATENCY, registry=registry)
+        self.e2e = Histogram("proxy_request_seconds", "End-to-end turn latency.",
+                             buckets=_LATENCY, registry=registry)
+        self.overhead = Histogram("proxy_routing_seconds",
+                                  "Time spent deciding where a turn goes (incl. kvindex lookup).",
+                                  buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01,
+                                           0.05, 0.1, 0.5), registry=registry)
+        self.retries = Counter("proxy_retries_total", "Upstream attempts retried on another pod.",
+                               ["stage"], registry=registry)
+        self.failures = Counter("proxy_failed_turns_total", "Turns answered with an error.",
+                                ["reason"], registry=registry)
+        self.degraded = Counter("proxy_degraded_total",
+                                "Turns routed without the kvindex (unreachable).",
+                                registry=registry)
+        self.memory_hooks = Counter("proxy_memory_hook_calls_total",
+                                    "agent_memory evict/prefetch/write-back calls.",
+                                    ["op", "ok"], registry=registry)
+        self.tool_gap_error = Histogram("proxy_tool_gap_prediction_error_seconds",
+                                        "|predicted - actual| tool-call gap.",
+                                        buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),
+                                        registry=registry)
+        self.tool_gap_warm = Counter("proxy_tool_gap_prefetch_total",
+                                     "Turns after a tool call: prefetch fired before arrival "
+                                     "(warm) or not (cold).", ["outcome"], registry=registry)
+        self.sessions = Gauge("proxy_sessions", "Sessions remembered.", registry=registry)

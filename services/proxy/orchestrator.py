@@ -1,0 +1,393 @@
+"""One agent turn through the proxy: route, run prefill then decode, remember, prefetch.
+
+The flow, as vLLM's disaggregated proxy examples run it: the prefill pod gets the request with
+``max_tokens: 1`` and ``kv_transfer_params: {"do_remote_decode": true}`` and answers with where
+its KV is; the decode pod gets the original request with those params and generates. With no
+decode pool, the prefill pod does both. A pod that fails before the caller saw a byte is retried
+on the next pod of the policy's ranking; the caller always gets an answer or an OpenAI-shaped
+error, never silence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from agentserving.core.clients import KvindexClient, RequestRejected, ServiceUnavailable
+from agentserving.core.logging import get_logger
+from agentserving.core.schemas import LookupRequest, PodPrefix, PodRole, PrefetchRequest
+from agentserving.core.service import ApiError
+from agentserving.proxy import memory_hooks
+from agentserving.proxy.memory_hooks import AgentMemory
+from agentserving.proxy.metrics import ProxyMetrics
+from agentserving.proxy.pods import PodPool
+from agentserving.proxy.routing import Candidate, LeastLoaded, RouteInput, RoutingPolicy
+from agentserving.proxy.sessions import SessionState, SessionTable, session_key
+from agentserving.proxy.settings import ProxySettings
+from agentserving.proxy.tool_gaps import ToolGapPredictor
+from agentserving.proxy.upstream import (
+    TurnOutcome,
+    UpstreamFailed,
+    open_stream,
+    patch_cached_tokens,
+    post_json,
+    relay_sse,
+)
+
+log = get_logger(__name__)
+
+H_PREFILL = "x-agentserving-prefill-pod"
+H_DECODE = "x-agentserving-decode-pod"
+H_ROUTING = "x-agentserving-routing"
+H_DEGRADED = "x-agentserving-degraded"
+H_NEXT_TOOL = "x-agentserving-next-tool"
+
+
+@dataclass
+class Turn:
+    """One request as the proxy sees it."""
+
+    endpoint: str  # "/v1/completions" or "/v1/chat/completions"
+    body: dict[str, Any]
+    session_id: str | None
+    session_key: str | None
+    tenant: str | None = None
+    parent_session_id: str | None = None
+    memory: AgentMemory | None = None
+    next_tool: str | None = None
+    started: float = field(default_factory=time.perf_counter)
+    headers: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+
+class Orchestrator:
+    def __init__(self, settings: ProxySettings, pool: PodPool, kvindex: KvindexClient | None,
+                 policy: RoutingPolicy, http: httpx.AsyncClient, metrics: ProxyMetrics) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.kvindex = kvindex
+        self.policy = policy
+        self.http = http
+        self.metrics = metrics
+        self.sessions = SessionTable(settings.max_sessions)
+        self.tool_gaps = ToolGapPredictor()
+        self._decode_policy = LeastLoaded()
+        self._prefetch_tasks: dict[str, asyncio.Task] = {}
+        self._background: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------------ entry point
+    async def handle(self, turn: Turn) -> JSONResponse | StreamingResponse:
+        state = self.sessions.get(turn.session_key) if turn.session_key else SessionState()
+        self.metrics.sessions.set(len(self.sessions))
+        self._on_arrival(turn, state)
+        if turn.parent_session_id and state.turns == 0:
+            await self._fork(turn, state)
+        if turn.memory and self.kvindex and turn.session_id:
+            await memory_hooks.before_turn(self.kvindex, turn.session_id, turn.memory,
+                                           self._record_hook)
+        prefill_order, decode_order = await self._route(turn, state)
+        if not prefill_order:
+            self.metrics.failures.labels("no_pods").inc()
+            raise ApiError(503, "no worker pods available", type="service_unavailable",
+                           code="no_pods")
+        if turn.stream:
+            return await self._run_streaming(turn, state, prefill_order, decode_order)
+        return await self._run_blocking(turn, state, prefill_order, decode_order)
+
+    # ------------------------------------------------------------------ routing
+    async def _route(self, turn: Turn, state: SessionState
+                     ) -> tuple[list[Candidate], list[Candidate]]:
+        t0 = time.perf_counter()
+        await self._ensure_pods()
+        candidates = self.pool.prefill_candidates()
+        prefixes: dict[str, PodPrefix] = {}
+        index_ok = True
+        if self.kvindex is not None and state.chunk_hashes and candidates and \
+                self.policy.name == "kv-aware":
+            try:
+                found = await self.kvindex.lookup(LookupRequest(
+                    chunk_hashes=state.chunk_hashes, pods=[c.name for c in candidates],
+                    role=PodRole.PREFILL))
+                prefixes = {p.pod: p for p in found.pods}
+            except (ServiceUnavailable, RequestRejected) as exc:
+                index_ok = False
+                self.metrics.degraded.inc()
+                turn.headers[H_DEGRADED] = "kvindex-unavailable; routed by session affinity"
+                log.warning("kvindex_unavailable_routing_by_affinity", error=str(exc))
+        prefill_order = self.policy.rank(RouteInput(turn.session_key, candidates, prefixes,
+                                                    state.last_pod, index_ok))
+        decode_order = self._decode_policy.rank(
+            RouteInput(turn.session_key, self.pool.decode_candidates()))
+        turn.headers[H_ROUTING] = self.policy.name
+        self.metrics.overhead.observe(time.perf_counter() - t0)
+        return prefill_order, decode_order
+
+    async def _ensure_pods(self) -> None:
+        if not self.pool.prefill_candidates():
+            await self.pool.refresh()
+
+    # ------------------------------------------------------------------ blocking
+    async def _run_blocking(self, turn: Turn, state: SessionState,
+                            prefill_order: list[Candidate], decode_order: list[Candidate]
+                            ) -> JSONResponse:
+        outcome = TurnOutcome()
+        last_error = "no attempt made"
+        for prefill, decode in self._attempts(prefill_order, decode_order):
+            try:
+                if decode is None:
+                    resp = await self._call(prefill, "prefill", post_json, turn.body, turn)
+                    prefill_cached = None
+                else:
+                    params, prefill_cached = await self._prefill_for_decode(turn, prefill)
+                    resp = await self._call(decode, "decode", post_json,
+                                            self._decode_body(turn.body, params), turn)
+            except UpstreamFailed as exc:
+                last_error = str(exc)
+                self._retrying(exc)
+                continue
+            payload = resp.json() if resp.headers.get("content-type", "").startswith(
+                "application/json") else None
+            if resp.is_success and isinstance(payload, dict):
+                outcome.absorb(payload)
+                if decode is not None:
+                    patch_cached_tokens(payload, prefill_cached)
+                    outcome.cached_tokens = prefill_cached
+                self._finish(turn, state, prefill, outcome)
+                self.metrics.ttft.observe(time.perf_counter() - turn.started)
+                return JSONResponse(payload, status_code=resp.status_code, headers=turn.headers)
+            self.metrics.failures.labels("rejected").inc()
+            return JSONResponse(payload if payload is not None else {"error": {
+                "message": resp.text[:500], "type": "upstream_error"}},
+                status_code=resp.status_code, headers=turn.headers)
+        self.metrics.failures.labels("upstream").inc()
+        raise ApiError(502, f"every worker failed this turn; last error: {last_error}",
+                       type="upstream_error", code="all_pods_failed", headers=turn.headers)
+
+    # ------------------------------------------------------------------ streaming
+    async def _run_streaming(self, turn: Turn, state: SessionState,
+                             prefill_order: list[Candidate], decode_order: list[Candidate]
+                             ) -> JSONResponse | StreamingResponse:
+        last_error = "no attempt made"
+        for prefill, decode in self._attempts(prefill_order, decode_order):
+            try:
+                if decode is None:
+                    resp = await self._call(prefill, "prefill", open_stream, turn.body, turn)
+                    cached_override = None
+                else:
+                    params, cached_override = await self._prefill_for_decode(turn, prefill)
+                    resp = await self._call(decode, "decode", open_stream,
+                                            self._decode_body(turn.body, params), turn)
+            except UpstreamFailed as exc:
+                last_error = str(exc)
+                self._retrying(exc)
+                continue
+            if not resp.is_success:  # the worker rejected the request: pass its verdict on
+                content = await resp.aread()
+                await resp.aclose()
+                self.metrics.failures.labels("rejected").inc()
+                return JSONResponse(_json_or_error(content), status_code=resp.status_code,
+                                    headers=turn.headers)
+            pod_for_load = decode or prefill
+            self.pool.acquire(pod_for_load.name)
+            return StreamingResponse(
+                self._stream_body(turn, state, prefill, pod_for_load, resp, cached_override),
+                media_type="text/event-stream", headers=turn.headers)
+        self.metrics.failures.labels("upstream").inc()
+        raise ApiError(502, f"every worker failed this turn; last error: {last_error}",
+                       type="upstream_error", code="all_pods_failed", headers=turn.headers)
+
+    async def _stream_body(self, turn: Turn, state: SessionState, prefill: Candidate,
+                           serving: Candidate, resp: httpx.Response,
+                           cached_override: int | None) -> AsyncIterator[bytes]:
+        outcome = TurnOutcome()
+        first = True
+        try:
+            async for chunk in relay_sse(resp, outcome, cached_override):
+                if first:
+                    self.metrics.ttft.observe(time.perf_counter() - turn.started)
+                    first = False
+                yield chunk
+            if cached_override is not None:
+                outcome.cached_tokens = cached_override
+            self._finish(turn, state, prefill, outcome)
+        except httpx.HTTPError as exc:  # the pod died mid-stream: tell the caller, in-band
+            self.pool.mark_failed(serving.name)
+            self.metrics.failures.labels("mid_stream").inc()
+            yield _sse_error(f"worker {serving.name} failed mid-stream: {exc!r}")
+        finally:
+            self.pool.release(serving.name)
+            await resp.aclose()
+
+    # ------------------------------------------------------------------ P/D pieces
+    def _attempts(self, prefill_order: list[Candidate], decode_order: list[Candidate]
+                  ) -> list[tuple[Candidate, Candidate | None]]:
+        """(prefill, decode) pairs to try in order; decode pods rotate with the attempts."""
+        n = self.settings.max_attempts
+        pairs: list[tuple[Candidate, Candidate | None]] = []
+        for i in range(min(n, max(len(prefill_order), len(decode_order) or 1))):
+            prefill = prefill_order[i % len(prefill_order)]
+            decode = decode_order[i % len(decode_order)] if decode_order else None
+            pairs.append((prefill, decode))
+        return pairs
+
+    async def _prefill_for_decode(self, turn: Turn, prefill: Candidate
+                                  ) -> tuple[dict[str, Any], int | None]:
+        body = copy.deepcopy(turn.body)
+        body.update(stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        body.pop("stream_options", None)
+        body.pop("max_completion_tokens", None)
+        resp = await self._call(prefill, "prefill", post_json, body, turn)
+        if not resp.is_success:
+            raise UpstreamFailed(prefill.name, f"prefill rejected: HTTP {resp.status_code} "
+                                 f"{resp.text[:200]}")
+        payload = resp.json()
+        params = payload.get("kv_transfer_params")
+        if not isinstance(params, dict):
+            raise UpstreamFailed(prefill.name, "prefill answer has no kv_transfer_params")
+        outcome = TurnOutcome()
+        outcome.absorb(payload)
+        return params, outcome.cached_tokens
+
+    @staticmethod
+    def _decode_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+        out = dict(body)
+        out["kv_transfer_params"] = {**params, "do_remote_prefill": True,
+                                     "do_remote_decode": False}
+        return out
+
+    async def _call(self, pod: Candidate, stage: str, fn, body: dict[str, Any], turn: Turn
+                    ) -> httpx.Response:  # type: ignore[no-untyped-def]
+        turn.headers[H_PREFILL if stage == "prefill" else H_DECODE] = pod.name
+        self.metrics.routed.labels(stage, pod.name, self.policy.name).inc()
+        self.pool.acquire(pod.name)
+        try:
+            return await fn(self.http, pod.name, pod.url + turn.endpoint, body)
+        except UpstreamFailed:
+            self.pool.mark_failed(pod.name)
+            raise
+        finally:
+            self.pool.release(pod.name)
+
+    def _retrying(self, exc: UpstreamFailed) -> None:
+        self.metrics.retries.labels("upstream").inc()
+        log.warning("upstream_failed_retrying", pod=exc.pod, reason=exc.reason)
+
+    # ------------------------------------------------------------------ after the turn
+    def _finish(self, turn: Turn, state: SessionState, prefill: Candidate,
+                outcome: TurnOutcome) -> None:
+        self.metrics.e2e.observe(time.perf_counter() - turn.started)
+        if outcome.prompt_tokens:
+            self.metrics.prompt_tokens.labels(prefill.name).inc(outcome.prompt_tokens)
+        if outcome.cached_tokens:
+            self.metrics.cached_tokens.labels(prefill.name).inc(outcome.cached_tokens)
+        state.turns += 1
+        state.last_pod = prefill.name
+        if outcome.chunk_hashes is not None:
+            state.chunk_hashes = outcome.chunk_hashes
+        state.last_turn_end = time.monotonic()
+        tool = turn.next_tool or (outcome.tool_names[0] if outcome.tool_names else None)
+        state.pending_tool = tool if (tool or outcome.finish_reason == "tool_calls") else None
+        state.predicted_gap_s = None
+        state.prefetch_fired_at = None
+        if turn.session_id and self.kvindex is not None:
+            if turn.memory and outcome.chunk_hashes is not None:
+                self._spawn(memory_hooks.after_turn(self.kvindex, turn.session_id, turn.memory,
+                                                    outcome.chunk_hashes, self._record_hook))
+            if state.pending_tool is not None or outcome.finish_reason == "tool_calls":
+                self._schedule_tool_prefetch(turn, state)
+
+    def _schedule_tool_prefetch(self, turn: Turn, state: SessionState) -> None:
+        """Warm the session's chunks in DRAM shortly before the tool's predicted return."""
+        assert turn.session_key is not None
+        state.predicted_gap_s = self.tool_gaps.predict(state.pending_tool)
+        delay = self.tool_gaps.prefetch_delay(state.pending_tool, self.settings.prefetch_lead_s)
+        chunks = list(state.chunk_hashes)
+        if not chunks:
+            return
+
+        async def fire() -> None:
+            await asyncio.sleep(delay)
+            state.prefetch_fired_at = time.monotonic()
+            try:
+                assert self.kvindex is not None
+                await self.kvindex.prefetch(PrefetchRequest(
+                    chunk_hashes=chunks, pod=state.last_pod,
+                    lookup_id=f"tool-gap:{turn.session_id}"))
+                self._record_hook("tool_prefetch", True)
+            except (ServiceUnavailable, RequestRejected):
+                self._record_hook("tool_prefetch", False)
+
+        old = self._prefetch_tasks.pop(turn.session_key, None)
+        if old is not None:
+            old.cancel()
+        self._prefetch_tasks[turn.session_key] = self._spawn(fire())
+
+    def _on_arrival(self, turn: Turn, state: SessionState) -> None:
+        """Score the tool-gap prediction of the previous turn against this arrival."""
+        if turn.session_key is not None:
+            task = self._prefetch_tasks.pop(turn.session_key, None)
+            if task is not None and not task.done():
+                task.cancel()
+        if state.last_turn_end is None or state.pending_tool is None and \
+                state.predicted_gap_s is None:
+            return
+        actual = time.monotonic() - state.last_turn_end
+        if state.predicted_gap_s is not None:
+            self.metrics.tool_gap_error.observe(abs(actual - state.predicted_gap_s))
+            warm = state.prefetch_fired_at is not None
+            self.metrics.tool_gap_warm.labels("warm" if warm else "cold").inc()
+        self.tool_gaps.observe(state.pending_tool, actual)
+
+    async def _fork(self, turn: Turn, state: SessionState) -> None:
+        """A branch starts where its parent is: same chunks (copy-on-write in the kvindex)."""
+        parent_key = session_key(turn.tenant, turn.parent_session_id)
+        parent = self.sessions.peek(parent_key) if parent_key else None
+        if parent is not None:
+            state.chunk_hashes = list(parent.chunk_hashes)
+            state.last_pod = parent.last_pod
+        if self.kvindex is not None and turn.session_id:
+            try:
+                await self.kvindex.fork(turn.parent_session_id, turn.session_id)
+                self._record_hook("fork", True)
+            except (ServiceUnavailable, RequestRejected):
+                self._record_hook("fork", False)
+
+    def _record_hook(self, op: str, ok: bool) -> None:
+        self.metrics.memory_hooks.labels(op, str(ok).lower()).inc()
+
+    def _spawn(self, coro) -> asyncio.Task:  # type: ignore[no-untyped-def]
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def aclose(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _json_or_error(content: bytes) -> dict[str, Any]:
+    try:
+        payload = json.loads(content)
+        if isinstance(payload, dict):
+            return payload
+    except ValueError:
+        pass
+    return {"error": {"message": content.decode(errors="replace")[:500], "type": "upstream_error"}}
+
+
+def _sse_error(message: str) -> bytes:
+    body = {"error": {"message": message, "type": "upstream_error", "code": "mid_stream_failure"}}
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()

@@ -1,0 +1,120 @@
+"""The pods the proxy can send turns to: from flags, or followed in the kvindex's registry.
+
+Keeps per-pod in-flight counts (the load the routing policies balance) and a short cool-down
+for pods that just failed, so a retry goes elsewhere. A pod given by URL is matched to its
+kvindex name through the registry's ``api_url``, so KV-aware routing can use its residency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from agentserving.core.clients import KvindexClient, ServiceUnavailable
+from agentserving.core.logging import get_logger
+from agentserving.core.schemas import PodRole
+from agentserving.proxy.routing import Candidate
+
+log = get_logger(__name__)
+
+FAILURE_COOLDOWN_S = 5.0
+
+
+@dataclass
+class PodState:
+    name: str
+    url: str
+    role: PodRole
+    model: str | None = None
+    inflight: int = 0
+    failed_until: float = 0.0
+
+    def candidate(self) -> Candidate:
+        return Candidate(self.name, self.url, self.inflight)
+
+
+class PodPool:
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str],
+                 kvindex: KvindexClient | None) -> None:
+        self._static = bool(prefill_urls or decode_urls)
+        self._kvindex = kvindex
+        self._pods: dict[str, PodState] = {}
+        for url in prefill_urls:
+            self._pods[url] = PodState(url, url.rstrip("/"), PodRole.PREFILL)
+        for url in decode_urls:
+            self._pods[url] = PodState(url, url.rstrip("/"), PodRole.DECODE)
+        if self._static and not decode_urls:  # no decode pool: prefill pods do both
+            for pod in self._pods.values():
+                pod.role = PodRole.BOTH
+
+    # -- membership
+    async def refresh(self) -> bool:
+        """Follow the kvindex registry; returns False when the kvindex is unreachable."""
+        if self._kvindex is None:
+            return True
+        try:
+            registered = (await self._kvindex.pods()).pods
+        except ServiceUnavailable:
+            return False
+        if self._static:  # learn the kvindex names of the pods we were given
+            by_url = {p.api_url.rstrip("/"): p for p in registered if p.api_url}
+            for pod in self._pods.values():
+                reg = by_url.get(pod.url)
+                if reg is not None:
+                    pod.name, pod.model = reg.pod, reg.model
+            return True
+        current = {}
+        for reg in registered:
+            if not reg.api_url:
+                continue
+            old = self._pods.get(reg.pod)
+            state = PodState(reg.pod, reg.api_url.rstrip("/"), reg.role, reg.model)
+            if old is not None:
+                state.inflight, state.failed_until = old.inflight, old.failed_until
+            current[reg.pod] = state
+        if set(current) != set(self._pods):
+            log.info("pods_changed", pods=sorted(current))
+        self._pods = current
+        return True
+
+    async def follow(self, interval_s: float) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(interval_s)
+
+    # -- views
+    def _healthy(self, pods: list[PodState]) -> list[PodState]:
+        now = time.monotonic()
+        ok = [p for p in pods if p.failed_until <= now]
+        return ok or pods  # all recently failed: try them anyway rather than refuse
+
+    def prefill_candidates(self) -> list[Candidate]:
+        pods = [p for p in self._pods.values() if p.role in (PodRole.PREFILL, PodRole.BOTH)]
+        return [p.candidate() for p in self._healthy(pods)]
+
+    def decode_candidates(self) -> list[Candidate]:
+        pods = [p for p in self._pods.values() if p.role is PodRole.DECODE]
+        return [p.candidate() for p in self._healthy(pods)]
+
+    def models(self) -> list[str]:
+        return sorted({p.model for p in self._pods.values() if p.model})
+
+    def all(self) -> list[PodState]:
+        return list(self._pods.values())
+
+    # -- load and health
+    def _find(self, name: str) -> PodState | None:
+        return next((p for p in self._pods.values() if p.name == name), None)
+
+    def acquire(self, name: str) -> None:
+        if (pod := self._find(name)) is not None:
+            pod.inflight += 1
+
+    def release(self, name: str) -> None:
+        if (pod := self._find(name)) is not None:
+            pod.inflight = max(0, pod.inflight - 1)
+
+    def mark_failed(self, name: str) -> None:
+        if (pod := self._find(name)) is not None:
+            pod.failed_until = time.monotonic() + FAILURE_COOLDOWN_S

@@ -1,0 +1,130 @@
+"""Routing policies: which prefill pod serves a turn, and which decode pod finishes it.
+
+Pure: each policy gets the candidates (with their load and, for kv-aware, their cached prefix
+from the kvindex) and returns an ordered preference list; the orchestrator tries them in order
+and falls back to the next one when a pod fails. Chosen by name from config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from agentserving.core.schemas import PodPrefix
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    url: str
+    inflight: int = 0
+
+
+@dataclass
+class RouteInput:
+    session_key: str | None
+    candidates: Sequence[Candidate]
+    prefixes: dict[str, PodPrefix] = field(default_factory=dict)  # from the kvindex lookup
+    last_pod: str | None = None  # where this session's previous turn ran
+    index_available: bool = True
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def rank(self, inp: RouteInput) -> list[Candidate]: ...
+
+
+def _by_load(candidates: Sequence[Candidate]) -> list[Candidate]:
+    return sorted(candidates, key=lambda c: (c.inflight, c.name))
+
+
+class RoundRobin:
+    """Spread turns evenly, ignoring sessions and KV: the baseline of the benchmarks."""
+
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def rank(self, inp: RouteInput) -> list[Candidate]:
+        pods = sorted(inp.candidates, key=lambda c: c.name)
+        if not pods:
+            return []
+        start = next(self._counter) % len(pods)
+        return pods[start:] + pods[:start]
+
+
+def affinity_order(session_key: str | None, candidates: Sequence[Candidate]) -> list[Candidate]:
+    """Rendezvous hashing: a session keeps its pod while the pod set is stable, and only the
+    sessions of a pod that leaves move."""
+    if session_key is None:
+        return _by_load(candidates)
+
+    def weight(c: Candidate) -> bytes:
+        return hashlib.blake2b(f"{session_key}|{c.name}".encode(), digest_size=8).digest()
+
+    return sorted(candidates, key=weight, reverse=True)
+
+
+class SessionAffinity:
+    """A session's turns stay on one pod (its previous one while it lives)."""
+
+    name = "session"
+
+    def rank(self, inp: RouteInput) -> list[Candidate]:
+        order = affinity_order(inp.session_key, inp.candidates)
+        if inp.last_pod is not None:
+            order.sort(key=lambda c: c.name != inp.last_pod)
+        return order
+
+
+class KvAware:
+    """Go where the longest tier-weighted prefix is, unless that pod is too busy.
+
+    cost(pod) = -cached_tokens(pod) + load_penalty_tokens * inflight(pod), where
+    cached_tokens = kvindex score (device 1, DRAM 0.8, disk 0.5 per chunk) * chunk_size. Without
+    the index (down, or a first turn) it degrades to session affinity.
+    """
+
+    name = "kv-aware"
+
+    def __init__(self, chunk_size: int = 256, load_penalty_tokens: int = 2048) -> None:
+        self.chunk_size = chunk_size
+        self.load_penalty_tokens = load_penalty_tokens
+        self._fallback = SessionAffinity()
+
+    def cost(self, c: Candidate, prefixes: dict[str, PodPrefix]) -> float:
+        prefix = prefixes.get(c.name)
+        cached = prefix.score * self.chunk_size if prefix else 0.0
+        return -cached + self.load_penalty_tokens * c.inflight
+
+    def rank(self, inp: RouteInput) -> list[Candidate]:
+        if not inp.index_available or not inp.prefixes:
+            return self._fallback.rank(inp)
+        affinity = {c.name: i for i, c in enumerate(self._fallback.rank(inp))}
+        return sorted(inp.candidates,
+                      key=lambda c: (self.cost(c, inp.prefixes), affinity[c.name]))
+
+
+class LeastLoaded:
+    """Decode pods: the one with the fewest turns in flight."""
+
+    name = "least-loaded"
+
+    def rank(self, inp: RouteInput) -> list[Candidate]:
+        return _by_load(inp.candidates)
+
+
+def make_policy(name: str, chunk_size: int = 256, load_penalty_tokens: int = 2048
+                ) -> RoutingPolicy:
+    if name == "kv-aware":
+        return KvAware(chunk_size, load_penalty_tokens)
+    if name == "session":
+        return SessionAffinity()
+    if name == "round-robin":
+        return RoundRobin()
+    raise ValueError(f"unknown routing policy '{name}'; expected kv-aware, session, round-robin")

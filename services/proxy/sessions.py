@@ -1,0 +1,49 @@
+"""What the proxy remembers of each session between turns: the chunk hashes the engine
+returned for the previous turn (to route the next one), where it ran, and tool-gap timing.
+
+A bounded LRU; keys include the tenant, so one tenant cannot steer by another's session.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SessionState:
+    chunk_hashes: list[str] = field(default_factory=list)
+    last_pod: str | None = None
+    turns: int = 0
+    last_turn_end: float | None = None
+    pending_tool: str | None = None  # the tool the previous turn called
+    predicted_gap_s: float | None = None
+    prefetch_fired_at: float | None = None
+
+
+class SessionTable:
+    def __init__(self, max_sessions: int) -> None:
+        self._max = max_sessions
+        self._items: OrderedDict[str, SessionState] = OrderedDict()
+
+    def get(self, key: str) -> SessionState:
+        state = self._items.get(key)
+        if state is None:
+            state = self._items[key] = SessionState()
+            while len(self._items) > self._max:
+                self._items.popitem(last=False)
+        else:
+            self._items.move_to_end(key)
+        return state
+
+    def peek(self, key: str) -> SessionState | None:
+        return self._items.get(key)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def session_key(tenant: str | None, session_id: str | None) -> str | None:
+    if session_id is None:
+        return None
+    return f"{tenant or '-'}/{session_id}"

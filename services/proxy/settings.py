@@ -1,0 +1,37 @@
+"""The proxy's configuration: flags / environment -> this object -> constructors."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+
+class RoutingName(StrEnum):
+    KV_AWARE = "kv-aware"
+    SESSION = "session"
+    ROUND_ROBIN = "round-robin"
+
+
+class ProxySettings(BaseModel):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    kvindex_url: str | None = None
+    prefill_urls: list[str] = Field(default_factory=list)
+    decode_urls: list[str] = Field(default_factory=list)
+    routing: RoutingName = RoutingName.KV_AWARE
+    api_keys_file: Path | None = None
+    discovery_interval_s: float = Field(default=2.0, gt=0)
+    kvindex_timeout_s: float = Field(default=0.5, gt=0)
+    upstream_connect_timeout_s: float = Field(default=2.0, gt=0)
+    upstream_timeout_s: float = Field(default=600.0, gt=0)
+    max_attempts: int = Field(default=3, ge=1)
+    load_penalty_tokens: int = Field(
+        default=2048, ge=0,
+        description="Tokens of cached prefix one in-flight request on a pod is worth giving up.")
+    chunk_size: int = Field(default=256, gt=0)
+    prefetch_lead_s: float = Field(default=0.5, ge=0)
+    max_sessions: int = Field(default=100_000, gt=0)
+    log_level: str = "info"
+    log_json: bool = True

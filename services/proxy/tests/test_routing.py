@@ -1,0 +1,102 @@
+"""Routing policies, tool-gap prediction and API keys: pure decisions on hand-built inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from agentserving.core.schemas import PodPrefix
+from agentserving.proxy.auth import ApiKeys, KeyEntry
+from agentserving.proxy.routing import (
+    Candidate,
+    KvAware,
+    RoundRobin,
+    RouteInput,
+    SessionAffinity,
+    affinity_order,
+    make_policy,
+)
+from agentserving.proxy.tool_gaps import ToolGapPredictor
+
+PODS = [Candidate("p0", "http://a"), Candidate("p1", "http://b"), Candidate("p2", "http://c")]
+
+
+def prefix(pod, score, n=None):
+    return PodPrefix(pod=pod, prefix_chunks=n or int(score), tiers={}, score=score)
+
+
+def test_kv_aware_goes_to_the_longest_weighted_prefix():
+    policy = KvAware(chunk_size=256, load_penalty_tokens=2048)
+    inp = RouteInput("s", PODS, {"p1": prefix("p1", 40), "p2": prefix("p2", 10)})
+    assert [c.name for c in policy.rank(inp)][:2] == ["p1", "p2"]
+
+
+def test_kv_aware_gives_up_a_small_prefix_to_avoid_a_busy_pod():
+    policy = KvAware(chunk_size=256, load_penalty_tokens=2048)
+    busy = [Candidate("p0", "u", 0), Candidate("p1", "u", 3), Candidate("p2", "u", 0)]
+    # p1 holds 4 chunks = 1024 tokens but has 3 turns in flight (6144 tokens of penalty)
+    inp = RouteInput("s", busy, {"p1": prefix("p1", 4)})
+    assert policy.rank(inp)[0].name != "p1"
+    # a long prefix (40 chunks = 10240 tokens) is still worth the queue
+    inp = RouteInput("s", busy, {"p1": prefix("p1", 40)})
+    assert policy.rank(inp)[0].name == "p1"
+
+
+def test_kv_aware_degrades_to_session_affinity_without_the_index():
+    policy = KvAware()
+    down = RouteInput("sess-9", PODS, {"p2": prefix("p2", 99)}, index_available=False)
+    assert policy.rank(down) == SessionAffinity().rank(RouteInput("sess-9", PODS))
+    assert policy.rank(RouteInput("sess-9", PODS, last_pod="p2"))[0].name == "p2"
+
+
+def test_round_robin_rotates():
+    rr = RoundRobin()
+    firsts = [rr.rank(RouteInput(None, PODS))[0].name for _ in range(6)]
+    assert firsts == ["p0", "p1", "p2", "p0", "p1", "p2"]
+
+
+@given(st.text(min_size=1, max_size=20))
+def test_affinity_is_stable_and_minimal_on_pod_loss(sid):
+    first = affinity_order(sid, PODS)[0]
+    assert affinity_order(sid, list(reversed(PODS)))[0] == first
+    remaining = [c for c in PODS if c.name != "p1"]
+    if first.name != "p1":  # only the sessions of the pod that left move
+        assert affinity_order(sid, remaining)[0] == first
+
+
+def test_make_policy_names():
+    assert make_policy("kv-aware").name == "kv-aware"
+    assert make_policy("session").name == "session"
+    with pytest.raises(ValueError, match="unknown routing policy 'random'"):
+        make_policy("random")
+
+
+def test_tool_gap_predictor_learns_per_tool():
+    pred = ToolGapPredictor(alpha=0.5, default_gap_s=2.0)
+    assert pred.predict("bash") == 2.0
+    pred.observe("bash", 10.0)
+    pred.observe("bash", 20.0)
+    assert pred.predict("bash") == pytest.approx(15.0)
+    pred.observe("search", 1.0)
+    assert pred.predict("search") == pytest.approx(1.0)
+    assert pred.predict("unknown-tool") == pytest.approx(pred._overall.value)
+    assert pred.prefetch_delay("bash", lead_s=3.0) == pytest.approx(12.0)
+    assert pred.prefetch_delay("search", lead_s=3.0) == 0.0
+
+
+def test_api_keys(tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": [{"key": "sk-acme-123456", "tenant": "acme"},
+                                         {"key": "sk-beta-123456", "tenant": "beta",
+                                          "cache_salt": "s3cret"}]}))
+    keys = ApiKeys.load(path)
+    assert keys.authenticate("Bearer sk-acme-123456").tenant == "acme"
+    assert keys.authenticate("Bearer sk-acme-123456").cache_salt == "tenant:acme"
+    assert keys.authenticate("bearer sk-beta-123456").cache_salt == "s3cret"
+    assert keys.authenticate("Bearer nope-nope-nope") is None
+    assert keys.authenticate(None) is None
+    with pytest.raises(ValueError):
+        KeyEntry(key="short", tenant="x")

@@ -1,0 +1,47 @@
+"""Tool-call gap prediction (seed 003's tool-call time predictor), online and per tool.
+
+When a turn ends in a tool call, the next turn of that session arrives after the tool runs.
+The predictor keeps, per tool name, an exponentially weighted mean of observed gaps (falling
+back to the mean over all tools, then to a default), so the proxy can prefetch the session's
+chunks into DRAM shortly before the next turn arrives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class _Ewma:
+    value: float
+    count: int = 1
+
+
+class ToolGapPredictor:
+    def __init__(self, alpha: float = 0.3, default_gap_s: float = 2.0) -> None:
+        self.alpha = alpha
+        self.default_gap_s = default_gap_s
+        self._per_tool: dict[str, _Ewma] = {}
+        self._overall: _Ewma | None = None
+
+    def predict(self, tool: str | None) -> float:
+        if tool is not None and tool in self._per_tool:
+            return self._per_tool[tool].value
+        if self._overall is not None:
+            return self._overall.value
+        return self.default_gap_s
+
+    def observe(self, tool: str | None, gap_s: float) -> None:
+        gap_s = max(0.0, gap_s)
+        if tool is not None:
+            self._per_tool[tool] = self._update(self._per_tool.get(tool), gap_s)
+        self._overall = self._update(self._overall, gap_s)
+
+    def _update(self, old: _Ewma | None, gap_s: float) -> _Ewma:
+        if old is None:
+            return _Ewma(gap_s)
+        return _Ewma(old.value + self.alpha * (gap_s - old.value), old.count + 1)
+
+    def prefetch_delay(self, tool: str | None, lead_s: float) -> float:
+        """Seconds after a turn ends to start prefetching for the next one."""
+        return max(0.0, self.predict(tool) - lead_s)

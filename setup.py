@@ -14,6 +14,7 @@ FOLDERS = {
     "agentserving.prefill": "services/prefill",
     "agentserving.decode": "services/decode",
     "agentserving.proxy": "services/proxy",
+    "agentserving.replay": "replay",
 }
 
 

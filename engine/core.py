@@ -1,0 +1,462 @@
+"""The engine core: one step loop over the model, the KV tiers and the hand-off.
+
+``EngineCore`` owns the queue of requests; each ``step()`` asks the scheduling policy for a
+``StepPlan`` and executes it:
+
+- the first time a request is scheduled, its prompt's chunk hashes are computed and the
+  longest cached prefix is fetched from whichever LMCache tier holds it (``KVStore``);
+  only the rest of the prompt is computed, in steps split at chunk boundaries;
+- when the prompt is done, the first token is sampled (or taken from
+  ``forced_output_token_ids``), and every full chunk not reused is stored (deferred to
+  ``run_deferred()``, after the first token has been sent);
+- ``do_remote_decode`` requests stop there and pin their KV in the hand-off registry;
+  ``do_remote_prefill`` requests pull it instead (``services.decode.kv_pull``), decode their
+  first step while later layers still arrive, and recompute locally if the pull fails;
+- decoding requests advance one token per step.
+
+It runs in-process too (tests drive ``step()`` directly); ``engine_process`` wraps it with
+ZMQ and the HTTP memory API.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from agentserving.core.logging import get_logger
+from agentserving.core.schemas import Tier
+from agentserving.engine.kv.handoff_wire import TransferError, dtype_name, tokens_digest
+from agentserving.engine.kv.keys import ChunkKeys
+from agentserving.engine.kv.store import KVStore
+from agentserving.engine.model.runner import ModelRunner, logprobs_of, sample
+from agentserving.engine.scheduler.policy import SchedulerContext, SchedulerPolicy
+from agentserving.engine.scheduler.request import EngineRequest, RequestState
+
+log = get_logger(__name__)
+
+REMOTE_TIER = "remote"
+
+
+@dataclasses.dataclass
+class TokenOut:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclasses.dataclass
+class EngineOutput:
+    req_id: str
+    tokens: list[TokenOut] = dataclasses.field(default_factory=list)
+    finished: bool = False
+    finish_reason: str | None = None
+    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class EngineCoreStats:
+    prefill_tokens_computed: int = 0
+    transfer_bytes_received: int = 0
+    transfer_failures: int = 0
+    requests_finished: int = 0
+
+
+@dataclasses.dataclass
+class HandoffSite:
+    """Where decode pods reach this engine's hand-off endpoint."""
+
+    host: str
+    port: int
+    engine_id: str
+
+
+class EngineCore:
+    def __init__(self, runner: ModelRunner, store: KVStore | None, keys: ChunkKeys,
+                 policy: SchedulerPolicy, *, chunk_size: int, max_running: int,
+                 max_model_len: int, handoff: Any = None, handoff_site: HandoffSite | None = None,
+                 pull_timeout_s: float = 30.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.runner = runner
+        self.store = store
+        self.keys = keys
+        self.policy = policy
+        self.chunk_size = chunk_size
+        self.max_running = max_running
+        self.max_model_len = max_model_len
+        self.handoff = handoff
+        self.handoff_site = handoff_site
+        self.pull_timeout_s = pull_timeout_s
+        self.clock = clock
+        bundle = runner.bundle
+        self.eos_token_id = bundle.tokenizer.eos_token_id
+        self.waiting: collections.deque[EngineRequest] = collections.deque()
+        self.running: list[EngineRequest] = []
+        self.pulling: list[EngineRequest] = []
+        self._by_id: dict[str, EngineRequest] = {}
+        self._deferred: list[Callable[[], None]] = []
+        self.stats = EngineCoreStats()
+        # Tests: keep every request's sampled-from logits (req_id -> list of fp32 tensors).
+        self.capture_logits = False
+        self.captured_logits: dict[str, list[torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ queue
+    def add(self, req: EngineRequest) -> None:
+        if req.req_id in self._by_id:
+            raise ValueError(f"duplicate request id {req.req_id}")
+        self._by_id[req.req_id] = req
+        if req.wants_remote_prefill:
+            self._start_pull(req)
+        else:
+            self.waiting.append(req)
+
+    def abort(self, req_id: str) -> bool:
+        req = self._by_id.pop(req_id, None)
+        if req is None:
+            return False
+        req.aborted = True
+        for queue in (self.waiting, self.running, self.pulling):
+            if req in queue:
+                queue.remove(req)
+        req.cache = None
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.pulling or self._deferred)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.pulling)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> list[EngineOutput]:
+        outputs: list[EngineOutput] = []
+        self._promote_pulls()
+        ctx = SchedulerContext(chunk_size=self.chunk_size, max_running=self.max_running,
+                               now=self.clock(), lookup_tiers=self._lookup_tiers,
+                               prefetch=self._prefetch_hint)
+        plan = self.policy.schedule(list(self.waiting), list(self.running), ctx)
+        t0 = time.perf_counter()
+        for work in plan.prefill:
+            if not work.request.aborted:
+                self._prefill(work.request, work.num_tokens, outputs)
+        for req in plan.decode:
+            if not req.aborted and req.state is RequestState.DECODING:
+                self._decode(req, outputs)
+        observe = getattr(self.policy, "observe_step", None)
+        if observe is not None and not plan.empty:  # e.g. a step-time model fitted online
+            observe(plan, time.perf_counter() - t0)
+        return outputs
+
+    def run_deferred(self) -> None:
+        """Work that must not delay a first token: storing the prompt's new chunks."""
+        work, self._deferred = self._deferred, []
+        for fn in work:
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - a failed store only costs a future cache miss
+                log.exception("deferred_work_failed")
+
+    # ------------------------------------------------------------------ prefill
+    def _hashes(self, req: EngineRequest) -> None:
+        hasher = self.keys.hasher(req.cache_salt)
+        raw = hasher.raw_hashes(req.prompt_token_ids)
+        req.chunk_ints = [self.keys.to_int(h) for h in raw]
+        req.chunk_hashes = [self.keys.wire_of_int(v) for v in req.chunk_ints]
+
+    def _admit(self, req: EngineRequest) -> None:
+        """First scheduling: hash the prompt, fetch the longest cached prefix."""
+        self.waiting.remove(req)
+        self.running.append(req)
+        req.scheduled_time = self.clock()
+        req.state = RequestState.PREFILLING
+        self._hashes(req)
+        # Reuse at most the chunks before the one holding the last prompt token: that token's
+        # logits are needed, so at least one token is always computed.
+        max_chunks = (req.num_prompt_tokens - 1) // self.chunk_size
+        req.cache = None
+        if self.store is not None and max_chunks > 0:
+            res = self.store.load_prefix(req.chunk_ints[:max_chunks])
+            req.load_seconds = res.seconds
+            if res.num_tokens and res.layers is not None:
+                req.cache = self.runner.cache_from_layers(res.layers)
+                req.num_computed = res.num_tokens
+                req.reused_tokens = res.num_tokens
+                for tier, n in res.tokens_by_tier.items():
+                    req.add_tier_tokens(tier, n)
+        if req.cache is None:
+            req.cache = self.runner.new_cache()
+            req.num_computed = 0
+
+    def _prefill(self, req: EngineRequest, budget: int, outputs: list[EngineOutput]) -> None:
+        if req.state is RequestState.WAITING:
+            if len(self.running) >= self.max_running:
+                return
+            self._admit(req)
+        size = self.chunk_size
+        total = req.num_prompt_tokens
+        full_end = total - total % size
+        start = req.num_computed
+        budget = max(size, budget - budget % size)
+        end = min(start + budget, full_end) if start < full_end else total
+        t0 = time.perf_counter()
+        logits = self.runner.forward(req.prompt_token_ids[start:end], req.cache, start)
+        req.prefill_seconds += time.perf_counter() - t0
+        req.num_computed = end
+        self.stats.prefill_tokens_computed += end - start
+        if end < total:
+            return
+        # -- the prompt is done
+        self._defer_store(req)
+        first = self._choose(req, logits, 0)
+        req.output_token_ids.append(first.token_id)
+        req.first_token_time = self.clock()
+        if req.wants_remote_decode:
+            params = self._pin_for_decode(req, first)
+            self._finish(req, outputs, [first], "length", kv_transfer_params=params)
+            return
+        req.state = RequestState.DECODING
+        reason = self._stop_reason(req, first.token_id)
+        if reason:
+            self._finish(req, outputs, [first], reason)
+        else:
+            outputs.append(EngineOutput(req.req_id, [first], meta=self._first_meta(req)))
+
+    def _defer_store(self, req: EngineRequest) -> None:
+        if self.store is None:
+            return
+        skip = req.reused_tokens // self.chunk_size
+        if len(req.chunk_ints) <= skip:
+            return
+        layers = [(k, v) for k, v in self.runner.cache_layers(req.cache)]
+        tokens = list(req.prompt_token_ids)
+        salt = req.cache_salt
+        store = self.store
+
+        def _store() -> None:
+            req.stored_chunks = store.store(tokens, layers, skip, salt)
+
+        self._deferred.append(_store)
+
+    # ------------------------------------------------------------------ decode
+    def _decode(self, req: EngineRequest, outputs: list[EngineOutput]) -> None:
+        if req.remote is not None and len(req.output_token_ids) == 0:
+            self._decode_first_remote(req, outputs)
+            return
+        last = req.output_token_ids[-1]
+        pos = req.num_prompt_tokens + len(req.output_token_ids) - 1
+        t0 = time.perf_counter()
+        logits = self.runner.forward([last], req.cache, pos)
+        req.decode_seconds += time.perf_counter() - t0
+        tok = self._choose(req, logits, len(req.output_token_ids))
+        req.output_token_ids.append(tok.token_id)
+        reason = self._stop_reason(req, tok.token_id)
+        if reason:
+            self._finish(req, outputs, [tok], reason)
+        else:
+            outputs.append(EngineOutput(req.req_id, [tok]))
+
+    def _choose(self, req: EngineRequest, logits: torch.Tensor, index: int) -> TokenOut:
+        if self.capture_logits:
+            self.captured_logits.setdefault(req.req_id, []).append(logits.clone())
+        sp = req.sampling
+        if sp.forced_output_token_ids is not None:
+            token = sp.forced_output_token_ids[index]
+        else:
+            token = sample(logits, temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed,
+                           position=index)
+        if sp.logprobs is None:
+            return TokenOut(token)
+        lp, top = logprobs_of(logits, token, sp.logprobs)
+        return TokenOut(token, lp, top)
+
+    def _stop_reason(self, req: EngineRequest, token: int) -> str | None:
+        sp = req.sampling
+        if sp.forced_output_token_ids is None and not sp.ignore_eos and (
+                token == self.eos_token_id or token in sp.stop_token_ids):
+            return "stop"
+        if len(req.output_token_ids) >= req.output_budget:
+            return "length"
+        if req.num_prompt_tokens + len(req.output_token_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _first_meta(self, req: EngineRequest) -> dict[str, Any]:
+        return {
+            "prompt_tokens": req.num_prompt_tokens,
+            "cached_tokens": req.cached_tokens(),
+            "cached_tokens_by_tier": dict(req.tokens_by_tier),
+            "queue_seconds": (req.scheduled_time or req.arrival_time) - req.arrival_time,
+            "load_seconds": req.load_seconds,
+            "prefill_seconds": req.prefill_seconds,
+            "prefill_tokens": req.num_prompt_tokens - req.cached_tokens(),
+        }
+
+    def _finish(self, req: EngineRequest, outputs: list[EngineOutput], tokens: list[TokenOut],
+                reason: str, kv_transfer_params: dict[str, Any] | None = None) -> None:
+        req.state = RequestState.FINISHED
+        params = dict(kv_transfer_params or {})
+        params["chunk_hashes"] = list(req.chunk_hashes)
+        meta = self._first_meta(req) if len(req.output_token_ids) <= len(tokens) else {}
+        meta.update(decode_seconds=req.decode_seconds, completion_tokens=len(req.output_token_ids))
+        if req.remote is not None:
+            meta.update(transfer_bytes=req.remote.bytes_received,
+                        transfer_seconds=req.remote.seconds)
+            params.update(kv_source="remote", transfer_bytes=req.remote.bytes_received,
+                          transfer_seconds=round(req.remote.seconds, 6))
+        outputs.append(EngineOutput(req.req_id, tokens, finished=True, finish_reason=reason,
+                                    meta=meta, kv_transfer_params=params))
+        if req in self.running:
+            self.running.remove(req)
+        self._by_id.pop(req.req_id, None)
+        self.stats.requests_finished += 1
+        cache = req.cache
+        req.cache = None
+        if cache is not None and req.remote is not None and self.store is not None:
+            self._store_remote(req, cache)
+
+    # ------------------------------------------------------------------ P/D: prefill side
+    def _pin_for_decode(self, req: EngineRequest, first: TokenOut) -> dict[str, Any]:
+        if self.handoff is None or self.handoff_site is None:
+            raise RuntimeError("this engine cannot serve KV hand-offs")
+        total = req.num_prompt_tokens
+        layers = [(k[:, :, :total], v[:, :, :total])
+                  for k, v in self.runner.cache_layers(req.cache)]
+        b = self.runner.bundle
+        header = {
+            "model": b.name, "num_tokens": total, "num_layers": b.num_layers,
+            "num_kv_heads": b.num_kv_heads, "head_dim": b.head_dim,
+            "dtype": dtype_name(b.dtype), "tokens_digest": tokens_digest(req.prompt_token_ids),
+            "chunk_hashes": list(req.chunk_hashes), "first_token_id": first.token_id,
+            "first_logprob": first.logprob, "first_top_logprobs": first.top_logprobs,
+        }
+        transfer_id = self.handoff.register(header, layers)
+        site = self.handoff_site
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_host": site.host, "remote_port": site.port,
+                "remote_engine_id": site.engine_id, "transfer_id": transfer_id,
+                "num_tokens": total}
+
+    # ------------------------------------------------------------------ P/D: decode side
+    def _start_pull(self, req: EngineRequest) -> None:
+        from agentserving.decode.kv_pull import RemoteKV
+
+        b = self.runner.bundle
+        req.arrival_time = req.arrival_time or self.clock()
+        try:
+            req.remote = RemoteKV(req.kv_transfer_params or {}, req.prompt_token_ids,
+                                  num_layers=b.num_layers, num_kv_heads=b.num_kv_heads,
+                                  head_dim=b.head_dim, dtype=b.dtype,
+                                  timeout_s=self.pull_timeout_s).start()
+        except TransferError as exc:
+            self._fall_back(req, exc, queued=False)
+            return
+        req.state = RequestState.PULLING
+        self.pulling.append(req)
+
+    def _promote_pulls(self) -> None:
+        """Requests whose hand-off header arrived start decoding (layers may still stream)."""
+        from agentserving.decode.kv_pull import layerwise_cache
+
+        for req in list(self.pulling):
+            if not req.remote.header_ready():
+                continue
+            self.pulling.remove(req)
+            try:
+                req.remote.wait_header()
+            except TransferError as exc:
+                self._fall_back(req, exc)
+                continue
+            if len(self.running) >= self.max_running:
+                self.pulling.insert(0, req)
+                break
+            req.scheduled_time = self.clock()
+            self._hashes(req)
+            req.cache = layerwise_cache(self.runner.config, req.remote, req.num_prompt_tokens)
+            req.num_computed = req.num_prompt_tokens
+            req.state = RequestState.DECODING
+            self.running.append(req)
+
+    def _decode_first_remote(self, req: EngineRequest, outputs: list[EngineOutput]) -> None:
+        header = req.remote.header
+        first_id = int(header["first_token_id"])
+        forced = req.sampling.forced_output_token_ids
+        if forced is not None:
+            first_id = forced[0]
+        first = TokenOut(first_id)
+        if req.sampling.logprobs is not None and header.get("first_logprob") is not None:
+            top = [tuple(x) for x in header.get("first_top_logprobs") or []]
+            first = TokenOut(first_id, header["first_logprob"], top[: req.sampling.logprobs])
+        try:
+            t0 = time.perf_counter()
+            req.output_token_ids.append(first_id)
+            if self._stop_reason(req, first_id):
+                req.remote.layers()  # verify every layer before answering
+                second = None
+            else:
+                logits = self.runner.forward([first_id], req.cache, req.num_prompt_tokens)
+                second = self._choose(req, logits, 1)
+            req.decode_seconds += time.perf_counter() - t0
+        except TransferError as exc:
+            req.output_token_ids.clear()
+            self.running.remove(req)
+            self._fall_back(req, exc)
+            return
+        self.stats.transfer_bytes_received += req.remote.bytes_received
+        req.add_tier_tokens(REMOTE_TIER, req.num_prompt_tokens)
+        req.first_token_time = self.clock()
+        tokens = [first]
+        reason = self._stop_reason(req, first_id)
+        if second is not None:
+            req.output_token_ids.append(second.token_id)
+            tokens.append(second)
+            reason = self._stop_reason(req, second.token_id)
+        if reason:
+            self._finish(req, outputs, tokens, reason)
+        else:
+            outputs.append(EngineOutput(req.req_id, tokens, meta=self._first_meta(req)))
+
+    def _fall_back(self, req: EngineRequest, exc: Exception, queued: bool = True) -> None:
+        """The hand-off failed: compute the prompt here instead (same output, slower)."""
+        log.warning("kv_pull_failed_recomputing", req_id=req.req_id, error=str(exc))
+        self.stats.transfer_failures += 1
+        if req.remote is not None:
+            self.stats.transfer_bytes_received += req.remote.bytes_received
+        req.remote = None
+        req.kv_transfer_params = {k: v for k, v in (req.kv_transfer_params or {}).items()
+                                  if k != "do_remote_prefill"}
+        req.cache = None
+        req.num_computed = 0
+        req.tokens_by_tier = {}
+        req.state = RequestState.WAITING
+        self.waiting.appendleft(req)
+
+    def _store_remote(self, req: EngineRequest, cache: Any) -> None:
+        """Keep a pulled prompt's full chunks here too, for this session's next turn."""
+        store = self.store
+        assert store is not None
+        layers = [(k, v) for k, v in self.runner.cache_layers(cache)]
+        tokens, salt = list(req.prompt_token_ids), req.cache_salt
+        self._deferred.append(lambda: store.store(tokens, layers, 0, salt))
+
+    # ------------------------------------------------------------------ policy helpers
+    def _lookup_tiers(self, req: EngineRequest) -> list[Tier]:
+        if self.store is None:
+            return []
+        if not req.chunk_ints:
+            self._hashes(req)
+        return self.store.lookup(req.chunk_ints)
+
+    def _prefetch_hint(self, hashes: list[str]) -> None:
+        if self.store is not None and hashes:
+            self.store.prefetch(hashes, None)

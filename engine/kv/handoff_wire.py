@@ -1,0 +1,180 @@
+"""The binary format of a prefill -> decode KV hand-off, layer by layer, every frame checksummed.
+
+    stream  := MAGIC header-frame layer-frame{num_layers} end-frame
+    frame   := u32 big-endian payload length | payload | blake3(payload)[:16]
+    header  := JSON: transfer_id, model, num_tokens, num_layers, num_kv_heads, head_dim, dtype,
+               tokens_digest (blake3 of the prompt ids as big-endian u32), chunk_hashes,
+               first_token_id, first_logprob, first_top_logprobs
+    layer i := keys then values of layer i, each [kv_heads, num_tokens, head_dim], raw bytes
+    end     := JSON {"end": true, "num_layers": n}
+
+Layers come in model order so the receiver can run the first forward pass while later layers
+are still on the wire (layer-wise load). A frame whose checksum does not match, a short
+stream, or a header that does not describe the receiver's request raises
+``TransferCorrupt`` / ``TransferMismatch``; the receiver then recomputes instead.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import blake3
+import torch
+
+MAGIC = b"ASKV\x01"
+DIGEST = 16
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class TransferError(Exception):
+    pass
+
+
+class TransferCorrupt(TransferError):
+    pass
+
+
+class TransferMismatch(TransferError):
+    pass
+
+
+def tokens_digest(tokens: Sequence[int]) -> str:
+    return blake3.blake3(struct.pack(f">{len(tokens)}I", *tokens)).hexdigest(length=16)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _NAMES[dtype]
+
+
+def _frame(*parts: bytes | memoryview) -> Iterator[bytes | memoryview]:
+    """One frame as pieces (no copy of the payload)."""
+    h = blake3.blake3()
+    size = 0
+    for p in parts:
+        h.update(p)
+        size += len(p)
+    yield struct.pack(">I", size)
+    yield from parts
+    yield h.digest(length=DIGEST)
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().numpy()).cast("B")
+
+
+def encode(header: dict[str, Any], layers: Sequence[tuple[torch.Tensor, torch.Tensor]]
+           ) -> Iterator[bytes | memoryview]:
+    """The stream for ``layers`` ([1, kv_heads, tokens, head_dim] each), piece by piece;
+    layer payloads are views of the tensors, not copies."""
+    yield MAGIC
+    yield from _frame(json.dumps(header).encode())
+    for k, v in layers:
+        yield from _frame(_raw(k[0]), _raw(v[0]))
+    yield from _frame(json.dumps({"end": True, "num_layers": len(layers)}).encode())
+
+
+class Decoder:
+    """Incremental parser: ``feed(bytes)`` returns the events completed so far:
+    ``("header", dict)``, ``("layer", index, keys, values)``, ``("end", dict)``.
+    Each frame is assembled once (no re-copying of a growing buffer) and the layer tensors are
+    views of it."""
+
+    def __init__(self) -> None:
+        self._pieces: list[bytes] = []
+        self._have = 0
+        self._magic_seen = False
+        self._size: int | None = None  # payload size of the frame being read
+        self.header: dict[str, Any] | None = None
+        self._layer = 0
+        self.done = False
+        self.bytes_received = 0
+
+    def _take(self, n: int) -> bytearray | None:
+        """The next ``n`` bytes as one buffer, once that many have arrived."""
+        if self._have < n:
+            return None
+        buf = bytearray().join(self._pieces)
+        out, rest = buf[:n], buf[n:]
+        self._pieces = [bytes(rest)] if rest else []
+        self._have -= n
+        return out
+
+    def feed(self, data: bytes) -> list[tuple]:
+        self.bytes_received += len(data)
+        if data:
+            self._pieces.append(data)
+            self._have += len(data)
+        events: list[tuple] = []
+        if not self._magic_seen:
+            magic = self._take(len(MAGIC))
+            if magic is None:
+                return events
+            if bytes(magic) != MAGIC:
+                raise TransferCorrupt("not a KV hand-off stream (bad magic)")
+            self._magic_seen = True
+        while not self.done:
+            if self._size is None:
+                head = self._take(4)
+                if head is None:
+                    break
+                (self._size,) = struct.unpack(">I", head)
+                if self.header is not None and self._size > self._max_frame():
+                    raise TransferCorrupt(f"frame of {self._size} bytes exceeds the header's "
+                                          "layer size")
+            frame = self._take(self._size + DIGEST)
+            if frame is None:
+                break
+            size, self._size = self._size, None
+            payload = memoryview(frame)[:size]
+            if blake3.blake3(payload).digest(length=DIGEST) != bytes(frame[size:]):
+                raise TransferCorrupt("frame checksum mismatch "
+                                      f"({'header' if self.header is None else 'layer'} "
+                                      f"{self._layer})")
+            events.append(self._event(frame, size))
+        return events
+
+    def finish(self) -> None:
+        if not self.done:
+            raise TransferCorrupt("KV hand-off stream ended early "
+                                  f"(after {self._layer} layers)")
+
+    def _max_frame(self) -> int:
+        h = self.header or {}
+        item = torch.empty((), dtype=_DTYPES[h["dtype"]]).element_size()
+        return max(2 * h["num_kv_heads"] * h["num_tokens"] * h["head_dim"] * item, 1 << 16)
+
+    def _event(self, frame: bytearray, size: int) -> tuple:
+        payload = bytes(frame[:size]) if self.header is None or \
+            self._layer == self.header["num_layers"] else None
+        if self.header is None:
+            try:
+                header = json.loads(payload)
+                header["num_tokens"], header["num_layers"]  # noqa: B018 - required fields
+                dtype = _DTYPES[header["dtype"]]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise TransferCorrupt(f"bad hand-off header: {exc!r}") from exc
+            self.header = header
+            self._dtype = dtype
+            return ("header", header)
+        h = self.header
+        if self._layer == h["num_layers"]:
+            end = json.loads(payload)
+            if not end.get("end") or end.get("num_layers") != h["num_layers"]:
+                raise TransferCorrupt("bad end frame")
+            self.done = True
+            return ("end", end)
+        shape = (1, h["num_kv_heads"], h["num_tokens"], h["head_dim"])
+        item = torch.empty((), dtype=self._dtype).element_size()
+        count = shape[1] * shape[2] * shape[3]
+        if size != 2 * count * item:
+            raise TransferCorrupt(f"layer {self._layer}: {size} bytes, wrong size")
+        k = torch.frombuffer(frame, dtype=self._dtype, count=count).view(shape)
+        v = torch.frombuffer(frame, dtype=self._dtype, count=count,
+                             offset=count * item).view(shape)
+        idx = self._layer
+        self._layer += 1
+        return ("layer", idx, k, v)

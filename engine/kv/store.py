@@ -1,0 +1,528 @@
+"""The KV chunk store: LMCache 0.5.x's CPU-DRAM and local-disk tiers, with checksums.
+
+Contract (what the engine and the memory API rely on):
+
+- ``store(tokens, layers, skip_chunks)`` puts every *full* chunk of ``tokens`` past the first
+  ``skip_chunks`` into LMCache (``LMCacheEngine.store``: the CPU tier at once, the disk tier
+  by LMCache's asynchronous writer). Each chunk's bytes are fingerprinted as they are copied
+  (``connector.digest``).
+- ``lookup(ints)`` is the leading run of chunks present in some tier, each with the fastest
+  tier holding it (CPU before disk), without reading anything.
+- ``load_prefix(ints)`` reads that run into fresh per-layer tensors. A chunk read from disk
+  is served only if its bytes match the fingerprint taken at store time; a missing file, a
+  short file or flipped bits end the prefix there, and the bad chunk is dropped from every
+  tier (the engine recomputes it and stores it again). Verified disk chunks are written back
+  to the CPU tier, as LMCache's own ``StorageManager.batched_get`` does — but only *after*
+  verification, so a corrupt chunk never reaches DRAM. (LMCache alone would serve a missing
+  or short file's stale buffer: ``LocalDiskBackend.read_file`` only logs.)
+- ``prefetch(hashes)`` loads disk-only chunks into DRAM in the background and registers each
+  in ``LocalCPUBackend``'s hot cache, so the next lookup hits DRAM without touching disk
+  (seed 000 §5.1). Pins are taken only on the disk backend, for the chunks being read, and
+  released only there (selective unpin, §5.2).
+- ``evict(hashes, backends)`` removes chunks from the named backends (all when None);
+  unknown hashes are reported as missing, never as errors.
+- ``residency()`` is what each tier holds right now, read from LMCache's own indexes, so
+  LMCache's LRU evictions show up too.
+
+Thread safety: the engine's step loop, the memory API's HTTP thread and the prefetch thread
+call in concurrently; LMCache's backends lock their indexes and reference-count memory
+objects, and the digest table has its own lock.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentserving.core.logging import get_logger
+from agentserving.core.schemas import TIER_BACKENDS, Tier
+from agentserving.engine.kv.connector import CPUKVConnector, digest
+from agentserving.engine.kv.keys import SALT_CONFIG_KEY, ChunkKeys, make_token_database
+
+log = get_logger(__name__)
+
+CPU_BACKEND = TIER_BACKENDS[Tier.CPU]
+DISK_BACKEND = TIER_BACKENDS[Tier.DISK]
+BACKEND_TIERS = {name: tier for tier, name in TIER_BACKENDS.items()}
+
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class KVStoreConfig:
+    model_name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    chunk_size: int = 256
+    cpu_gib: float = 1.0
+    disk_dir: Path | None = None
+    disk_gib: float = 0.0
+    verify_cpu: bool = False
+    instance_id: str = "engine-0"
+
+
+@dataclasses.dataclass
+class LoadResult:
+    layers: list[LayerKV] | None
+    num_tokens: int
+    tokens_by_tier: dict[Tier, int]
+    corrupt: list[str] = dataclasses.field(default_factory=list)
+    missing: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class PrefetchStatus:
+    lookup_id: str
+    requested: int
+    in_cpu: int
+    to_load: int
+    missing: int
+    state: str = "running"  # running | done | failed
+    loaded: int = 0
+    corrupt: int = 0
+    error: str | None = None
+    started_at: float = dataclasses.field(default_factory=time.time)
+    finished_at: float | None = None
+
+
+@dataclasses.dataclass
+class KVStoreStats:
+    """Cumulative counters (the engine turns them into metrics)."""
+
+    corrupt_chunks: int = 0
+    missing_chunks: int = 0
+    prefetched_chunks: int = 0
+    evicted_chunks: int = 0
+    stored_chunks: int = 0
+
+
+SHORT_FILE = object()  # a disk chunk whose file is not the size written: corrupt
+
+
+class KVStore:
+    def __init__(self, config: KVStoreConfig, chunk_keys: ChunkKeys) -> None:
+        from lmcache.v1.cache_engine import LMCacheEngine
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.metadata import LMCacheMetadata
+
+        self.config = config
+        self.keys = chunk_keys
+        self.chunk_size = config.chunk_size
+        cfg: dict[str, Any] = {
+            "chunk_size": config.chunk_size,
+            "local_cpu": True,
+            "max_local_cpu_size": config.cpu_gib,
+            "save_unfull_chunk": False,
+            "py_enable_gc": True,
+            "lmcache_instance_id": config.instance_id,
+        }
+        if config.disk_dir is not None:
+            config.disk_dir.mkdir(parents=True, exist_ok=True)
+            cfg["local_disk"] = str(config.disk_dir)
+            cfg["max_local_disk_size"] = config.disk_gib
+        self._lm_config = LMCacheEngineConfig.from_dict(cfg)
+        self._metadata = LMCacheMetadata(
+            model_name=config.model_name, world_size=1, local_world_size=1, worker_id=0,
+            local_worker_id=0, kv_dtype=config.dtype,
+            kv_shape=(config.num_layers, 2, config.chunk_size, config.num_kv_heads,
+                      config.head_dim),
+            chunk_size=config.chunk_size)
+        self.connector = CPUKVConnector(config.num_layers, config.num_kv_heads, config.head_dim)
+        token_db = make_token_database(chunk_keys, self._lm_config, self._metadata)
+        self.engine = LMCacheEngine(self._lm_config, self._metadata, token_db, self.connector,
+                                    lambda *a, **k: None, lambda *a, **k: None)
+        self.engine.post_init()
+        sm = self.engine.storage_manager
+        assert sm is not None
+        self.storage = sm
+        self.cpu = sm.storage_backends[CPU_BACKEND]
+        self.disk = sm.storage_backends.get(DISK_BACKEND)
+        self.chunk_bytes = (2 * config.num_layers * config.chunk_size * config.num_kv_heads
+                            * config.head_dim * torch.empty((), dtype=config.dtype).element_size())
+        self._digests: dict[int, tuple[bytes, int]] = {}  # chunk int -> (digest, nbytes)
+        self._digest_lock = threading.Lock()
+        self._absent_once: set[int] = set()
+        self._prefetch_pool = concurrent.futures.ThreadPoolExecutor(1, "kv-prefetch")
+        self._prefetches: collections.OrderedDict[str, PrefetchStatus] = \
+            collections.OrderedDict()
+        self._prefetch_lock = threading.Lock()
+        self.stats = KVStoreStats()
+
+    @property
+    def backends(self) -> list[str]:
+        return list(self.storage.storage_backends)
+
+    # ------------------------------------------------------------------ store
+    def store(self, tokens: Sequence[int], layers: Sequence[LayerKV], skip_chunks: int = 0,
+              cache_salt: str | None = None) -> int:
+        """Store the full chunks of ``tokens`` after the first ``skip_chunks``; returns how many
+        chunks were handed to LMCache."""
+        size = self.chunk_size
+        n_full = len(tokens) // size
+        if n_full <= skip_chunks:
+            return 0
+        toks = torch.tensor(list(tokens[: n_full * size]), dtype=torch.long)
+        mask = torch.ones(n_full * size, dtype=torch.bool)
+        mask[: skip_chunks * size] = False
+        ints = self.keys.int_hashes(toks, cache_salt)
+        request_configs = {SALT_CONFIG_KEY: cache_salt} if cache_salt else None
+        filled = 0
+
+        def on_digest(start: int, d: bytes, nbytes: int) -> None:
+            # recorded before LMCache publishes the chunk in any tier
+            nonlocal filled
+            filled += 1
+            with self._digest_lock:
+                self._digests[ints[start // size]] = (d, nbytes)
+
+        self.engine.store(toks, mask=mask, layers=list(layers), on_digest=on_digest,
+                          request_configs=request_configs)
+        self.stats.stored_chunks += filled
+        return filled
+
+    def expected_digest(self, value: int) -> tuple[bytes, int] | None:
+        with self._digest_lock:
+            return self._digests.get(value)
+
+    # ------------------------------------------------------------------ lookup / load
+    def tier_of(self, key: Any) -> Tier | None:
+        if self.cpu.contains(key):
+            return Tier.CPU
+        if self.disk is not None and self.disk.contains(key):
+            return Tier.DISK
+        return None
+
+    def lookup(self, ints: Sequence[int]) -> list[Tier]:
+        """The leading run of chunks held in some tier, fastest tier per chunk."""
+        out: list[Tier] = []
+        for value in ints:
+            tier = self.tier_of(self.keys.key(value))
+            if tier is None:
+                break
+            out.append(tier)
+        return out
+
+    def load_prefix(self, ints: Sequence[int]) -> LoadResult:
+        """Read the leading cached run of ``ints`` into new per-layer tensors, verified."""
+        t0 = time.perf_counter()
+        tiers = self.lookup(ints)
+        n = len(tiers)
+        by_tier: dict[Tier, int] = collections.Counter()
+        if n == 0:
+            return LoadResult(None, 0, {}, seconds=time.perf_counter() - t0)
+        cfg, size = self.config, self.chunk_size
+        layers = [(torch.empty(1, cfg.num_kv_heads, n * size, cfg.head_dim, dtype=cfg.dtype),
+                   torch.empty(1, cfg.num_kv_heads, n * size, cfg.head_dim, dtype=cfg.dtype))
+                  for _ in range(cfg.num_layers)]
+        keys = self.keys.keys(ints[:n])
+        good = 0
+        result = LoadResult(None, 0, {})
+        i = 0
+        while i < n:
+            j = i
+            while j < n and tiers[j] == tiers[i]:
+                j += 1
+            ok = self._load_run(keys[i:j], tiers[i], i, layers, result)
+            good += ok
+            by_tier[tiers[i]] += ok * size
+            if ok < j - i:
+                break
+            i = j
+        result.num_tokens = good * size
+        result.tokens_by_tier = dict(by_tier)
+        if good:
+            result.layers = [(k[:, :, : good * size], v[:, :, : good * size]) for k, v in layers]
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    def _load_run(self, keys: list[Any], tier: Tier, first: int, layers: list[LayerKV],
+                  result: LoadResult) -> int:
+        """Copy a run of chunks from one tier into ``layers``; returns how many were good."""
+        size = self.chunk_size
+        if tier is Tier.CPU:
+            objs = [self.cpu.get_blocking(k) for k in keys]
+        else:
+            objs = self._disk_read(keys)
+        good = 0
+        verified: list[tuple[Any, Any]] = []
+        try:
+            for idx, (key, obj) in enumerate(zip(keys, objs, strict=True)):
+                wire = self.keys.wire_of(key)
+                if obj is SHORT_FILE:
+                    result.corrupt.append(wire)
+                    self.stats.corrupt_chunks += 1
+                    self._drop_bad(key)
+                    log.warning("kv_chunk_corrupt", chunk=wire, tier=tier.value, why="size")
+                    break
+                if obj is None:
+                    if tier is Tier.DISK:  # listed, but the file could not be read
+                        result.missing.append(wire)
+                        self.stats.missing_chunks += 1
+                        self._drop_bad(key)
+                        log.warning("kv_chunk_missing", chunk=wire, tier=tier.value)
+                    break
+                if tier is Tier.DISK or self.config.verify_cpu:
+                    verdict = self._verify(key, obj)
+                    if verdict is not True:
+                        if verdict is False:
+                            result.corrupt.append(wire)
+                            self.stats.corrupt_chunks += 1
+                            self._drop_bad(key)
+                            log.warning("kv_chunk_corrupt", chunk=wire, tier=tier.value)
+                        break
+                start = (first + idx) * size
+                self.connector.to_gpu(obj, start, start + size, layers=layers)
+                verified.append((key, obj))
+                good += 1
+            if tier is Tier.DISK and verified:
+                # LMCache's write-back to DRAM, after verification.
+                self.cpu.batched_submit_put_task([k for k, _ in verified],
+                                                 [o for _, o in verified])
+        finally:
+            for obj in objs:
+                if obj is not None and obj is not SHORT_FILE:
+                    obj.ref_count_down()
+        return good
+
+    def _disk_read(self, keys: list[Any]) -> list[Any]:
+        """LMCache's disk read of ``keys``, aligned with them: a memory object, ``None`` for a
+        missing file, or ``SHORT_FILE`` for a file whose size is not the size written (LMCache
+        would leave stale bytes in the read buffer for the part it could not read)."""
+        assert self.disk is not None
+        out: list[Any] = [None] * len(keys)
+        todo: list[int] = []
+        for i, key in enumerate(keys):
+            state = self._file_state(key)
+            if state == "ok":
+                todo.append(i)
+            elif state == "short":
+                out[i] = SHORT_FILE
+        read = [keys[i] for i in todo]
+        if len(read) > 1:
+            objs = list(self.disk.batched_get_blocking(read))
+        elif read:
+            try:  # LMCache's single-key path raises instead of returning None
+                objs = [self.disk.get_blocking(read[0])]
+            except (KeyError, AssertionError, OSError):
+                objs = [None]
+        else:
+            objs = []
+        for i, obj in zip(todo, objs, strict=True):
+            out[i] = obj
+        return out
+
+    def _file_state(self, key: Any) -> str:
+        expected = self.expected_digest(key.chunk_hash)
+        with self.disk.disk_lock:
+            meta = self.disk.dict.get(key)
+        if meta is None:
+            return "missing"
+        try:
+            size = os.path.getsize(meta.path)
+        except OSError:
+            return "missing"
+        return "short" if expected is not None and size != expected[1] else "ok"
+
+    def _verify(self, key: Any, obj: Any) -> bool | None:
+        """True: matches; False: corrupt; None: no fingerprint yet (a store in flight)."""
+        expected = self.expected_digest(key.chunk_hash)
+        if expected is None:
+            return None
+        return digest(obj.byte_array) == expected[0]
+
+    def _remove(self, name: str, key: Any) -> bool:
+        backend = self.storage.storage_backends[name]
+        if backend is self.disk:
+            with self.disk.disk_lock:
+                meta = self.disk.dict.get(key)
+            if meta is not None and not os.path.exists(meta.path):
+                # LMCache's remove() deletes the file and fails half-way if it is gone:
+                # give it one to delete, so its own bookkeeping stays whole.
+                open(meta.path, "wb").close()
+        try:
+            return bool(backend.remove(key))
+        except OSError:
+            return True
+
+    def _drop_bad(self, key: Any) -> None:
+        """Remove a corrupt or unreadable chunk from every tier (it is recomputed later)."""
+        for name in self.storage.storage_backends:
+            self._remove(name, key)
+        with self._digest_lock:
+            self._digests.pop(key.chunk_hash, None)
+
+    # ------------------------------------------------------------------ evict
+    def resolve_locations(self, locations: Iterable[str] | None) -> list[str]:
+        """Backend names for the memory API's ``locations`` (backend or tier names)."""
+        if locations is None:
+            return self.backends
+        out = []
+        for loc in locations:
+            name = TIER_BACKENDS.get(Tier(loc)) if loc in Tier._value2member_map_ else loc
+            if name not in self.storage.storage_backends:
+                raise KeyError(loc)
+            out.append(name)
+        return out
+
+    def evict(self, wire_hashes: Sequence[str], backends: Sequence[str]) -> tuple[list[str],
+                                                                                 list[str]]:
+        """Remove chunks from ``backends``; returns (evicted, missing) wire hashes."""
+        evicted, missing = [], []
+        for wire in wire_hashes:
+            key = self.keys.key_of(wire)
+            removed = False
+            if key is not None:
+                for name in backends:
+                    removed = self._remove(name, key) or removed
+            (evicted if removed else missing).append(wire)
+            if removed and self.tier_of(key) is None:
+                with self._digest_lock:
+                    self._digests.pop(key.chunk_hash, None)
+        self.stats.evicted_chunks += len(evicted)
+        return evicted, missing
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(self, wire_hashes: Sequence[str], lookup_id: str | None) -> PrefetchStatus:
+        """Start loading the disk-only chunks among ``wire_hashes`` into DRAM; returns at once."""
+        lookup_id = lookup_id or f"prefetch-{uuid.uuid4().hex[:12]}"
+        to_load, in_cpu, missing = [], 0, 0
+        for wire in wire_hashes:
+            key = self.keys.key_of(wire)
+            tier = self.tier_of(key) if key is not None else None
+            if tier is Tier.CPU:
+                in_cpu += 1
+            elif tier is Tier.DISK:
+                to_load.append(key)
+            else:
+                missing += 1
+        status = PrefetchStatus(lookup_id, len(wire_hashes), in_cpu, len(to_load), missing)
+        with self._prefetch_lock:
+            self._prefetches[lookup_id] = status
+            while len(self._prefetches) > 1024:
+                self._prefetches.popitem(last=False)
+        if to_load:
+            self._prefetch_pool.submit(self._prefetch_run, status, to_load)
+        else:
+            status.state, status.finished_at = "done", time.time()
+        return status
+
+    def prefetch_status(self, lookup_id: str) -> PrefetchStatus | None:
+        with self._prefetch_lock:
+            return self._prefetches.get(lookup_id)
+
+    def _prefetch_run(self, status: PrefetchStatus, keys: list[Any]) -> None:
+        assert self.disk is not None
+        pinned = [k for k in keys if self.disk.pin(k)]  # pins only where the data is read
+        try:
+            objs = self._disk_read(pinned) if pinned else []
+            for key, obj in zip(pinned, objs, strict=True):
+                if obj is None or obj is SHORT_FILE:
+                    if obj is None:
+                        self.stats.missing_chunks += 1
+                    else:
+                        status.corrupt += 1
+                        self.stats.corrupt_chunks += 1
+                    self._drop_bad(key)
+                    continue
+                try:
+                    verdict = self._verify(key, obj)
+                    if verdict:
+                        # hot-cache registration: the next lookup finds it in DRAM
+                        self.cpu.submit_put_task(key, obj)
+                        status.loaded += 1
+                    elif verdict is False:
+                        status.corrupt += 1
+                        self.stats.corrupt_chunks += 1
+                        self._drop_bad(key)
+                        log.warning("kv_chunk_corrupt", chunk=self.keys.wire_of(key),
+                                    tier="disk", during="prefetch")
+                finally:
+                    if obj.is_pinned:
+                        obj.unpin()
+                    obj.ref_count_down()
+            self.stats.prefetched_chunks += status.loaded
+            status.state = "done"
+        except Exception as exc:  # noqa: BLE001 - reported through the status endpoint
+            status.state, status.error = "failed", repr(exc)
+            log.exception("prefetch_failed", lookup_id=status.lookup_id)
+        finally:
+            for key in pinned:  # selective unpin: only the backend that took the pin
+                self.disk.unpin(key)
+            status.finished_at = time.time()
+
+    # ------------------------------------------------------------------ residency
+    def residency(self) -> dict[Tier, set[int]]:
+        with self.cpu.cpu_lock:
+            cpu = {k.chunk_hash for k in self.cpu.hot_cache}
+        out = {Tier.CPU: cpu}
+        if self.disk is not None:
+            with self.disk.disk_lock:
+                out[Tier.DISK] = {k.chunk_hash for k in self.disk.dict}
+        return out
+
+    def forget_digests(self, resident: set[int]) -> None:
+        """Drop fingerprints of chunks no tier has held for two scans in a row (LMCache's own
+        evictions); two scans, so a chunk between fingerprinting and its put is never lost."""
+        with self._digest_lock:
+            absent = {v for v in self._digests if v not in resident}
+            for value in absent & self._absent_once:
+                del self._digests[value]
+            self._absent_once = absent
+
+    def capacity_bytes(self) -> dict[Tier, int]:
+        out = {Tier.CPU: int(self.config.cpu_gib * 1024**3)}
+        if self.disk is not None:
+            out[Tier.DISK] = int(self.config.disk_gib * 1024**3)
+        return out
+
+    def disk_path(self, wire: str) -> str | None:
+        """Where a chunk's file lies (tests and debugging)."""
+        key = self.keys.key_of(wire)
+        if self.disk is None or key is None:
+            return None
+        with self.disk.disk_lock:
+            meta = self.disk.dict.get(key)
+        return meta.path if meta is not None else None
+
+    def wait_disk_writes(self, timeout_s: float = 10.0) -> bool:
+        """Block until LMCache's asynchronous disk writer is idle (tests, benchmarks)."""
+        if self.disk is None:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            worker = self.disk.disk_worker
+            if not getattr(worker, "put_tasks", None):
+                return True
+            time.sleep(0.01)
+        return False
+
+    def close(self) -> None:
+        self._prefetch_pool.shutdown(wait=False, cancel_futures=True)
+        done = threading.Event()
+
+        def _close() -> None:
+            try:
+                self.engine.close()
+            finally:
+                done.set()
+
+        threading.Thread(target=_close, daemon=True, name="lmcache-close").start()
+        if not done.wait(10):
+            log.warning("lmcache_close_timeout")
+
+
+def disk_file_size(path: str) -> int:
+    return os.path.getsize(path)

@@ -1,0 +1,195 @@
+"""The memory API of seed 000 on both of a worker's processes.
+
+- Engine process ``k`` (port ``memory_port_start + 1 + k``) acts on its own LMCache tiers:
+  ``POST /memory/prefetch`` (asynchronous disk -> DRAM; answers ``prefetch_started`` at
+  once), ``POST /memory/evict`` (named locations, or every tier), plus
+  ``GET /memory/prefetch/{lookup_id}`` (progress) and ``GET /memory/chunks`` (residency). The
+  same server carries the P/D hand-off endpoint (``/v1/kv/{transfer_id}``).
+- The API process (port ``memory_port_start``) holds no KV: it forwards each call to every
+  engine process in parallel and merges the answers (seed 000 §4.2, scheduler -> workers).
+
+Locations may be LMCache backend names (``LocalCPUBackend``, ``LocalDiskBackend``) or tier
+names (``cpu``, ``disk``); an unknown one is a 400 naming ``locations[i]``. Unknown chunk
+hashes are counted as missing, never errors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, FastAPI
+from prometheus_client import REGISTRY
+
+from agentserving.core.schemas import (
+    TIER_BACKENDS,
+    MemoryChunks,
+    MemoryEvictRequest,
+    MemoryEvictResult,
+    MemoryPrefetchRequest,
+    MemoryPrefetchResult,
+    MemoryPrefetchStatus,
+    Tier,
+)
+from agentserving.core.service import (
+    ApiError,
+    install_error_handlers,
+    install_health_route,
+    install_metrics_route,
+)
+
+KNOWN_LOCATIONS = {*TIER_BACKENDS.values(), *(t.value for t in TIER_BACKENDS)}
+
+
+def check_locations(locations: Sequence[str] | None, available: Sequence[str]) -> None:
+    if locations is None:
+        return
+    avail = set(available) | {t.value for t, b in TIER_BACKENDS.items() if b in available}
+    for i, loc in enumerate(locations):
+        if loc not in KNOWN_LOCATIONS or loc not in avail:
+            raise ApiError(400, f"unknown location {loc!r}; this pod has "
+                           f"{sorted(avail)}", param=f"locations[{i}]")
+
+
+# ---------------------------------------------------------------- engine process
+
+
+def engine_memory_app(store: Any, extra_routers: Sequence[APIRouter] = ()) -> FastAPI:
+    """The memory API of one engine process, acting on its ``KVStore``."""
+    app = FastAPI(title="AgentServing engine memory API", version="v1")
+    install_error_handlers(app, max_body_bytes=64 * 1024 * 1024)
+    install_health_route(app)
+    install_metrics_route(app, REGISTRY)  # LMCache's own metrics live in the default registry
+
+    @app.post("/memory/prefetch", response_model=MemoryPrefetchResult)
+    def prefetch(req: MemoryPrefetchRequest) -> MemoryPrefetchResult:
+        missing = [h for h in req.chunk_hashes if _tier_of(store, h) is None]
+        st = store.prefetch(req.chunk_hashes, req.lookup_id)
+        return MemoryPrefetchResult(lookup_id=st.lookup_id, num_chunks=len(req.chunk_hashes),
+                                    num_to_load=st.to_load, num_in_cpu=st.in_cpu,
+                                    num_missing=st.missing, missing=missing)
+
+    @app.get("/memory/prefetch/{lookup_id}", response_model=MemoryPrefetchStatus)
+    def prefetch_status(lookup_id: str) -> MemoryPrefetchStatus:
+        st = store.prefetch_status(lookup_id)
+        if st is None:
+            return MemoryPrefetchStatus(lookup_id=lookup_id, state="unknown")
+        return MemoryPrefetchStatus(
+            lookup_id=lookup_id, state=st.state, requested=st.requested, to_load=st.to_load,
+            loaded=st.loaded, corrupt=st.corrupt, in_cpu=st.in_cpu, missing=st.missing,
+            error=st.error)
+
+    @app.post("/memory/evict", response_model=MemoryEvictResult)
+    def evict(req: MemoryEvictRequest) -> MemoryEvictResult:
+        check_locations(req.locations, store.backends)
+        evicted, missing = store.evict(req.chunk_hashes, store.resolve_locations(req.locations))
+        return MemoryEvictResult(num_evicted=len(evicted), num_missing=len(missing),
+                                 missing=missing)
+
+    @app.get("/memory/chunks", response_model=MemoryChunks)
+    def chunks() -> MemoryChunks:
+        res = store.residency()
+        wire = store.keys.wire_of_int
+        return MemoryChunks(chunks={t: sorted(wire(v) for v in vals) for t, vals in res.items()},
+                            bytes={t: len(vals) * store.chunk_bytes for t, vals in res.items()})
+
+    for router in extra_routers:
+        app.include_router(router)
+    return app
+
+
+def _tier_of(store: Any, wire: str) -> Tier | None:
+    key = store.keys.key_of(wire)
+    return None if key is None else store.tier_of(key)
+
+
+# ---------------------------------------------------------------- API process (forwarding)
+
+
+class EngineFanout:
+    """Calls every engine process's memory API in parallel (seed 000's
+    ``_forward_to_all_workers``)."""
+
+    def __init__(self, engine_urls: Sequence[str], timeout_s: float = 10.0) -> None:
+        self.engine_urls = list(engine_urls)
+        self._client = httpx.AsyncClient(timeout=timeout_s)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def call(self, method: str, path: str, body: Any = None) -> list[dict[str, Any]]:
+        async def one(url: str) -> dict[str, Any]:
+            try:
+                resp = await self._client.request(
+                    method, url + path,
+                    content=body.model_dump_json() if body is not None else None,
+                    headers={"content-type": "application/json"} if body is not None else None)
+            except httpx.HTTPError as exc:
+                raise ApiError(503, f"engine at {url} unreachable: {exc!r}",
+                               type="service_unavailable") from exc
+            if resp.status_code >= 400:
+                err = resp.json().get("error", {}) if resp.content else {}
+                raise ApiError(resp.status_code if resp.status_code < 500 else 503,
+                               err.get("message", resp.text[:200]), param=err.get("param"))
+            return resp.json()
+
+        return list(await asyncio.gather(*(one(u) for u in self.engine_urls)))
+
+
+def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str]) -> FastAPI:
+    app = FastAPI(title="AgentServing worker memory API", version="v1")
+    install_error_handlers(app, max_body_bytes=64 * 1024 * 1024)
+    install_health_route(app)
+
+    @app.post("/memory/prefetch", response_model=MemoryPrefetchResult)
+    async def prefetch(req: MemoryPrefetchRequest) -> MemoryPrefetchResult:
+        req = req.model_copy(update={"lookup_id": req.lookup_id or f"prefetch-{uuid.uuid4().hex}"})
+        parts = [MemoryPrefetchResult.model_validate(r)
+                 for r in await fanout.call("POST", "/memory/prefetch", req)]
+        missing = set.intersection(*(set(p.missing) for p in parts)) if parts else set()
+        return MemoryPrefetchResult(
+            lookup_id=req.lookup_id, num_chunks=len(req.chunk_hashes),
+            num_to_load=sum(p.num_to_load for p in parts),
+            num_in_cpu=sum(p.num_in_cpu for p in parts), num_missing=len(missing),
+            missing=[h for h in req.chunk_hashes if h in missing])
+
+    @app.get("/memory/prefetch/{lookup_id}", response_model=MemoryPrefetchStatus)
+    async def prefetch_status(lookup_id: str) -> MemoryPrefetchStatus:
+        parts = [MemoryPrefetchStatus.model_validate(r)
+                 for r in await fanout.call("GET", f"/memory/prefetch/{lookup_id}")]
+        states = {p.state for p in parts}
+        state = ("failed" if "failed" in states else "running" if "running" in states
+                 else "done" if "done" in states else "unknown")
+        return MemoryPrefetchStatus(
+            lookup_id=lookup_id, state=state, requested=max(p.requested for p in parts),
+            to_load=sum(p.to_load for p in parts), loaded=sum(p.loaded for p in parts),
+            corrupt=sum(p.corrupt for p in parts), in_cpu=sum(p.in_cpu for p in parts),
+            missing=min(p.missing for p in parts),
+            error="; ".join(p.error for p in parts if p.error) or None)
+
+    @app.post("/memory/evict", response_model=MemoryEvictResult)
+    async def evict(req: MemoryEvictRequest) -> MemoryEvictResult:
+        check_locations(req.locations, backends)
+        parts = [MemoryEvictResult.model_validate(r)
+                 for r in await fanout.call("POST", "/memory/evict", req)]
+        missing = set.intersection(*(set(p.missing) for p in parts)) if parts else set()
+        return MemoryEvictResult(num_evicted=sum(p.num_evicted for p in parts),
+                                 num_missing=len(missing),
+                                 missing=[h for h in req.chunk_hashes if h in missing])
+
+    @app.get("/memory/chunks", response_model=MemoryChunks)
+    async def chunks() -> MemoryChunks:
+        parts = [MemoryChunks.model_validate(r) for r in await fanout.call("GET", "/memory/chunks")]
+        merged: dict[Tier, set[str]] = {}
+        nbytes: dict[Tier, int] = {}
+        for p in parts:
+            for tier, hashes in p.chunks.items():
+                merged.setdefault(tier, set()).update(hashes)
+            for tier, n in p.bytes.items():
+                nbytes[tier] = nbytes.get(tier, 0) + n
+        return MemoryChunks(chunks={t: sorted(v) for t, v in merged.items()}, bytes=nbytes)
+
+    return app

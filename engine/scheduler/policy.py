@@ -1,0 +1,123 @@
+"""Scheduling policies: each engine step asks one for what to run.
+
+The engine process runs a step loop (``engine.core.EngineCore.step``). Every step it hands
+the policy the queue (``waiting``, oldest first), the requests holding KV (``running``) and a
+``SchedulerContext``, and gets back a ``StepPlan``: which requests prefill how many prompt
+tokens this step, and which decode one token. The engine then executes the plan, fetching a
+request's cached prefix from the KV tiers the first time it is scheduled.
+
+Rules the engine enforces whatever the policy says (so reused KV stays bit-identical to a
+recompute; see ``model.runner``): a prefill budget is rounded down to a multiple of
+``chunk_size`` (at least one chunk), a step never crosses from a prompt's full chunks into its
+trailing partial chunk, and a request is admitted only while fewer than ``max_running``
+requests hold KV.
+
+New policies (Longcap-FCFS, Dynamic Chunk, the ShadowScheduler in ``services/prefill``)
+implement ``SchedulerPolicy``; ``make_policy`` builds the one the settings name (see there).
+A policy may also define ``observe_step(plan, seconds)``: the engine calls it after executing
+each plan with the plan's wall time (for step-time models).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import time
+import urllib.parse
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from agentserving.core.schemas import Tier
+from agentserving.engine.scheduler.request import EngineRequest, RequestState
+
+
+@dataclasses.dataclass
+class PrefillWork:
+    request: EngineRequest
+    num_tokens: int  # the token budget for this step (the engine aligns it)
+
+
+@dataclasses.dataclass
+class StepPlan:
+    prefill: list[PrefillWork] = dataclasses.field(default_factory=list)
+    decode: list[EngineRequest] = dataclasses.field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+@dataclasses.dataclass
+class SchedulerContext:
+    chunk_size: int
+    max_running: int
+    now: float = dataclasses.field(default_factory=time.time)
+    # For policies that look ahead: the tiers holding a request's cached prefix (no I/O),
+    # and a way to start moving chunks disk -> DRAM before the request is scheduled.
+    lookup_tiers: Callable[[EngineRequest], list[Tier]] = lambda _r: []
+    prefetch: Callable[[list[str]], None] = lambda _h: None
+
+
+class SchedulerPolicy(Protocol):
+    name: str
+
+    def schedule(self, waiting: Sequence[EngineRequest], running: Sequence[EngineRequest],
+                 ctx: SchedulerContext) -> StepPlan: ...
+
+
+class FcfsPolicy:
+    """First come, first served, with a fixed prefill chunk.
+
+    Each step: every decoding request decodes one token, and the oldest request with prompt
+    tokens left (one already prefilling first, else the head of the queue if there is room)
+    prefills up to ``chunk_tokens`` of them.
+    """
+
+    name = "fcfs"
+
+    def __init__(self, chunk_tokens: int = 512) -> None:
+        self.chunk_tokens = chunk_tokens
+
+    def schedule(self, waiting: Sequence[EngineRequest], running: Sequence[EngineRequest],
+                 ctx: SchedulerContext) -> StepPlan:
+        plan = StepPlan(decode=[r for r in running if r.state is RequestState.DECODING])
+        prefilling = [r for r in running if r.state is RequestState.PREFILLING]
+        if prefilling:
+            target = min(prefilling, key=lambda r: r.arrival_time)
+            plan.prefill.append(PrefillWork(target, self.chunk_tokens))
+        elif waiting and len(running) < ctx.max_running:
+            plan.prefill.append(PrefillWork(waiting[0], self.chunk_tokens))
+        return plan
+
+
+PolicyFactory = Callable[..., SchedulerPolicy]  # (chunk_tokens, **options) -> policy
+
+POLICIES: dict[str, PolicyFactory] = {
+    "fcfs": lambda chunk_tokens, **_opts: FcfsPolicy(chunk_tokens),
+}
+
+# Policies that live with the prefill role (services/prefill), loaded on first use:
+# module exposing ENGINE_POLICIES (names) and make_engine_policy(name, chunk_tokens, **opts).
+PREFILL_POLICY_MODULE = "agentserving.prefill.engine_adapter"
+
+
+def make_policy(spec: str, chunk_tokens: int) -> SchedulerPolicy:
+    """Build a policy from ``NAME[?opt=value&...]``: a name in ``POLICIES``, one of the prefill
+    role's policies, or ``package.module:Class`` (called with ``chunk_tokens`` and the
+    options)."""
+    name, _, query = spec.partition("?")
+    options = dict(urllib.parse.parse_qsl(query, keep_blank_values=True))
+    factory = POLICIES.get(name)
+    if factory is not None:
+        return factory(chunk_tokens, **options)
+    if ":" in name:
+        module, attr = name.split(":", 1)
+        return getattr(importlib.import_module(module), attr)(chunk_tokens, **options)
+    try:
+        prefill = importlib.import_module(PREFILL_POLICY_MODULE)
+    except ImportError:
+        prefill = None
+    if prefill is not None and name in getattr(prefill, "ENGINE_POLICIES", ()):
+        return prefill.make_engine_policy(name, chunk_tokens, **options)
+    known = sorted(POLICIES) + sorted(getattr(prefill, "ENGINE_POLICIES", ()))
+    raise ValueError(f"unknown scheduler policy {name!r}; known: {known}")

@@ -1,0 +1,96 @@
+"""The worker's configuration: built once from CLI flags / environment by ``cli.py``, then
+handed to constructors (the API process, and serialized to every engine process).
+
+No other module of the worker reads the environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from agentserving.core.hashing import HashScheme
+from agentserving.core.schemas import PodRole
+
+GIB = 1024**3
+
+
+class WorkerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    # -- identity and role
+    role: PodRole = PodRole.BOTH
+    pod_name: str = Field(default="worker-0", min_length=1)
+    # -- network
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    memory_port_start: int = Field(default=6999, ge=1, le=65535 - 64)
+    advertise_host: str | None = Field(
+        default=None, description="Host other pods use to reach this one (default: host, or "
+        "127.0.0.1 when host is 0.0.0.0).")
+    # -- model
+    model: str = "tiny"
+    served_model_name: str | None = None
+    max_model_len: int | None = Field(default=None, gt=1)
+    seed: int = Field(default=0, description="Seed of the tiny model's random weights.")
+    torch_threads: int = Field(default=0, ge=0, description="0: torch's default.")
+    # -- KV cache (LMCache tiers)
+    chunk_size: int = Field(default=256, gt=0)
+    hash_scheme: HashScheme = HashScheme.BLAKE3
+    cpu_cache_gib: float = Field(default=2.0, gt=0)
+    disk_cache_dir: Path | None = None
+    disk_cache_gib: float = Field(default=8.0, ge=0)
+    verify_cpu_checksums: bool = False
+    # -- scheduling
+    engine_processes: int = Field(default=1, ge=1, le=32)
+    scheduler_policy: str = "fcfs"
+    prefill_chunk_tokens: int = Field(default=512, gt=0)
+    max_running_requests: int = Field(default=16, gt=0)
+    # -- P/D hand-off
+    kv_transfer_timeout_s: float = Field(default=60.0, gt=0)
+    kv_pull_timeout_s: float = Field(default=30.0, gt=0)
+    # -- kvindex
+    kvindex_url: str | None = None
+    heartbeat_interval_s: float = Field(default=5.0, gt=0)
+    event_flush_interval_s: float = Field(default=0.2, gt=0)
+    residency_interval_s: float = Field(default=0.25, gt=0)
+    # -- misc
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    ready_wait_s: float = Field(default=120.0, ge=0, description="How long a request that "
+                                "arrives while the engines load waits for them.")
+    log_level: str = "info"
+    log_json: bool = True
+    lmcache_log_level: str = "warning"
+
+    @model_validator(mode="after")
+    def _check(self) -> WorkerSettings:
+        if self.prefill_chunk_tokens % self.chunk_size:
+            raise ValueError(
+                f"prefill_chunk_tokens ({self.prefill_chunk_tokens}) must be a multiple of "
+                f"chunk_size ({self.chunk_size}): prefill steps split at chunk boundaries")
+        if self.disk_cache_dir is not None and self.disk_cache_gib <= 0:
+            raise ValueError("disk_cache_gib must be > 0 when disk_cache_dir is set")
+        return self
+
+    @property
+    def public_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+    def engine_memory_port(self, index: int) -> int:
+        """Engine process ``index`` serves its memory API here (seed 000: port_start + 1 + k)."""
+        return self.memory_port_start + 1 + index
+
+    def engine_disk_dir(self, index: int) -> Path | None:
+        if self.disk_cache_dir is None:
+            return None
+        return self.disk_cache_dir / f"engine-{index}"
+
+    @property
+    def model_name(self) -> str:
+        """The served name: what /v1/models lists and requests must name."""
+        if self.served_model_name:
+            return self.served_model_name
+        return Path(self.model).name if "/" in self.model else self.model

@@ -1,0 +1,130 @@
+"""Helpers for the worker's tests and benchmark (kept in the package, like ``core.testing``):
+deterministic prompts, driving an in-process engine core, and running real worker processes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from agentserving.core.testing import free_port, service_process
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    """``n`` pseudo-random token ids in the tiny model's word range (no EOS, no specials)."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(300, 31000) for _ in range(n)]
+
+
+def request(req_id: str, ids: list[int], **sampling: Any) -> Any:
+    from agentserving.engine.scheduler.request import EngineRequest, SamplingParams
+
+    sp = SamplingParams(**{"max_tokens": 6, **sampling})
+    return EngineRequest(req_id, list(ids), sp)
+
+
+def run(parts: Any, req: Any) -> dict[str, Any]:
+    """Drive an in-process engine core until ``req`` finishes."""
+    core = parts.core
+    core.add(req)
+    outs = []
+    while core.has_work():
+        outs += [o for o in core.step() if o.req_id == req.req_id]
+        core.run_deferred()
+    first = next(o for o in outs if o.tokens)
+    return {
+        "tokens": [t.token_id for o in outs for t in o.tokens],
+        "logprobs": [t.logprob for o in outs for t in o.tokens],
+        "logits": core.captured_logits.pop(req.req_id, []),
+        "first": first.meta,
+        "final": outs[-1],
+    }
+
+
+class Worker:
+    """A real ``agentserving worker`` process (API process + engine processes)."""
+
+    def __init__(self, proc: subprocess.Popen, port: int, memory_port: int,
+                 log_path: Path) -> None:
+        self.proc = proc
+        self.port = port
+        self.memory_port = memory_port
+        self.log_path = log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.memory_url = f"http://127.0.0.1:{memory_port}"
+
+    def engine_url(self, k: int = 0) -> str:
+        return f"http://127.0.0.1:{self.memory_port + 1 + k}"
+
+    def complete(self, timeout: float = 120.0, **body: Any) -> dict[str, Any]:
+        r = httpx.post(self.url + "/v1/completions", json=body, timeout=timeout)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def stream(self, path: str, timeout: float = 120.0, **body: Any) -> list[Any]:
+        events = []
+        with httpx.stream("POST", self.url + path, json={**body, "stream": True},
+                          timeout=timeout) as resp:
+            assert resp.status_code == 200, resp.read()
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    data = line[len("data: "):]
+                    events.append(data if data == "[DONE]" else json.loads(data))
+        return events
+
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", timeout=10).text
+
+
+def metric_value(text: str, name: str, labels: str = "") -> float:
+    """The value of one sample in a Prometheus text page (0 if absent)."""
+    needle = f"{name}{{{labels}}}" if labels else name
+    for line in text.splitlines():
+        if line.startswith(needle + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+@contextlib.contextmanager
+def worker_process(tmp: Path, *args: str, name: str = "worker",
+                   timeout_s: float = 120.0) -> Iterator[Worker]:
+    """Start ``agentserving worker`` on free loopback ports; stop it (and its engines) after."""
+    port, memory_port = free_port(), _free_port_block(4)
+    log_path = tmp / f"{name}.log"
+    cmd = [str(Path(sys.executable).parent / "agentserving"), "worker", "--port", str(port),
+           "--memory-port-start", str(memory_port), "--pod-name", name,
+           "--torch-threads", "1", "--cpu-cache-gib", "0.25", "--log-console", *args]
+    with service_process(cmd, f"http://127.0.0.1:{port}/readyz", log_path=log_path,
+                         timeout_s=timeout_s) as proc:
+        yield Worker(proc, port, memory_port, log_path)
+
+
+def _free_port_block(n: int) -> int:
+    """A port p with p..p+n-1 all free (the memory API needs consecutive ports)."""
+    import socket
+
+    for _ in range(200):
+        base = free_port()
+        if base + n >= 65535:
+            continue
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no block of free ports")

@@ -1,0 +1,174 @@
+"""The KV store on LMCache's real CPU and disk tiers: bit-exact round trips, checksums,
+evict, prefetch with hot-cache registration and selective unpin, key interop."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from agentserving.core.hashing import ChunkHasher, HashScheme
+from agentserving.core.schemas import Tier
+from agentserving.engine.kv.keys import ChunkKeys
+from agentserving.engine.model.runner import ModelRunner
+from agentserving.engine.testing import prompt
+
+
+@pytest.fixture
+def filled(engine_factory, tiny):
+    """An engine whose store holds the 3 full chunks of a 900-token prompt, on both tiers."""
+    parts = engine_factory()
+    runner = ModelRunner(tiny)
+    ids = prompt(900, seed=11)
+    cache = runner.new_cache()
+    runner.forward(ids[:768], cache, 0)
+    runner.forward(ids[768:], cache, 768)
+    layers = runner.cache_layers(cache)
+    assert parts.store.store(ids, layers) == 3
+    assert parts.store.wait_disk_writes()
+    ints = parts.keys.int_hashes(ids)
+    wire = [parts.keys.wire_of_int(v) for v in ints]
+    return parts, ids, layers, ints, wire
+
+
+def _same(layers, loaded, n):
+    return all(torch.equal(k[:, :, :n], lk) and torch.equal(v[:, :, :n], lv)
+               for (k, v), (lk, lv) in zip(layers, loaded, strict=True))
+
+
+def _evict_cpu(parts, wire):
+    parts.store.evict(wire, parts.store.resolve_locations(["cpu"]))
+
+
+def test_store_then_load_from_dram_and_from_disk_bit_exact(filled):
+    parts, ids, layers, ints, wire = filled
+    store = parts.store
+    assert store.lookup(ints) == [Tier.CPU] * 3
+    res = store.load_prefix(ints)
+    assert res.num_tokens == 768 and res.tokens_by_tier == {Tier.CPU: 768}
+    assert _same(layers, res.layers, 768)
+    _evict_cpu(parts, wire)
+    assert store.lookup(ints) == [Tier.DISK] * 3
+    res = store.load_prefix(ints)
+    assert res.num_tokens == 768 and res.tokens_by_tier == {Tier.DISK: 768}
+    assert _same(layers, res.layers, 768)
+    assert store.lookup(ints) == [Tier.CPU] * 3  # verified disk reads are written back
+    files = {os.path.basename(store.disk_path(h)) for h in wire}
+    assert files == set(os.listdir(store.config.disk_dir))
+
+
+def test_flipped_bit_on_disk_is_detected_and_never_served(filled):
+    parts, ids, layers, ints, wire = filled
+    store = parts.store
+    _evict_cpu(parts, wire)
+    path = store.disk_path(wire[1])
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x10
+    open(path, "wb").write(data)
+    res = store.load_prefix(ints)
+    assert res.corrupt == [wire[1]]
+    assert res.num_tokens == 256 and _same(layers, res.layers, 256)
+    assert store.lookup(ints) == [Tier.CPU]  # the bad chunk is gone from every tier
+    assert store.disk_path(wire[1]) is None and not os.path.exists(path)
+    assert store.stats.corrupt_chunks == 1
+
+
+def test_truncated_and_missing_disk_files_are_detected(filled):
+    parts, ids, layers, ints, wire = filled
+    store = parts.store
+    _evict_cpu(parts, wire)
+    with open(store.disk_path(wire[2]), "r+b") as f:
+        f.truncate(1000)
+    res = store.load_prefix(ints)
+    assert res.num_tokens == 512 and res.corrupt == [wire[2]]
+    _evict_cpu(parts, wire)
+    os.remove(store.disk_path(wire[0]))
+    res = store.load_prefix(ints)
+    assert res.num_tokens == 0 and res.layers is None and res.missing == [wire[0]]
+    assert store.lookup(ints) == []
+
+
+def test_evict_by_location_and_unknown_hashes_are_missing(filled):
+    parts, ids, layers, ints, wire = filled
+    store = parts.store
+    unknown = ["ab" * 32, "-5f", "zz"]
+    evicted, missing = store.evict(wire[:1] + unknown, store.resolve_locations(
+        ["LocalCPUBackend"]))
+    assert evicted == wire[:1] and missing == unknown
+    assert store.tier_of(parts.keys.key(ints[0])) is Tier.DISK
+    evicted, missing = store.evict(wire, store.backends)
+    assert evicted == wire and missing == []
+    assert store.lookup(ints) == [] and os.listdir(store.config.disk_dir) == []
+    with pytest.raises(KeyError):
+        store.resolve_locations(["RedisBackend"])
+
+
+def _wait(status, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while status.state == "running" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return status
+
+
+def test_prefetch_registers_in_dram_and_unpins_only_disk(filled):
+    parts, ids, layers, ints, wire = filled
+    store = parts.store
+    _evict_cpu(parts, wire)
+    status = store.prefetch(wire + ["cd" * 32], "look-1")
+    assert (status.to_load, status.missing, status.in_cpu) == (3, 1, 0)
+    _wait(status)
+    assert status.state == "done" and status.loaded == 3
+    assert store.prefetch_status("look-1") is status
+    assert store.lookup(ints) == [Tier.CPU] * 3
+    with store.disk.disk_lock:  # pins taken for the read were released on the disk backend
+        assert all(meta.pin_count == 0 for meta in store.disk.dict.values())
+    with store.cpu.cpu_lock:
+        assert all(not store.cpu.hot_cache[parts.keys.key(v)].is_pinned for v in ints)
+    for h in wire:  # the next load must not touch the disk at all
+        os.remove(store.disk_path(h))
+    res = store.load_prefix(ints)
+    assert res.num_tokens == 768 and res.tokens_by_tier == {Tier.CPU: 768}
+    assert _same(layers, res.layers, 768)
+
+
+def test_prefetch_refuses_a_corrupt_chunk(filled):
+    parts, ids, layers, ints, wire = filled
+    store = parts.store
+    _evict_cpu(parts, wire)
+    path = store.disk_path(wire[0])
+    data = bytearray(open(path, "rb").read())
+    data[7] ^= 0xFF
+    open(path, "wb").write(data)
+    status = _wait(store.prefetch(wire, None))
+    assert status.state == "done" and status.corrupt == 1 and status.loaded == 2
+    assert store.tier_of(parts.keys.key(ints[0])) is None
+
+
+def test_keys_round_trip_with_leading_zeros():
+    keys = ChunkKeys(HashScheme.BLAKE3, 4, "tiny", torch.float32)
+    value = 5  # a digest with 62 leading zero hex digits
+    wire = keys.wire_of_int(value)
+    assert len(wire) == 64 and keys.int_of(wire) == value
+    assert keys.key_of("12") is None  # not a blake3 hash: never a key, so "missing"
+    builtin = ChunkKeys(HashScheme.LMCACHE_BUILTIN, 4, "tiny", torch.float32)
+    assert builtin.wire_of_int(-0x6ED9) == "-6ed9" and builtin.int_of("-6ed9") == -0x6ED9
+    chain = ChunkHasher("blake3", 256).hashes(list(range(600)))
+    assert [ChunkKeys(HashScheme.BLAKE3, 256, "m", torch.float32).wire_of_int(v) for v in
+            ChunkKeys(HashScheme.BLAKE3, 256, "m", torch.float32).int_hashes(
+                list(range(600)))] == chain
+
+
+def test_builtin_scheme_keys_equal_stock_lmcache_keys(engine_factory):
+    """With lmcache-builtin, our token database yields exactly stock LMCache's keys."""
+    from lmcache.v1.token_database import ChunkedTokenDatabase
+
+    parts = engine_factory(hash_scheme="lmcache-builtin")
+    store = parts.store
+    stock = ChunkedTokenDatabase(store._lm_config, store._metadata)
+    tokens = list(range(600))
+    ours = [k for _, _, k in store.engine.token_database.process_tokens(tokens)]
+    theirs = [k for _, _, k in stock.process_tokens(tokens)]
+    assert ours == theirs and len(ours) == 2
+    assert [parts.keys.wire_of(k) for k in ours] == ["2b763dd00afa89c8", "79e62c807b48385b"]

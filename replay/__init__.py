@@ -1,0 +1,17 @@
+"""Trajectory replay: agent-session traces, the teacher-forced replay client, the local fleet,
+the main job (``agentserving bench``) and its report. The full guide is docs/replay.md.
+
+Modules:
+
+- ``trace`` — the ``agentserving.sessions/v1`` JSONL format (its docstring is the format's
+  reference) and its resolution into the exact token ids every turn sends;
+- ``tokens`` — deterministic token ids for named blocks and per-turn content;
+- ``mooncake`` — the Mooncake FAST'25 trace as sessions (the grouping rule is documented there);
+- ``synthetic`` — seeded generator of agent sessions, with the ``agent`` and ``bench-small``
+  presets; ``loader`` opens any of these (``bundled:NAME`` for a preset);
+- ``ideal`` — the ideal prefix hit rate of a trace (an unbounded cache);
+- ``client`` — the asynchronous replay client (``agentserving replay``); ``metrics`` — the run
+  metrics; ``report`` — report.json, the side-by-side table and plots (``agentserving report``);
+- ``fleet`` — kvindex, workers and proxy as supervised processes (``agentserving up``);
+- ``bench`` — baseline vs agentserving on one workload (``agentserving bench``, ``make run``).
+"""

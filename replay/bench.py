@@ -1,0 +1,229 @@
+"""`agentserving bench`: the main job — one workload, two systems, one report.
+
+For each configuration it starts a fresh local fleet (``agentserving.replay.fleet``), replays
+the workload through its proxy with teacher forcing, and stops the fleet:
+
+- **baseline**: ``N`` independent workers (``--role both``) behind ``--routing round-robin``,
+  each with a CPU KV tier too small to hold one chunk and no disk tier: no cross-turn KV
+  reuse, no P/D — seed 003's "independent vLLM instances".
+- **agentserving**: ``--prefill`` prefill and ``--decode`` decode workers behind
+  ``--routing kv-aware``, with CPU DRAM and local-disk KV tiers: tiered reuse, KV-aware
+  routing, P/D disaggregation. ``N`` is the same worker count.
+
+Then it prints seed 003's table side by side (with the ratios, and the seed's own changes for
+comparison), writes ``<run>/report.json``, each configuration's turn records and summary, the
+workload it replayed, the fleets' logs, and PNG plots under ``<run>/plots/``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from agentserving.core.cli import option
+
+CONFIGS = ("baseline", "agentserving")
+
+
+def fleet_spec(config: str, *, prefill: int, decode: int, model: str, cpu_cache_gib: float,
+               disk_cache_gib: float, worker_args: list[str], worker_env: dict[str, str],
+               startup_timeout_s: float, worker_command: list[str] | None = None) -> Any:
+    from agentserving.replay.fleet.topology import FleetSpec
+
+    common = dict(model=model, worker_args=worker_args, worker_env=worker_env,
+                  startup_timeout_s=startup_timeout_s, worker_command=worker_command)
+    if config == "baseline":
+        # 1 MiB of CPU tier holds no 256-token chunk of even the tiny model: no reuse.
+        return FleetSpec(prefill=0, decode=0, both=prefill + decode, routing="round-robin",
+                         cpu_cache_gib=0.001, disk_cache_gib=0.0, **common)
+    if config == "agentserving":
+        return FleetSpec(prefill=prefill, decode=decode, routing="kv-aware",
+                         cpu_cache_gib=cpu_cache_gib, disk_cache_gib=disk_cache_gib, **common)
+    raise click.BadParameter(f"unknown configuration {config!r}", param_hint="--configs")
+
+
+def scrape_worker_metrics(url: str) -> dict[str, float]:
+    """A worker's Prometheus counters and histogram sums/counts (``agentserving_worker_*``),
+    labels folded into the name: where its time went during the run."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(url + "/metrics", timeout=5.0).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name
+            if not name.startswith("agentserving_worker_") or name.endswith(
+                    ("_bucket", "_created")):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            key = name.removeprefix("agentserving_worker_") + (f"{{{labels}}}" if labels else "")
+            out[key] = round(float(sample.value), 4)
+    return out
+
+
+def time_breakdown(workers: dict[str, dict[str, float]]) -> list[str]:
+    """One line per worker: engine seconds in prefill, KV load, decode; hand-off bytes."""
+    lines = []
+    for pod, m in workers.items():
+        sent = sum(v for k, v in m.items() if k.startswith("transfer_bytes_total"))
+        lines.append(
+            f"{pod}: prefill {m.get('prefill_seconds_sum', 0):.1f}s, "
+            f"kv load {m.get('kv_load_seconds_sum', 0):.1f}s, "
+            f"decode {m.get('decode_seconds_sum', 0):.1f}s over "
+            f"{int(m.get('request_seconds_count', 0))} requests; "
+            f"computed {int(m.get('computed_prompt_tokens_total', 0)):,} prompt tokens; "
+            f"P/D hand-off {sent / 1e6:.0f} MB")
+    return lines
+
+
+def run_config(config: str, spec: Any, trace: Any, run_dir: Path, replay_opts: dict[str, Any],
+               echo: Any) -> dict[str, Any]:
+    """One configuration: fresh fleet, replay, stop. Returns the replay summary."""
+    from agentserving.replay.client import Replayer, ReplayOptions
+    from agentserving.replay.fleet.supervisor import Fleet
+    from agentserving.replay.fleet.topology import build
+
+    specs = build(spec, run_dir / "fleets" / config)
+    fleet = Fleet(specs, run_dir / "fleets" / config, log_dir=run_dir / "logs" / config,
+                  on_event=lambda m: echo(f"[{config}] {m}"))
+    started = time.monotonic()
+    with fleet:
+        echo(f"[{config}] fleet up in {time.monotonic() - started:.1f}s; replaying "
+             f"{len(trace.sessions)} sessions, {trace.num_turns} turns")
+        opts = ReplayOptions(target=fleet.url("proxy") or "", **replay_opts)
+        result = asyncio.run(Replayer(trace, opts, out_dir=run_dir / config).run())
+        died = [mp.spec.name for mp in fleet.procs if not mp.alive()]
+        workers = {mp.spec.name: scrape_worker_metrics(mp.spec.url)
+                   for mp in fleet.procs
+                   if mp.spec.role in ("prefill", "decode", "both") and mp.spec.url}
+    summary = dict(result.summary)
+    summary["fleet"] = {"processes": [{"name": s.name, "role": s.role} for s in specs],
+                        "died_during_replay": died}
+    summary["workers"] = workers
+    for line in time_breakdown(workers):
+        echo(f"[{config}] {line}")
+    (run_dir / config / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+@click.command("bench")
+@option("--workload", default="bundled:bench-small",
+        help="The trace to replay: bundled:bench-small, a session trace, or a Mooncake trace.")
+@option("--limit", type=click.IntRange(min=1), default=None, help="First N sessions only.")
+@option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
+        help="Sessions/s (Poisson) instead of the workload's own start times.")
+@option("--time-scale", type=click.FloatRange(min=0), default=1.0,
+        help="Multiply the workload's times (arrivals, tool gaps) by X.")
+@option("--prefill", type=click.IntRange(min=1), default=1,
+        help="agentserving: prefill workers.")
+@option("--decode", type=click.IntRange(min=0), default=2,
+        help="agentserving: decode workers. The baseline gets prefill + decode workers.")
+@option("--configs", default=",".join(CONFIGS), help="Comma-separated configurations to run.")
+@option("--model", default="tiny", help="Model every worker serves.")
+@option("--cpu-cache-gib", type=click.FloatRange(min=0, min_open=True), default=2.0,
+        help="agentserving: CPU DRAM KV tier per worker.")
+@option("--disk-cache-gib", type=click.FloatRange(min=0), default=4.0,
+        help="agentserving: local-disk KV tier per worker (0: none).")
+@option("--torch-threads", type=click.IntRange(min=0), default=1,
+        help="Torch threads per worker (0: torch's default); the same for both systems.")
+@option("--worker-arg", "worker_args", multiple=True, help="Extra worker flag (repeatable).")
+@option("--max-active-sessions", type=click.IntRange(min=1), default=None,
+        help="At most N sessions in flight.")
+@option("--mooncake-block-tokens", type=click.IntRange(1, 512), default=256,
+        help="Mooncake workloads: tokens per hash block (scales prompts down).")
+@option("--mooncake-max-requests", type=click.IntRange(min=1), default=None,
+        help="Mooncake workloads: only the first N requests (a time window of the trace).")
+@option("--mooncake-max-output", type=click.IntRange(min=1), default=32,
+        help="Mooncake workloads: cap outputs at N tokens.")
+@option("--startup-timeout", "startup_timeout_s", type=click.FloatRange(min=1), default=180.0,
+        help="Seconds a worker may take to become healthy.")
+@option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+        help="Where everything goes [default: runs/<time>].")
+@option("--worker-command", default=None,
+        help="Run this instead of `agentserving worker` (same flags; tests use a stand-in).")
+@option("--progress/--no-progress", default=True, help="Show progress bars.")
+def command(workload: str, limit: int | None, rate: float | None, time_scale: float,
+            prefill: int, decode: int, configs: str, model: str, cpu_cache_gib: float,
+            disk_cache_gib: float, torch_threads: int, worker_args: tuple[str, ...],
+            max_active_sessions: int | None, mooncake_block_tokens: int,
+            mooncake_max_requests: int | None,
+            mooncake_max_output: int, startup_timeout_s: float, run_dir: Path | None,
+            worker_command: str | None, progress: bool) -> None:
+    """Replay an agent workload against baseline and agentserving; report side by side.
+
+    baseline: prefill+decode independent workers, round-robin, no cross-turn KV reuse, no P/D.
+    agentserving: kv-aware routing, CPU+disk KV tiers, P/D (--prefill, --decode). Writes
+    RUN_DIR/report.json, RUN_DIR/plots/*.png, each configuration's turn records and the
+    fleets' logs; `agentserving report RUN_DIR` redraws the plots.
+    """
+    from agentserving.replay.loader import load_trace
+    from agentserving.replay.mooncake import MooncakeOptions
+    from agentserving.replay.report import build_report, draw_plots, load_records, print_table
+    from agentserving.replay.stats import trace_stats
+    from agentserving.replay.trace import write_trace
+
+    names = [c.strip() for c in configs.split(",") if c.strip()]
+    for name in names:
+        if name not in CONFIGS:
+            raise click.BadParameter(f"unknown configuration {name!r}", param_hint="--configs")
+    run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trace = load_trace(workload, limit=limit, mooncake=MooncakeOptions(
+        block_tokens=mooncake_block_tokens, max_output_tokens=mooncake_max_output,
+        max_requests=mooncake_max_requests))
+    write_trace(trace, run_dir / "workload.jsonl")
+    stats = trace_stats(trace)
+    click.echo(f"workload {workload}: {stats['sessions']} sessions ({stats['branches']} "
+               f"branches), {stats['turns']} turns, {stats['total_prompt_tokens']:,} prompt "
+               f"tokens, ideal hit rate {stats['ideal_hit_rate']:.1%}")
+    worker_env = {"AGENTSERVING_WORKER_TORCH_THREADS": str(torch_threads)} if torch_threads \
+        else {}
+    replay_opts = dict(rate=rate, time_scale=time_scale, progress=progress,
+                       max_active_sessions=max_active_sessions, chunk_size=256)
+    summaries: dict[str, dict[str, Any]] = {}
+    started = time.monotonic()
+    for name in names:
+        spec = fleet_spec(name, prefill=prefill, decode=decode, model=model,
+                          cpu_cache_gib=cpu_cache_gib, disk_cache_gib=disk_cache_gib,
+                          worker_args=list(worker_args), worker_env=worker_env,
+                          startup_timeout_s=startup_timeout_s,
+                          worker_command=shlex.split(worker_command) if worker_command else None)
+        summaries[name] = run_config(name, spec, trace, run_dir, replay_opts, click.echo)
+    report = build_report(summaries, workload={"spec": workload, **stats},
+                          machine={"cpus": os.cpu_count(), "platform": platform.platform(),
+                                   "python": sys.version.split()[0]},
+                          settings={"prefill": prefill, "decode": decode, "model": model,
+                                    "cpu_cache_gib": cpu_cache_gib,
+                                    "disk_cache_gib": disk_cache_gib,
+                                    "torch_threads": torch_threads, "rate": rate,
+                                    "time_scale": time_scale},
+                          created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                          duration_s=round(time.monotonic() - started, 1))
+    (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    plots = draw_plots(run_dir / "plots",
+                       {n: load_records(run_dir / n / "turns.jsonl") for n in names}, report)
+    if "baseline" in summaries and "agentserving" in summaries:
+        print_table(report, title=f"{workload}: baseline ({prefill + decode} workers, "
+                                  f"round-robin) vs agentserving ({prefill}P{decode}D, kv-aware)")
+    else:
+        click.echo(json.dumps({n: {k: s.get(k) for k in ("success_rate", "turns_completed",
+                                                          "req_per_s", "prefix_hit_rate",
+                                                          "e2e_p95_s")}
+                               for n, s in summaries.items()}, indent=2))
+    click.echo(f"\nreport: {run_dir / 'report.json'}")
+    for path in plots:
+        click.echo(f"plot:   {path}")
+    click.echo(f"logs:   {run_dir / 'logs'}\nredraw: agentserving report {run_dir}")

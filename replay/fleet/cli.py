@@ -1,0 +1,82 @@
+"""`agentserving up`: the whole system as real processes on loopback, until Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import click
+
+from agentserving.core.cli import option
+
+
+@click.command("up")
+@option("--prefill", type=click.IntRange(min=0), default=1,
+        help="Prefill workers (they also decode when --decode is 0).")
+@option("--decode", type=click.IntRange(min=0), default=1, help="Decode workers.")
+@option("--kvindex", "kvindex_store", default="memory",
+        help="The kvindex store: 'memory' or a Redis URL (redis://host:6379/0).")
+@option("--model", default="tiny", help="Model every worker serves.")
+@option("--routing", type=click.Choice(["kv-aware", "session", "round-robin"]),
+        default="kv-aware", help="The proxy's routing policy.")
+@option("--cpu-cache-gib", type=click.FloatRange(min=0, min_open=True), default=2.0,
+        help="Each worker's CPU DRAM KV tier.")
+@option("--disk-cache-gib", type=click.FloatRange(min=0), default=4.0,
+        help="Each worker's local-disk KV tier (0: none), under RUN_DIR/disk/.")
+@option("--proxy-port", type=click.IntRange(0, 65535), default=8080,
+        help="The proxy's port (0: any free port).")
+@option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+        help="Logs and fleet.json go here [default: runs/<time>-up].")
+@option("--worker-arg", "worker_args", multiple=True,
+        help="Extra flag passed to every worker (repeatable), e.g. --worker-arg=--torch-threads=1.")
+@option("--startup-timeout", "startup_timeout_s", type=click.FloatRange(min=1), default=180.0,
+        help="Seconds a worker may take to become healthy.")
+def command(prefill: int, decode: int, kvindex_store: str, model: str, routing: str,
+            cpu_cache_gib: float, disk_cache_gib: float, proxy_port: int,
+            run_dir: Path | None, worker_args: tuple[str, ...], startup_timeout_s: float) -> None:
+    """Start kvindex, workers and proxy on loopback; stop them all on Ctrl-C or SIGTERM.
+
+    Each runs as a real process in its own process group, logging to RUN_DIR/logs/<name>.log;
+    the endpoints are printed and written to RUN_DIR/fleet.json. With --prefill 0 --decode 0
+    only the kvindex runs. Point a client at the proxy, e.g.
+    `agentserving replay --trace bundled:bench-small --target http://127.0.0.1:8080`.
+    """
+    from agentserving.replay.fleet.process import FleetError
+    from agentserving.replay.fleet.supervisor import Fleet
+    from agentserving.replay.fleet.topology import FleetSpec, build
+
+    run_dir = run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-up"
+    spec = FleetSpec(prefill=prefill, decode=decode, kvindex=kvindex_store, model=model,
+                     routing=routing, cpu_cache_gib=cpu_cache_gib,
+                     disk_cache_gib=disk_cache_gib, proxy_port=proxy_port,
+                     worker_args=list(worker_args), startup_timeout_s=startup_timeout_s)
+    fleet = Fleet(build(spec, run_dir), run_dir, on_event=lambda m: click.echo(f"[up] {m}"))
+    stop = threading.Event()
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        click.echo(f"[up] {signal.Signals(signum).name}: stopping")
+        stop.set()
+
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+    try:
+        fleet.start()
+    except FleetError as exc:
+        click.echo(f"[up] {exc}", err=True)
+        sys.exit(1)
+    click.echo(f"[up] ready: proxy {fleet.url('proxy') or '-'}  kvindex {fleet.url('kvindex')}")
+    click.echo(f"[up] logs {fleet.log_dir}; endpoints {run_dir / 'fleet.json'}; Ctrl-C stops")
+    code = 0
+    try:
+        while not stop.wait(0.5):
+            if fleet.died:
+                name, rc = fleet.died[0]
+                click.echo(f"[up] {name} exited with {rc}: stopping the fleet", err=True)
+                code = 1
+                break
+    finally:
+        fleet.stop()
+    sys.exit(code)

@@ -1,0 +1,138 @@
+"""What a local fleet is made of: kvindex, workers and proxy as process specs on loopback.
+
+``FleetSpec`` says how many prefill, decode and both-role workers, which kvindex store, which
+routing and cache settings; ``build(spec)`` picks free loopback ports and returns the
+``ProcessSpec`` of every process, in start order, with the command lines of
+``agentserving kvindex``, ``agentserving worker`` and ``agentserving proxy``.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agentserving.replay.fleet.process import ProcessSpec
+
+LOOPBACK = "127.0.0.1"
+
+
+def agentserving_argv() -> list[str]:
+    """How to run the ``agentserving`` command from this interpreter's environment."""
+    script = Path(sys.executable).parent / "agentserving"
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-c", "from agentserving.core.cli import main; main()"]
+
+
+def _free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
+
+
+class PortAllocator:
+    """Hands out free loopback ports (and runs of consecutive ones), never the same twice."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._taken: set[int] = set()
+        self._rng = random.Random(seed)
+
+    def one(self) -> int:
+        return self.run(1)
+
+    def run(self, n: int) -> int:
+        """The first of ``n`` consecutive free ports."""
+        for _ in range(2000):
+            base = self._rng.randrange(20000, 60000 - n)
+            ports = range(base, base + n)
+            if any(p in self._taken for p in ports) or not all(_free(p) for p in ports):
+                continue
+            self._taken.update(ports)
+            return base
+        raise RuntimeError(f"no run of {n} free loopback ports")
+
+
+@dataclass
+class FleetSpec:
+    prefill: int = 1
+    decode: int = 1
+    both: int = 0  # workers that prefill and decode (no P/D)
+    kvindex: str = "memory"  # memory | redis://...
+    model: str = "tiny"
+    routing: str = "kv-aware"
+    chunk_size: int = 256
+    hash_scheme: str = "blake3"
+    cpu_cache_gib: float = 2.0
+    disk_cache_gib: float = 0.0  # 0: no disk tier
+    disk_cache_root: Path | None = None  # per-worker folders under it (default: run dir)
+    proxy: bool = True
+    proxy_port: int = 0  # 0: a free port
+    worker_args: list[str] = field(default_factory=list)
+    proxy_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    worker_env: dict[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 180.0
+    # argv that replaces `agentserving worker` (tests run a stand-in with the same flags)
+    worker_command: list[str] | None = None
+
+    @property
+    def num_workers(self) -> int:
+        return self.prefill + self.decode + self.both
+
+
+def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
+          ) -> list[ProcessSpec]:
+    """Every process of the fleet, in start order: kvindex, workers, proxy."""
+    ports = ports or PortAllocator()
+    cmd = agentserving_argv()
+    out: list[ProcessSpec] = []
+    kv_port = ports.one()
+    kv_url = f"http://{LOOPBACK}:{kv_port}"
+    out.append(ProcessSpec(
+        name="kvindex", role="kvindex", url=kv_url, env=dict(spec.env),
+        argv=[*cmd, "kvindex", "--host", LOOPBACK, "--port", str(kv_port),
+              "--store", spec.kvindex], startup_timeout_s=30.0))
+    # With decode workers, the prefill pool only prefills; without, it does both.
+    roles = ([("prefill" if spec.decode else "both", "prefill")] * spec.prefill
+             + [("decode", "decode")] * spec.decode + [("both", "worker")] * spec.both)
+    counters: dict[str, int] = {}
+    prefill_urls: list[str] = []
+    decode_urls: list[str] = []
+    for role, prefix in roles:
+        k = counters.get(prefix, 0)
+        counters[prefix] = k + 1
+        name = f"{prefix}-{k}"
+        port = ports.one()
+        mem = ports.run(4)  # scheduler + engine processes (memory API, seed 000)
+        url = f"http://{LOOPBACK}:{port}"
+        argv = [*(spec.worker_command or [*cmd, "worker"]), "--role", role, "--port", str(port),
+                "--memory-port-start", str(mem), "--model", spec.model, "--pod-name", name,
+                "--kvindex", kv_url, "--cpu-cache-gib", f"{spec.cpu_cache_gib:g}",
+                "--chunk-size", str(spec.chunk_size), "--hash-scheme", spec.hash_scheme]
+        if spec.disk_cache_gib > 0:
+            disk = (spec.disk_cache_root or run_dir / "disk") / name
+            argv += ["--disk-cache-dir", str(disk), "--disk-cache-gib",
+                     f"{spec.disk_cache_gib:g}"]
+        argv += spec.worker_args
+        out.append(ProcessSpec(name=name, role=role, url=url, argv=argv,
+                               env={**spec.env, **spec.worker_env},
+                               startup_timeout_s=spec.startup_timeout_s))
+        (decode_urls if role == "decode" else prefill_urls).append(url)
+    if spec.proxy and (prefill_urls or decode_urls):
+        port = spec.proxy_port or ports.one()
+        argv = [*cmd, "proxy", "--host", LOOPBACK, "--port", str(port), "--kvindex", kv_url,
+                "--routing", spec.routing, "--chunk-size", str(spec.chunk_size)]
+        for url in prefill_urls:
+            argv += ["--prefill", url]
+        for url in decode_urls:
+            argv += ["--decode", url]
+        argv += spec.proxy_args
+        out.append(ProcessSpec(name="proxy", role="proxy", url=f"http://{LOOPBACK}:{port}",
+                               argv=argv, env=dict(spec.env), startup_timeout_s=60.0))
+    return out

@@ -1,0 +1,114 @@
+"""Run metrics from per-turn records: the columns of seed 003's evaluation table.
+
+Definitions (all over one replay run):
+
+- ``success_rate``: sessions (tasks) whose every turn completed, over all sessions planned. A
+  session stops at its first failed turn; a branch whose parent failed before the fork fails too.
+- ``turns_completed``: turns answered in full (a 200 and a complete stream).
+- ``req_per_s``, ``tok_per_s``: completed turns, and their output tokens, per second of the
+  run's makespan (first request sent to last response finished).
+- ``prefix_hit_rate``: cached prompt tokens (``usage.prompt_tokens_details.cached_tokens``)
+  over prompt tokens, summed over completed turns.
+- ``ideal_hit_rate``: the same ratio for an unbounded cache, from the trace alone
+  (``agentserving.replay.ideal``); ``hit_vs_ideal`` is their quotient.
+- ``e2e_*_s``: request sent to last byte; ``ttft_*_s``: request sent to first token;
+  ``itl_p99_s``: the 99th percentile of all gaps between consecutive tokens of all turns.
+Percentiles interpolate linearly (numpy's default); a metric with no samples is ``null``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+# The metrics of report.json's configs, in table order: (key, label, better).
+TABLE: list[tuple[str, str, str]] = [
+    ("success_rate", "task success", "higher"),
+    ("turns_completed", "turns completed", "higher"),
+    ("req_per_s", "request throughput (req/s)", "higher"),
+    ("tok_per_s", "token throughput (tok/s)", "higher"),
+    ("prefix_hit_rate", "prefix hit rate", "higher"),
+    ("e2e_p50_s", "E2E P50 (s)", "lower"),
+    ("e2e_p95_s", "E2E P95 (s)", "lower"),
+    ("e2e_p99_s", "E2E P99 (s)", "lower"),
+    ("ttft_p50_s", "TTFT P50 (s)", "lower"),
+    ("ttft_p95_s", "TTFT P95 (s)", "lower"),
+    ("itl_p99_s", "ITL P99 (s)", "lower"),
+]
+METRIC_KEYS = [k for k, _, _ in TABLE]
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    if len(values) == 0:
+        return None
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+def summarize(records: Iterable[Mapping[str, Any]], *, sessions_planned: int,
+              turns_planned: int, ideal_hit_rate: float | None = None) -> dict[str, Any]:
+    """The metrics of one run (see the module docstring) from its turn records."""
+    records = list(records)
+    ok = [r for r in records if r.get("ok")]
+    failed_sessions = {r["session_id"] for r in records if not r.get("ok")}
+    completed_by_session: dict[str, int] = {}
+    for r in ok:
+        completed_by_session[r["session_id"]] = completed_by_session.get(r["session_id"], 0) + 1
+    sessions_ok = sum(1 for r in records if r.get("ok") and r.get("last_turn")
+                      and r["session_id"] not in failed_sessions)
+    starts = [r["start_s"] for r in records if r.get("start_s") is not None]
+    ends = [r["end_s"] for r in records if r.get("end_s") is not None]
+    makespan = (max(ends) - min(starts)) if starts and ends else 0.0
+    prompt = sum(int(r.get("prompt_tokens") or 0) for r in ok)
+    cached = sum(int(r.get("cached_tokens") or 0) for r in ok)
+    out_tokens = sum(int(r.get("completion_tokens") or 0) for r in ok)
+    e2e = [r["e2e_s"] for r in ok if r.get("e2e_s") is not None]
+    ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
+    itl = [x for r in ok for x in (r.get("itl_s") or [])]
+    hit = cached / prompt if prompt else None
+    return {
+        "success_rate": sessions_ok / sessions_planned if sessions_planned else None,
+        "turns_completed": len(ok),
+        "req_per_s": len(ok) / makespan if makespan > 0 else None,
+        "tok_per_s": out_tokens / makespan if makespan > 0 else None,
+        "prefix_hit_rate": hit,
+        "e2e_p50_s": percentile(e2e, 50),
+        "e2e_p95_s": percentile(e2e, 95),
+        "e2e_p99_s": percentile(e2e, 99),
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p95_s": percentile(ttft, 95),
+        "itl_p99_s": percentile(itl, 99),
+        "ideal_hit_rate": ideal_hit_rate,
+        "hit_vs_ideal": (hit / ideal_hit_rate) if hit is not None and ideal_hit_rate else None,
+        "sessions_planned": sessions_planned,
+        "sessions_succeeded": sessions_ok,
+        "turns_planned": turns_planned,
+        "turns_failed": len(records) - len(ok),
+        "turns_not_sent": turns_planned - len(records),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "output_tokens": out_tokens,
+        "forced_mismatches": sum(1 for r in ok if r.get("forced_mismatch")),
+        "makespan_s": makespan,
+        "errors": _error_counts(records),
+    }
+
+
+def _error_counts(records: list[Mapping[str, Any]]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for r in records:
+        if not r.get("ok"):
+            key = str(r.get("error") or "unknown")[:120]
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def ratios(baseline: Mapping[str, Any], candidate: Mapping[str, Any]) -> dict[str, float | None]:
+    """candidate / baseline for every table metric (``null`` where undefined)."""
+    out: dict[str, float | None] = {}
+    for key in METRIC_KEYS:
+        b, c = baseline.get(key), candidate.get(key)
+        out[key] = (c / b) if isinstance(b, int | float) and isinstance(c, int | float) and b \
+            else None
+    return out

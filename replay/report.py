@@ -1,0 +1,276 @@
+"""A run's report: report.json, the seed-003 table side by side, and PNG plots.
+
+Layout of a run folder (``agentserving bench`` writes it; ``agentserving report DIR`` redraws
+the plots from it)::
+
+    DIR/report.json              {"configs": {"baseline": M, "agentserving": M},
+                                  "ratios": {metric: agentserving / baseline}, "checks": ...}
+    DIR/<config>/turns.jsonl     one record per turn (agentserving.replay.client.TurnRecord)
+    DIR/<config>/summary.json    M, plus the replay's settings
+    DIR/plots/*.png              latency CDFs, throughput over time, hit rate over time, ratios
+
+A single ``agentserving replay --out DIR`` folder (``turns.jsonl`` + ``summary.json``) can be
+drawn too: it is shown as one configuration named after the folder.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from agentserving.replay.metrics import METRIC_KEYS, TABLE, ratios
+
+# The issue's targets for the bundled workload (seed 003's gains, and then some).
+TARGETS = {
+    "hit_vs_ideal_min": 0.95,
+    "req_per_s_ratio_min": 2.0,
+    "e2e_p95_ratio_max": 0.34,
+    "failed_turns_max": 0,
+}
+
+# Seed 003, section 5 (Llama-3.1-8B: 4 independent vLLM instances -> AgentMem 1P3D).
+SEED_003 = {
+    "success_rate": (0.9820, 1.0),
+    "turns_completed": (12055, 12740),
+    "req_per_s": (1.073, 2.208),
+    "tok_per_s": (188.44, 395.06),
+    "prefix_hit_rate": (0.0024, 0.9291),
+    "e2e_p95_s": (278.76, 93.69),
+    "e2e_p99_s": (492.56, 138.29),
+    "itl_p99_s": (1.356, 0.103),
+}
+
+
+def build_report(configs: Mapping[str, Mapping[str, Any]], *, baseline: str = "baseline",
+                 candidate: str = "agentserving", **extra: Any) -> dict[str, Any]:
+    """report.json: every config's metrics, candidate/baseline ratios, and the target checks."""
+    report: dict[str, Any] = {"configs": {k: dict(v) for k, v in configs.items()}}
+    if baseline in configs and candidate in configs:
+        b, c = configs[baseline], configs[candidate]
+        report["ratios"] = ratios(b, c)
+        report["checks"] = checks(b, c)
+    else:
+        report["ratios"] = {}
+    report.update(extra)
+    return report
+
+
+def checks(b: Mapping[str, Any], c: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    def ratio(key: str) -> float | None:
+        return c[key] / b[key] if b.get(key) and c.get(key) is not None else None
+
+    failed = int(c.get("turns_failed") or 0) + int(c.get("turns_not_sent") or 0)
+    rows = {
+        "hit_vs_ideal": (c.get("hit_vs_ideal"), ">=", TARGETS["hit_vs_ideal_min"]),
+        "req_per_s_ratio": (ratio("req_per_s"), ">=", TARGETS["req_per_s_ratio_min"]),
+        "e2e_p95_ratio": (ratio("e2e_p95_s"), "<=", TARGETS["e2e_p95_ratio_max"]),
+        "failed_turns": (failed, "<=", TARGETS["failed_turns_max"]),
+    }
+    out = {}
+    for name, (value, op, target) in rows.items():
+        ok = value is not None and (value >= target if op == ">=" else value <= target)
+        out[name] = {"value": value, "target": f"{op} {target}", "ok": bool(ok)}
+    return out
+
+
+def _fmt(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if key in ("success_rate", "prefix_hit_rate", "ideal_hit_rate", "hit_vs_ideal"):
+        return f"{100 * value:.2f}%"
+    if key == "turns_completed":
+        return f"{int(value):,}"
+    if key.endswith("_s"):
+        return f"{value:.3f}"
+    return f"{value:.3f}"
+
+
+def _change(key: str, b: Any, c: Any) -> str:
+    if b is None or c is None:
+        return "-"
+    if key in ("success_rate", "prefix_hit_rate"):
+        return f"{100 * (c - b):+.2f} pp"
+    if not b:
+        return "-"
+    return f"{100 * (c / b - 1):+.1f}% (x{c / b:.2f})"
+
+
+def table_rows(report: Mapping[str, Any], baseline: str = "baseline",
+               candidate: str = "agentserving") -> list[list[str]]:
+    """[metric, baseline, agentserving, change, seed 003 change] for the seed's table."""
+    b = report["configs"].get(baseline, {})
+    c = report["configs"].get(candidate, {})
+    rows = []
+    for key, label, _ in TABLE:
+        seed = SEED_003.get(key)
+        rows.append([label, _fmt(key, b.get(key)), _fmt(key, c.get(key)),
+                     _change(key, b.get(key), c.get(key)),
+                     _change(key, *seed) if seed else "-"])
+    ideal = c.get("ideal_hit_rate") or b.get("ideal_hit_rate")
+    rows.append(["ideal hit rate (trace)", _fmt("ideal_hit_rate", ideal),
+                 _fmt("ideal_hit_rate", ideal), "-", "-"])
+    rows.append(["hit rate / ideal", _fmt("hit_vs_ideal", b.get("hit_vs_ideal")),
+                 _fmt("hit_vs_ideal", c.get("hit_vs_ideal")), "-", "-"])
+    return rows
+
+
+def print_table(report: Mapping[str, Any], title: str = "baseline vs agentserving") -> str:
+    """Print the table with rich (and return it as plain text)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("metric", "baseline", "agentserving", "change", "seed 003 (Llama-8B)"):
+        table.add_column(col, justify="left" if col == "metric" else "right")
+    for row in table_rows(report):
+        table.add_row(*row)
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)
+    console.print(table)
+    for name, check in (report.get("checks") or {}).items():
+        mark = "[green]ok[/green]" if check["ok"] else "[red]MISSED[/red]"
+        value = check["value"]
+        shown = f"{value:.3f}" if isinstance(value, float) else str(value)
+        console.print(f"  {mark}  {name} = {shown} (target {check['target']})")
+    plain = Console(record=True, width=120, file=io.StringIO())
+    plain.print(table)
+    return plain.export_text()
+
+
+# ------------------------------------------------------------------------------------ plots
+
+
+def load_records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _cdf(ax: Any, values: list[float], label: str) -> None:
+    if not values:
+        return
+    xs = np.sort(np.asarray(values))
+    ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=label)
+
+
+def draw_plots(out_dir: Path, records: Mapping[str, list[dict[str, Any]]],
+               report: Mapping[str, Any] | None = None) -> list[Path]:
+    """PNG plots of one or more configs' turn records; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for name, recs in records.items():
+        ok = [r for r in recs if r.get("ok")]
+        _cdf(axes[0], [r["e2e_s"] for r in ok], name)
+        _cdf(axes[1], [r["ttft_s"] for r in ok if r.get("ttft_s") is not None], name)
+        _cdf(axes[2], [x for r in ok for x in r.get("itl_s") or []], name)
+    for ax, title in zip(axes, ("end-to-end latency", "time to first token",
+                                "inter-token latency"), strict=True):
+        ax.set_title(title)
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("fraction of turns" if title != "inter-token latency" else "fraction")
+        ax.set_xscale("log")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    written.append(_save(fig, out_dir / "latency_cdf.png"))
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    for name, recs in records.items():
+        ok = sorted((r for r in recs if r.get("ok")), key=lambda r: r["end_s"])
+        if not ok:
+            continue
+        end = max(r["end_s"] for r in ok)
+        width = max(end / 30, 0.5)
+        bins = np.arange(0, end + width, width)
+        counts, _ = np.histogram([r["end_s"] for r in ok], bins=bins)
+        toks, _ = np.histogram([r["end_s"] for r in ok], bins=bins,
+                               weights=[r.get("completion_tokens") or 0 for r in ok])
+        axes[0].step(bins[:-1], counts / width, where="post", label=name)
+        axes[1].step(bins[:-1], toks / width, where="post", label=name)
+    for ax, title in zip(axes, ("turns completed per second", "output tokens per second"),
+                         strict=True):
+        ax.set_title(title)
+        ax.set_xlabel("seconds since the run started")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    written.append(_save(fig, out_dir / "throughput.png"))
+
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    ideal_drawn = False
+    for name, recs in records.items():
+        ok = sorted((r for r in recs if r.get("ok")), key=lambda r: r["end_s"])
+        if not ok:
+            continue
+        t = [r["end_s"] for r in ok]
+        prompt = np.maximum(np.cumsum([r.get("prompt_tokens") or 0 for r in ok]), 1)
+        cached = np.cumsum([r.get("cached_tokens") or 0 for r in ok])
+        ax.plot(t, cached / prompt, label=name)
+        if not ideal_drawn:  # the same trace for every config: one ideal curve
+            ideal = np.cumsum([r.get("ideal_cached_tokens") or 0 for r in ok])
+            ax.plot(t, ideal / prompt, linestyle=":", color="gray",
+                    label="ideal (unbounded cache)")
+            ideal_drawn = True
+    ax.set_title("prefix hit rate over time (cumulative)")
+    ax.set_xlabel("seconds since the run started")
+    ax.set_ylabel("cached / prompt tokens")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    written.append(_save(fig, out_dir / "hit_rate.png"))
+
+    if report and report.get("ratios"):
+        fig, ax = plt.subplots(figsize=(9, 4.2))
+        keys = [k for k in METRIC_KEYS if report["ratios"].get(k) is not None]
+        vals = [report["ratios"][k] for k in keys]
+        better = {k: b for k, _, b in TABLE}
+        colors = ["tab:green" if (v >= 1) == (better[k] == "higher") else "tab:red"
+                  for k, v in zip(keys, vals, strict=True)]
+        ax.barh(keys, vals, color=colors)
+        ax.axvline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_title("agentserving / baseline (green: better)")
+        ax.grid(alpha=0.3, axis="x")
+        fig.tight_layout()
+        written.append(_save(fig, out_dir / "ratios.png"))
+    return written
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def redraw(run_dir: Path) -> tuple[dict[str, Any], list[Path]]:
+    """Redraw a run folder's plots (bench run or single replay); returns (report, files)."""
+    report_path = run_dir / "report.json"
+    if report_path.exists():
+        report = json.loads(report_path.read_text())
+        records = {name: load_records(run_dir / name / "turns.jsonl")
+                   for name in report["configs"]}
+    elif (run_dir / "summary.json").exists():
+        summary = json.loads((run_dir / "summary.json").read_text())
+        report = {"configs": {run_dir.name: summary}, "ratios": {}}
+        records = {run_dir.name: load_records(run_dir / "turns.jsonl")}
+    else:
+        raise FileNotFoundError(f"{run_dir}: neither report.json nor summary.json")
+    if not any(records.values()):
+        raise FileNotFoundError(f"{run_dir}: no turn records (turns.jsonl) to draw")
+    return report, draw_plots(run_dir / "plots", records, report)

@@ -1,0 +1,215 @@
+"""The local fleet's supervisor: ordered start, health, clean shutdown with no orphans."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agentserving.core.testing import free_port
+from agentserving.replay.fleet.process import FleetError, ProcessSpec
+from agentserving.replay.fleet.supervisor import Fleet
+from agentserving.replay.fleet.topology import FleetSpec, PortAllocator, build
+from agentserving.replay.testing import pid_alive
+
+AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
+
+
+def wait_gone(pids: list[int], timeout_s: float = 10.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if pid_alive(p)]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if pid_alive(p)]
+
+
+# A server that spawns a grandchild (as a worker spawns engine processes) and ignores SIGTERM
+# when asked to (so only SIGKILL ends it).
+SERVER = textwrap.dedent("""
+    import http.server, os, signal, subprocess, sys
+    port, pidfile, stubborn = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    open(pidfile, "w").write(f"{os.getpid()} {child.pid}")
+    if stubborn:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            code = 200 if self.path == "/healthz" else 404
+            self.send_response(code); self.end_headers(); self.wfile.write(b"ok")
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+""")
+
+
+def server_spec(tmp_path: Path, name: str, role: str = "worker", stubborn: bool = False,
+                port: int | None = None) -> ProcessSpec:
+    port = port or free_port()
+    return ProcessSpec(name=name, role=role, url=f"http://127.0.0.1:{port}",
+                       argv=[sys.executable, "-c", SERVER, str(port),
+                             str(tmp_path / f"{name}.pids"), "1" if stubborn else "0"],
+                       startup_timeout_s=20)
+
+
+def read_pids(tmp_path: Path, name: str) -> list[int]:
+    return [int(x) for x in (tmp_path / f"{name}.pids").read_text().split()]
+
+
+def test_fleet_starts_in_order_and_stops_every_process_group(tmp_path):
+    events: list[str] = []
+    specs = [server_spec(tmp_path, "proxy", role="proxy"),
+             server_spec(tmp_path, "kv", role="kvindex"),
+             server_spec(tmp_path, "w0"), server_spec(tmp_path, "w1", stubborn=True)]
+    with Fleet(specs, tmp_path / "run", on_event=events.append, stop_grace_s=1.0) as fleet:
+        started = [e.split()[1] for e in events if e.startswith("started")]
+        assert started == ["kv", "w0", "w1", "proxy"]  # kvindex, workers, then the proxy
+        # every process answered /healthz (after /readyz said 404) before the next wave
+        ready = [e.split()[0] for e in events if " ready at " in e]
+        assert ready.index("kv") < ready.index("w0") and ready[-1] == "proxy"
+        described = json.loads((tmp_path / "run" / "fleet.json").read_text())
+        assert described["proxy"] == specs[0].url and len(described["processes"]) == 4
+        pids = [p for n in ("proxy", "kv", "w0", "w1") for p in read_pids(tmp_path, n)]
+        assert all(pid_alive(p) for p in pids)
+        for n in ("proxy", "kv", "w0", "w1"):
+            leader = read_pids(tmp_path, n)[0]
+            assert os.getpgid(leader) == leader  # its own process group
+        assert httpx.get(specs[2].url + "/healthz").status_code == 200
+        started_stop = time.monotonic()
+    assert wait_gone(pids) == []  # leaders and grandchildren, the stubborn one too
+    assert time.monotonic() - started_stop < 5
+    assert (tmp_path / "run" / "logs" / "w0.log").exists()
+    fleet.stop()  # idempotent
+
+
+def test_stubborn_process_is_killed_after_the_grace_period(tmp_path):
+    fleet = Fleet([server_spec(tmp_path, "w", stubborn=True)], tmp_path).start()
+    leader, child = read_pids(tmp_path, "w")
+    t = time.monotonic()
+    fleet.stop(grace_s=0.5)
+    assert 0.4 < time.monotonic() - t < 8
+    assert wait_gone([leader, child], 2) == []
+
+
+def test_a_process_that_dies_while_starting_fails_the_start_and_stops_the_rest(tmp_path):
+    good = server_spec(tmp_path, "kv", role="kvindex")
+    bad = ProcessSpec(name="w", role="worker", url=f"http://127.0.0.1:{free_port()}",
+                      argv=[sys.executable, "-c", "import sys; print('no model'); sys.exit(3)"])
+    with pytest.raises(FleetError, match=r"w exited with 3 while starting(.|\n)*no model"):
+        Fleet([good, bad], tmp_path).start()
+    assert wait_gone(read_pids(tmp_path, "kv")) == []
+
+
+def test_a_process_that_never_gets_healthy_times_out(tmp_path):
+    spec = ProcessSpec(name="w", role="worker", url=f"http://127.0.0.1:{free_port()}",
+                       argv=[sys.executable, "-c", "import time; time.sleep(60)"],
+                       startup_timeout_s=1.0)
+    t = time.monotonic()
+    with pytest.raises(FleetError, match="not healthy after 1s"):
+        Fleet([spec], tmp_path).start()
+    assert time.monotonic() - t < 10
+
+
+def test_topologies():
+    ports = PortAllocator(seed=1)
+    pd = build(FleetSpec(prefill=1, decode=2, kvindex="redis://127.0.0.1:1/0",
+                         disk_cache_gib=2), Path("/tmp/r"), ports)
+    assert [(p.name, p.role) for p in pd] == [("kvindex", "kvindex"), ("prefill-0", "prefill"),
+                                              ("decode-0", "decode"), ("decode-1", "decode"),
+                                              ("proxy", "proxy")]
+    assert pd[0].argv[-2:] == ["--store", "redis://127.0.0.1:1/0"]
+    w = pd[1].argv
+    assert w[w.index("--kvindex") + 1] == pd[0].url
+    assert w[w.index("--disk-cache-dir") + 1] == "/tmp/r/disk/prefill-0"
+    assert w[w.index("--chunk-size") + 1] == "256" and "--hash-scheme" in w
+    proxy = pd[-1].argv
+    assert proxy[proxy.index("--routing") + 1] == "kv-aware"
+    assert [proxy[i + 1] for i, a in enumerate(proxy) if a == "--decode"] == \
+        [pd[2].url, pd[3].url]
+    assert [proxy[i + 1] for i, a in enumerate(proxy) if a == "--prefill"] == [pd[1].url]
+    urls = [p.url for p in pd]
+    assert len(set(urls)) == len(urls)
+    mem = [int(p.argv[p.argv.index("--memory-port-start") + 1]) for p in pd[1:4]]
+    assert all(abs(a - b) >= 4 for i, a in enumerate(mem) for b in mem[i + 1:])
+
+    base = build(FleetSpec(prefill=0, decode=0, both=2, routing="round-robin",
+                           cpu_cache_gib=0.001), Path("/tmp/r"), ports)
+    assert [p.role for p in base] == ["kvindex", "both", "both", "proxy"]
+    assert "--disk-cache-dir" not in base[1].argv
+    assert base[1].argv[base[1].argv.index("--cpu-cache-gib") + 1] == "0.001"
+    assert base[-1].argv.count("--prefill") == 2 and "--decode" not in base[-1].argv
+    # no decode pool: the prefill workers do both
+    solo = build(FleetSpec(prefill=1, decode=0), Path("/tmp/r"), ports)
+    assert solo[1].role == "both" and solo[1].name == "prefill-0"
+    only_index = build(FleetSpec(prefill=0, decode=0), Path("/tmp/r"), ports)
+    assert [p.role for p in only_index] == ["kvindex"]
+
+
+# --------------------------------------------------------------------- agentserving up
+
+
+def _up(tmp_path: Path) -> tuple[subprocess.Popen, dict]:
+    run_dir = tmp_path / "up"
+    proc = subprocess.Popen([AGENTSERVING, "up", "--prefill", "0", "--decode", "0",
+                             "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 30
+    while not (run_dir / "fleet.json").exists():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "agentserving up did not get ready"
+        time.sleep(0.1)
+    return proc, json.loads((run_dir / "fleet.json").read_text())
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_up_stops_everything_on_ctrl_c_or_sigterm(tmp_path, sig):
+    proc, fleet = _up(tmp_path)
+    try:
+        kv = fleet["processes"][0]
+        assert kv["name"] == "kvindex"
+        assert httpx.get(fleet["kvindex"] + "/readyz").status_code == 200
+        assert Path(kv["log"]).parent == tmp_path / "up" / "logs"
+        proc.send_signal(sig)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+        assert f"{signal.Signals(sig).name}: stopping" in out and "stopped 1 processes" in out
+        assert wait_gone([kv["pid"]]) == []
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(fleet["kvindex"] + "/readyz", timeout=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_up_children_die_with_a_killed_supervisor(tmp_path):
+    proc, fleet = _up(tmp_path)
+    kv_pid = fleet["processes"][0]["pid"]
+    try:
+        proc.kill()  # SIGKILL: no handler runs; the kernel's parent-death signal does
+        proc.wait()
+        assert wait_gone([kv_pid]) == []
+    finally:
+        if pid_alive(kv_pid):
+            os.killpg(kv_pid, signal.SIGKILL)
+
+
+def test_up_exits_when_a_process_dies(tmp_path):
+    proc, fleet = _up(tmp_path)
+    try:
+        os.killpg(fleet["processes"][0]["pid"], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 1 and "kvindex exited with" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

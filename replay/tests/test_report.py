@@ -1,0 +1,98 @@
+"""report.json, the side-by-side table, and `agentserving report DIR` redrawing the plots."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from click.testing import CliRunner
+
+from agentserving.replay.client import Replayer, ReplayOptions
+from agentserving.replay.metrics import METRIC_KEYS, summarize
+from agentserving.replay.report import build_report, checks, table_rows
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _run(server, trace, out):
+    opts = ReplayOptions(target=server.url, progress=False, chunk_size=16)
+    return asyncio.run(Replayer(trace, opts, out_dir=out).run())
+
+
+def test_bench_style_run_folder_is_redrawn(fake_server, tmp_path, small_trace):
+    from agentserving.core.cli import main
+    trace = small_trace()
+    fake_server.state.cache = False
+    base = _run(fake_server, trace, tmp_path / "baseline")
+    fake_server.state.reset()
+    fake_server.state.cache = True
+    cand = _run(fake_server, trace, tmp_path / "agentserving")
+    report = build_report({"baseline": base.summary, "agentserving": cand.summary})
+    assert set(METRIC_KEYS) <= set(report["configs"]["baseline"])
+    assert set(report["ratios"]) == set(METRIC_KEYS)
+    assert report["configs"]["baseline"]["prefix_hit_rate"] == 0.0
+    assert report["configs"]["agentserving"]["prefix_hit_rate"] > 0.3
+    assert report["ratios"]["turns_completed"] == 1.0
+    (tmp_path / "report.json").write_text(json.dumps(report))
+
+    res = CliRunner().invoke(main, ["report", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    for name in ("latency_cdf", "throughput", "hit_rate", "ratios"):
+        png = tmp_path / "plots" / f"{name}.png"
+        assert png.read_bytes()[:8] == PNG and png.stat().st_size > 5000, name
+        assert f"plot: {png}" in res.output
+    assert "prefix hit rate" in res.output and "agentserving" in res.output
+
+
+def test_single_replay_folder_is_drawn_too(fake_server, tmp_path, small_trace):
+    from agentserving.core.cli import main
+    _run(fake_server, small_trace(sessions=2), tmp_path / "one")
+    res = CliRunner().invoke(main, ["report", str(tmp_path / "one")])
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "one" / "plots" / "latency_cdf.png").exists()
+    assert not (tmp_path / "one" / "plots" / "ratios.png").exists()
+    res = CliRunner().invoke(main, ["report", str(tmp_path)])
+    assert res.exit_code != 0 and "neither report.json nor summary.json" in res.output
+
+
+def _summary(**kw):
+    base = {"success_rate": 1.0, "turns_completed": 10, "req_per_s": 1.0, "tok_per_s": 10.0,
+            "prefix_hit_rate": 0.0, "e2e_p50_s": 1.0, "e2e_p95_s": 2.0, "e2e_p99_s": 3.0,
+            "ttft_p50_s": 0.5, "ttft_p95_s": 1.0, "itl_p99_s": 0.1, "hit_vs_ideal": 0.0,
+            "turns_failed": 0, "turns_not_sent": 0, "ideal_hit_rate": 0.8}
+    return {**base, **kw}
+
+
+def test_checks_and_table():
+    b = _summary()
+    good = _summary(req_per_s=2.5, prefix_hit_rate=0.78, hit_vs_ideal=0.975, e2e_p95_s=0.6)
+    c = checks(b, good)
+    assert all(v["ok"] for v in c.values()), c
+    bad = checks(b, _summary(req_per_s=1.5, hit_vs_ideal=0.9, e2e_p95_s=1.0, turns_failed=1))
+    assert not any(v["ok"] for v in bad.values())
+    report = build_report({"baseline": b, "agentserving": good})
+    rows = {r[0]: r for r in table_rows(report)}
+    assert rows["request throughput (req/s)"][3] == "+150.0% (x2.50)"
+    assert rows["prefix hit rate"][1:4] == ["0.00%", "78.00%", "+78.00 pp"]
+    assert rows["E2E P95 (s)"][4] == "-66.4% (x0.34)"  # seed 003, Llama-3.1-8B
+
+
+def test_summarize_counts_sessions_and_percentiles():
+    recs = [
+        {"session_id": "a", "turn": 0, "ok": True, "last_turn": False, "start_s": 0.0,
+         "end_s": 1.0, "e2e_s": 1.0, "ttft_s": 0.2, "itl_s": [0.1, 0.3], "prompt_tokens": 100,
+         "cached_tokens": 0, "completion_tokens": 3},
+        {"session_id": "a", "turn": 1, "ok": True, "last_turn": True, "start_s": 1.5,
+         "end_s": 2.0, "e2e_s": 0.5, "ttft_s": 0.1, "itl_s": [0.2], "prompt_tokens": 200,
+         "cached_tokens": 100, "completion_tokens": 2},
+        {"session_id": "b", "turn": 0, "ok": False, "last_turn": False, "start_s": 0.5,
+         "end_s": 0.6, "error": "HTTP 500: x"},
+    ]
+    s = summarize(recs, sessions_planned=2, turns_planned=4, ideal_hit_rate=0.5)
+    assert s["success_rate"] == 0.5 and s["turns_completed"] == 2
+    assert s["req_per_s"] == 1.0 and s["tok_per_s"] == 2.5
+    assert abs(s["prefix_hit_rate"] - 1 / 3) < 1e-9 and abs(s["hit_vs_ideal"] - 2 / 3) < 1e-9
+    assert s["e2e_p50_s"] == 0.75 and s["turns_failed"] == 1 and s["turns_not_sent"] == 1
+    assert s["itl_p99_s"] > 0.29 and s["errors"] == {"HTTP 500: x": 1}
+    empty = summarize([], sessions_planned=1, turns_planned=1)
+    assert empty["e2e_p95_s"] is None and empty["req_per_s"] is None

@@ -1,0 +1,35 @@
+"""Pure prefill scheduling policies (state in, decision out, no I/O).
+
+``build_policy(name, **options)`` makes one by name; the same objects serve the reference
+engine (``agentserving.prefill.engine_adapter``), the cluster simulator and the vLLM plugin
+(``agentserving.prefill.vllm_plugin``). See docs/scheduling.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agentserving.prefill.policies.base import PurePolicy, is_safe, max_advance
+from agentserving.prefill.policies.fcfs import FcfsChunk, FcfsNoChunk
+from agentserving.prefill.policies.longcap import LongcapDynamic
+from agentserving.prefill.policies.types import Decision, ReqView, SchedState, advance
+
+POLICY_CLASSES: dict[str, type] = {
+    "fcfs-nochunk": FcfsNoChunk,
+    "fcfs-chunk": FcfsChunk,
+    "longcap-dynamic": LongcapDynamic,
+}
+
+
+def build_policy(name: str, **options: Any) -> PurePolicy:
+    try:
+        cls = POLICY_CLASSES[name]
+    except KeyError:
+        known = sorted(POLICY_CLASSES)
+        raise ValueError(f"unknown prefill policy {name!r}; known: {known}") from None
+    return cls(**options)
+
+
+__all__ = ["Decision", "FcfsChunk", "FcfsNoChunk", "LongcapDynamic", "POLICY_CLASSES",
+           "PurePolicy", "ReqView", "SchedState", "advance", "build_policy", "is_safe",
+           "max_advance"]

@@ -1,0 +1,184 @@
+"""What every policy shares: legal chunk sizes, the KV safety rule, and the planner.
+
+KV safety (the no-eviction guarantee). A request *reserves* ``blocks(computed)`` while it
+prefills and ``blocks(prompt + decode_left)`` once it decodes; it *needs* the rest of its
+peak. A state is safe when the running requests can be finished one after another, each
+taking its need from the free blocks and then releasing everything it holds (the banker's
+algorithm for one resource: finishing them in order of increasing need is optimal). Every
+decision a policy returns leaves the pod in a safe state, whatever the arrivals and whatever
+the later decisions: a grant that would make the state unsafe is shrunk or dropped, and a safe
+state always allows at least one request to progress. So no request ever has to be evicted or
+recomputed for lack of KV space; at worst it stalls for a step.
+
+Admission is timeline-aware on top of that (``timeline_admits``): a request is admitted only
+if the policy's own forward simulation of the running set plus the candidate (no further
+arrivals) finishes every request without a single KV stall, i.e. "admit now, evict (or stall)
+later" never happens by the policy's own prediction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Protocol
+
+from agentserving.prefill.policies.types import Decision, ReqView, SchedState, advance
+
+
+class PurePolicy(Protocol):
+    name: str
+    chunk_align: int
+
+    def decide(self, state: SchedState) -> Decision: ...
+
+
+def unit(state: SchedState, align: int) -> int:
+    """Non-final chunks end on multiples of this (the executor's quantum and the alignment)."""
+    q = max(1, state.quantum)
+    return q * max(1, align) // math.gcd(q, max(1, align))
+
+
+def max_advance(r: ReqView, budget: int, state: SchedState, align: int) -> int:
+    """The most new tokens ``r`` may prefill this step within ``budget`` (0: none legal).
+
+    A chunk that completes the prompt (or, with ``split_tail``, the prompt's full chunks) may
+    end anywhere; any other chunk ends where ``computed + new`` is a multiple of ``unit``
+    (the ``--chunk-align`` rule: cached + new tokens stay a multiple of 128)."""
+    start, total = r.computed, r.prompt_len
+    if budget <= 0 or start >= total:
+        return 0
+    limit = total
+    if state.split_tail and state.quantum > 1:
+        full_end = total - total % state.quantum
+        if start < full_end:
+            limit = full_end
+    if start + budget >= limit:
+        return limit - start
+    u = unit(state, align)
+    end = (start + budget) // u * u
+    return max(0, end - start)
+
+
+def reserved_blocks(state: SchedState, r: ReqView) -> int:
+    if r.running and r.remaining == 0:
+        return state.blocks(r.peak_tokens)
+    return state.blocks(r.computed) if r.running else 0
+
+
+def need_blocks(state: SchedState, r: ReqView) -> int:
+    return state.blocks(r.peak_tokens) - reserved_blocks(state, r)
+
+
+def is_safe(state: SchedState, running: tuple[ReqView, ...] | None = None) -> bool:
+    running = state.running if running is None else running
+    free = state.capacity_blocks - sum(reserved_blocks(state, r) for r in running)
+    if free < 0:
+        return False
+    for r in sorted(running, key=lambda x: need_blocks(state, x)):
+        need = need_blocks(state, r)
+        if need > free:
+            return False
+        free += reserved_blocks(state, r)
+    return True
+
+
+def free_tokens(state: SchedState) -> int:
+    used = sum(reserved_blocks(state, r) for r in state.running)
+    return (state.capacity_blocks - used) * state.block_size
+
+
+class Planner:
+    """Builds one step's decision grant by grant, keeping it legal and safe."""
+
+    def __init__(self, state: SchedState, policy: PurePolicy, *, timeline: bool = True) -> None:
+        self.state = state
+        self.policy = policy
+        self.timeline = timeline
+        self.views = {r.req_id: r for r in state.running}
+        self.grants: dict[str, int] = {}
+        self.admitted: list[str] = []
+        self.stalled = False  # a grant was cut for KV safety
+
+    @property
+    def slots(self) -> int:
+        return self.state.max_running - len(self.views)
+
+    def _after(self) -> tuple[ReqView, ...]:
+        return tuple(dataclasses.replace(r, running=True, computed=r.computed + self.grants.get(
+            r.req_id, 0)) for r in self.views.values())
+
+    def grant(self, r: ReqView, budget: int) -> int:
+        """Give running request ``r`` up to ``budget`` more tokens; returns how many."""
+        n = max_advance(r, budget, self.state, self.policy.chunk_align)
+        if n <= 0:
+            return 0
+        while n > 0:
+            self.grants[r.req_id] = self.grants.get(r.req_id, 0) + n
+            if is_safe(self.state, self._after()):
+                return n
+            self.grants[r.req_id] -= n
+            self.stalled = True
+            smaller = max_advance(r, n // 2, self.state, self.policy.chunk_align)
+            n = smaller if smaller < n else 0
+        if not self.grants.get(r.req_id):
+            self.grants.pop(r.req_id, None)
+        return 0
+
+    def admit(self, w: ReqView, budget: int) -> int:
+        """Admit waiting request ``w`` with a first chunk of up to ``budget`` tokens, if the
+        slots, the KV safety rule and the timeline allow; returns the tokens granted (0: not
+        admitted)."""
+        if self.slots <= 0 or budget <= 0:
+            return 0
+        n = max_advance(w, budget, self.state, self.policy.chunk_align)
+        if n <= 0:
+            return 0
+        view = dataclasses.replace(w, running=True)
+        self.views[w.req_id] = view
+        self.grants[w.req_id] = n
+        ok = is_safe(self.state, self._after())
+        if ok and self.timeline:
+            ok = timeline_admits(self.policy, self._trial_state())
+        if not ok:
+            del self.views[w.req_id]
+            del self.grants[w.req_id]
+            return 0
+        self.admitted.append(w.req_id)
+        return n
+
+    def _trial_state(self) -> SchedState:
+        return advance(dataclasses.replace(self.state, running=tuple(self.views.values()),
+                                           waiting=()), self.decision(), drop_finished=True)
+
+    def decision(self) -> Decision:
+        decode = tuple(r.req_id for r in self.state.running if r.decoding)
+        order = [rid for rid in self.grants if self.grants[rid] > 0]
+        return Decision(prefill=tuple((rid, self.grants[rid]) for rid in order),
+                        admit=tuple(self.admitted), decode=decode)
+
+    def finish(self) -> Decision:
+        d = self.decision()
+        if d.prefill or not any(r.prefilling for r in self.state.running):
+            return d
+        # Every grant was cut: the head of the safe order can always take its next chunk.
+        head = min((r for r in self.state.running if r.prefilling),
+                   key=lambda x: need_blocks(self.state, x))
+        self.grant(head, head.remaining)
+        return self.decision()
+
+
+def timeline_admits(policy: PurePolicy, state: SchedState, horizon: int = 4096) -> bool:
+    """Run ``policy`` forward from ``state`` (its waiting queue ignored) until every running
+    request is done; False if any step had to cut a grant for KV space."""
+    if sum(state.blocks(r.peak_tokens) for r in state.running) <= state.capacity_blocks:
+        return True  # everything fits at its peak at once: no schedule can run out
+    s = dataclasses.replace(state, waiting=())
+    decide_running = getattr(policy, "decide_running", None)
+    for _ in range(horizon):
+        if not s.running:
+            return True
+        d, stalled = decide_running(s) if decide_running else (policy.decide(s), False)
+        if stalled:
+            return False
+        s = advance(s, d)
+    return False

@@ -42,9 +42,10 @@ bench: setup
 lint: setup
 	$(VENV)/bin/ruff check .
 
-# Until the main job lands (replay issue): the kvindex, in the foreground.
+# The main job: the local fleet (kvindex, workers, proxy as real processes) serving the bundled
+# multi-turn agent workload, baseline vs agentserving, with a report under runs/<time>/.
 run: setup
-	$(VENV)/bin/agentserving kvindex --port 8300 --log-console
+	$(VENV)/bin/agentserving bench
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -15,6 +15,7 @@ FOLDERS = {
     "agentserving.decode": "services/decode",
     "agentserving.proxy": "services/proxy",
     "agentserving.replay": "replay",
+    "agentserving.kernels": "kernels",
 }
 
 

@@ -110,16 +110,22 @@ def run_ttft(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             history = ids + out["choices"][0]["token_ids"]
             _wait_on_disk(w, hashes)
             for i, cond in enumerate(("dram", "disk", "recompute")):
-                if cond == "disk":
-                    httpx.post(w.memory_url + "/memory/evict", timeout=60,
-                               json={"chunk_hashes": hashes, "locations": ["LocalCPUBackend"]})
-                elif cond == "recompute":
-                    httpx.post(w.memory_url + "/memory/evict", timeout=60,
-                               json={"chunk_hashes": hashes})
+                if cond != "dram":
+                    evict = {"chunk_hashes": hashes}
+                    if cond == "disk":
+                        evict["locations"] = ["LocalCPUBackend"]
+                    r = httpx.post(w.memory_url + "/memory/evict", timeout=60, json=evict)
+                    r.raise_for_status()
+                    assert r.json()["num_evicted"] == len(hashes), r.text
                 turn2 = history + prompt(256, seed=50_000 + 10 * rep + i)
                 t, usage = _ttft(w.url, {"prompt": turn2, "max_tokens": 1})
                 samples[cond].append(t)
                 cached[cond].append(usage["prompt_tokens_details"]["cached_tokens"])
+                want = 0 if cond == "recompute" else len(hashes) * 256
+                tier = {"dram": "cpu", "disk": "disk"}.get(cond)
+                assert cached[cond][-1] == want, (cond, usage)
+                assert tier is None or usage["prompt_tokens_details"][
+                    "cached_tokens_by_tier"] == {tier: want}, (cond, usage)
                 print(f"  rep {rep} {cond:9s} ttft {t * 1000:8.1f} ms  cached "
                       f"{cached[cond][-1]} of {len(turn2)}", flush=True)
     med = {k: statistics.median(v) for k, v in samples.items()}

@@ -119,4 +119,7 @@ def _backends(settings: WorkerSettings) -> list[str]:
 
 
 def run(settings: WorkerSettings) -> int:
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # no line per memory-API call
     return asyncio.run(serve(settings))

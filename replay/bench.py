@@ -58,19 +58,25 @@ def scrape_worker_metrics(url: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        text = httpx.get(url + "/metrics", timeout=5.0).text
+        resp = httpx.get(url + "/metrics", timeout=5.0)
     except httpx.HTTPError:
         return {}
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            name = sample.name
-            if not name.startswith("agentserving_worker_") or name.endswith(
-                    ("_bucket", "_created")):
-                continue
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            key = name.removeprefix("agentserving_worker_") + (f"{{{labels}}}" if labels else "")
-            out[key] = round(float(sample.value), 4)
+    if resp.status_code != 200:
+        return out
+    try:
+        for family in text_string_to_metric_families(resp.text):
+            for sample in family.samples:
+                name = sample.name
+                if not name.startswith("agentserving_worker_") or name.endswith(
+                        ("_bucket", "_created")):
+                    continue
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                key = name.removeprefix("agentserving_worker_") + (
+                    f"{{{labels}}}" if labels else "")
+                out[key] = round(float(sample.value), 4)
+    except ValueError:  # not Prometheus text: no breakdown for this worker
+        return {}
     return out
 
 
@@ -146,6 +152,8 @@ def run_config(config: str, spec: Any, trace: Any, run_dir: Path, replay_opts: d
         help="Mooncake workloads: tokens per hash block (scales prompts down).")
 @option("--mooncake-max-requests", type=click.IntRange(min=1), default=None,
         help="Mooncake workloads: only the first N requests (a time window of the trace).")
+@option("--mooncake-max-input", type=click.IntRange(min=1), default=None,
+        help="Mooncake workloads: drop requests with more input tokens (before scaling).")
 @option("--mooncake-max-output", type=click.IntRange(min=1), default=32,
         help="Mooncake workloads: cap outputs at N tokens.")
 @option("--startup-timeout", "startup_timeout_s", type=click.FloatRange(min=1), default=180.0,
@@ -159,7 +167,7 @@ def command(workload: str, limit: int | None, rate: float | None, time_scale: fl
             prefill: int, decode: int, configs: str, model: str, cpu_cache_gib: float,
             disk_cache_gib: float, torch_threads: int, worker_args: tuple[str, ...],
             max_active_sessions: int | None, mooncake_block_tokens: int,
-            mooncake_max_requests: int | None,
+            mooncake_max_requests: int | None, mooncake_max_input: int | None,
             mooncake_max_output: int, startup_timeout_s: float, run_dir: Path | None,
             worker_command: str | None, progress: bool) -> None:
     """Replay an agent workload against baseline and agentserving; report side by side.
@@ -183,7 +191,7 @@ def command(workload: str, limit: int | None, rate: float | None, time_scale: fl
     run_dir.mkdir(parents=True, exist_ok=True)
     trace = load_trace(workload, limit=limit, mooncake=MooncakeOptions(
         block_tokens=mooncake_block_tokens, max_output_tokens=mooncake_max_output,
-        max_requests=mooncake_max_requests))
+        max_requests=mooncake_max_requests, max_input_tokens=mooncake_max_input))
     write_trace(trace, run_dir / "workload.jsonl")
     stats = trace_stats(trace)
     click.echo(f"workload {workload}: {stats['sessions']} sessions ({stats['branches']} "

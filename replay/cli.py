@@ -47,6 +47,8 @@ def default_run_dir(kind: str) -> Path:
         help="Mooncake traces: tokens per hash block (below 512 scales prompts down).")
 @option("--mooncake-max-requests", type=click.IntRange(min=1), default=None,
         help="Mooncake workloads: only the first N requests (a time window of the trace).")
+@option("--mooncake-max-input", type=click.IntRange(min=1), default=None,
+        help="Mooncake workloads: drop requests with more input tokens (before scaling).")
 @option("--mooncake-max-output", type=click.IntRange(min=1), default=None,
         help="Mooncake traces: cap every output at N tokens.")
 @option("--api-key", default=None, help="Sent as 'Authorization: Bearer KEY' (proxy with keys).")
@@ -55,7 +57,7 @@ def command(trace_spec: str, target: str, rate: float | None, timestamps: bool,
             limit: int | None, time_scale: float, out_dir: Path | None, seed: int,
             model: str | None, vocab_size: int | None, max_active_sessions: int | None,
             request_timeout_s: float, chunk_size: int, mooncake_block_tokens: int,
-            mooncake_max_requests: int | None,
+            mooncake_max_requests: int | None, mooncake_max_input: int | None,
             mooncake_max_output: int | None, api_key: str | None, progress: bool) -> None:
     """Replay a multi-turn agent trace against TARGET with teacher forcing.
 
@@ -72,7 +74,7 @@ def command(trace_spec: str, target: str, rate: float | None, timestamps: bool,
         raise click.UsageError("--rate and --timestamps exclude each other")
     trace = load_trace(trace_spec, limit=limit, mooncake=MooncakeOptions(
         block_tokens=mooncake_block_tokens, max_output_tokens=mooncake_max_output,
-        max_requests=mooncake_max_requests))
+        max_requests=mooncake_max_requests, max_input_tokens=mooncake_max_input))
     out_dir = out_dir or default_run_dir("replay")
     opts = ReplayOptions(target=target, model=model, rate=rate, time_scale=time_scale,
                          seed=seed, vocab_size=vocab_size,

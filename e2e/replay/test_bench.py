@@ -30,6 +30,13 @@ def test_bench_writes_report_and_plots(tmp_path):
     assert set(METRIC_KEYS) == set(report["ratios"])
     base, cand = report["configs"]["baseline"], report["configs"]["agentserving"]
     assert cand["prefix_hit_rate"] > base["prefix_hit_rate"] + 0.3
+    assert cand["hit_vs_ideal"] >= 0.95  # the target: KV-aware routing finds it all
+    assert report["checks"]["hit_vs_ideal"]["ok"] and report["checks"]["failed_turns"]["ok"]
+
+    def computed(m):  # prompt tokens the workers actually ran through the model
+        return sum(w.get("computed_prompt_tokens_total", 0) for w in m["workers"].values())
+    assert computed(cand) < 0.35 * computed(base)
+    assert computed(base) >= 0.95 * base["prompt_tokens"]  # baseline reuses nothing
     for name in ("latency_cdf", "throughput", "hit_rate", "ratios"):
         assert (run_dir / "plots" / f"{name}.png").stat().st_size > 5000
     assert f"report: {run_dir / 'report.json'}" in out.stdout

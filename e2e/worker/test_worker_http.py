@@ -295,3 +295,18 @@ def test_concurrent_requests_match_sequential_ones(stack):
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         together = list(pool.map(lambda b: w.complete(**b)["choices"][0]["text"], bodies))
     assert together == alone
+
+
+def test_client_disconnect_aborts_the_engine_request(stack):
+    w, _ = stack
+    with httpx.stream("POST", w.url + "/v1/completions", timeout=60, json={
+            "prompt": prompt(100, seed=400), "max_tokens": 1500, "ignore_eos": True,
+            "stream": True}) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")
+        wait_for(lambda: metric_value(w.metrics(), "agentserving_worker_queue_length",
+                                      'state="running"') == 1, what="the request running")
+    # the client hung up after one token: the engine drops the request instead of decoding on
+    wait_for(lambda: metric_value(w.metrics(), "agentserving_worker_queue_length",
+                                  'state="running"') == 0, timeout=10, what="the abort")
+    assert metric_value(w.metrics(), "agentserving_worker_completion_tokens_total") < 5000

@@ -11,6 +11,7 @@ counts prompt tokens whose KV was reused, with a per-tier breakdown beside it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -217,11 +218,12 @@ async def _serve(api: WorkerApi, turn: _Turn, prompt_field: str, t0: float,
                                  headers={"cache-control": "no-cache"})
     text, tokens, final = "", [], None
     try:
-        async for delta, toks, item in events:
-            text += delta
-            tokens.extend(toks)
-            if isinstance(item, _Final):
-                final = item
+        async with contextlib.aclosing(events) as stream:
+            async for delta, toks, item in stream:
+                text += delta
+                tokens.extend(toks)
+                if isinstance(item, _Final):
+                    final = item
     except EngineDead as exc:
         api.metrics.requests.labels(endpoint, "error").inc()
         raise ApiError(503, str(exc), type="service_unavailable") from exc
@@ -252,37 +254,38 @@ async def _generate(api: WorkerApi, turn: _Turn, add: ipc.AddRequest, hashes: li
     hold = max((len(s) for s in turn.stops), default=1) - 1
     meta: dict[str, Any] = {}
     first = True
-    async for item in api.client.generate(add, hashes):
-        if first and item.tokens:
-            first = False
-            api.metrics.ttft.observe(time.perf_counter() - t0)
-            meta.update(item.meta)
-            api.metrics.observe_first(item.meta)
-        if item.finished:
-            meta.update(item.meta)
-        piece = "".join(decoder.push(t.token_id) for t in item.tokens)
-        if item.finished:
-            piece += decoder.flush()
-        held += piece
-        if turn.stops:
-            cut = min((i for i in (held.find(s) for s in turn.stops) if i >= 0), default=-1)
-            if cut >= 0:
-                api.metrics.observe_finish(
-                    {**meta, "completion_tokens": meta.get("completion_tokens")
-                     or len(item.tokens)}, time.perf_counter() - t0)
-                final = _Final(item, "stop", meta)
-                if final.kv_transfer_params is None:
-                    final.kv_transfer_params = {"chunk_hashes": _chunk_hashes(api, turn)}
-                yield held[:cut], item.tokens, final
-                return  # leaving the engine generator aborts the request there
-        if item.finished:
-            out, held = held, ""
-            api.metrics.observe_finish(meta, time.perf_counter() - t0)
-            yield out, item.tokens, _Final(item, item.finish_reason or "stop", meta)
-            return
-        emit_upto = max(0, len(held) - hold) if turn.stops else len(held)
-        out, held = held[:emit_upto], held[emit_upto:]
-        yield out, item.tokens, item
+    async with contextlib.aclosing(api.client.generate(add, hashes)) as outputs:
+        async for item in outputs:
+            if first and item.tokens:
+                first = False
+                api.metrics.ttft.observe(time.perf_counter() - t0)
+                meta.update(item.meta)
+                api.metrics.observe_first(item.meta)
+            if item.finished:
+                meta.update(item.meta)
+            piece = "".join(decoder.push(t.token_id) for t in item.tokens)
+            if item.finished:
+                piece += decoder.flush()
+            held += piece
+            if turn.stops:
+                cut = min((i for i in (held.find(s) for s in turn.stops) if i >= 0), default=-1)
+                if cut >= 0:
+                    api.metrics.observe_finish(
+                        {**meta, "completion_tokens": meta.get("completion_tokens")
+                         or len(item.tokens)}, time.perf_counter() - t0)
+                    final = _Final(item, "stop", meta)
+                    if final.kv_transfer_params is None:
+                        final.kv_transfer_params = {"chunk_hashes": _chunk_hashes(api, turn)}
+                    yield held[:cut], item.tokens, final
+                    return  # leaving the engine generator aborts the request there
+            if item.finished:
+                out, held = held, ""
+                api.metrics.observe_finish(meta, time.perf_counter() - t0)
+                yield out, item.tokens, _Final(item, item.finish_reason or "stop", meta)
+                return
+            emit_upto = max(0, len(held) - hold) if turn.stops else len(held)
+            out, held = held[:emit_upto], held[emit_upto:]
+            yield out, item.tokens, item
 
 
 def _chunk_hashes(api: WorkerApi, turn: _Turn) -> list[str]:
@@ -368,39 +371,40 @@ async def _sse(api: WorkerApi, turn: _Turn, events: AsyncIterator, include_usage
         yield chunk({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                   "logprobs": None, "finish_reason": None}]})
     try:
-        async for delta, toks, item in events:
-            n_tokens += len(toks)
-            done = isinstance(item, _Final)
-            if done and item.error:
-                api.metrics.requests.labels(endpoint, "error").inc()
-                yield b"data: " + json.dumps({"error": {
-                    "message": f"engine error: {item.error}", "type": "internal_error",
-                    "param": None, "code": None}}).encode() + b"\n\n"
-                break
-            choice: dict[str, Any] = {"index": 0,
-                                      "finish_reason": item.finish_reason if done else None}
-            if turn.kind == "completion":
-                choice["text"] = delta
-                choice["logprobs"] = (_logprobs_completion(api, toks)
-                                      if turn.logprobs is not None else None)
-            else:
-                choice["delta"] = {"content": delta} if delta or not done else {}
-                choice["logprobs"] = (_logprobs_chat(api, toks)
-                                      if turn.logprobs is not None else None)
-            if turn.body.return_token_ids:
-                choice["token_ids"] = [t.token_id for t in toks]
-            payload: dict[str, Any] = {"choices": [choice]}
-            if done:
-                payload["kv_transfer_params"] = item.kv_transfer_params
+        async with contextlib.aclosing(events) as stream:
+            async for delta, toks, item in stream:
+                n_tokens += len(toks)
+                done = isinstance(item, _Final)
+                if done and item.error:
+                    api.metrics.requests.labels(endpoint, "error").inc()
+                    yield b"data: " + json.dumps({"error": {
+                        "message": f"engine error: {item.error}", "type": "internal_error",
+                        "param": None, "code": None}}).encode() + b"\n\n"
+                    break
+                choice: dict[str, Any] = {"index": 0,
+                                          "finish_reason": item.finish_reason if done else None}
+                if turn.kind == "completion":
+                    choice["text"] = delta
+                    choice["logprobs"] = (_logprobs_completion(api, toks)
+                                          if turn.logprobs is not None else None)
+                else:
+                    choice["delta"] = {"content": delta} if delta or not done else {}
+                    choice["logprobs"] = (_logprobs_chat(api, toks)
+                                          if turn.logprobs is not None else None)
                 if turn.body.return_token_ids:
-                    payload["prompt_token_ids"] = turn.prompt_ids
-            yield chunk(payload)
-            if done:
-                api.metrics.requests.labels(endpoint, "ok").inc()
-                if include_usage:
-                    yield chunk({"choices": [], "usage": _usage(turn, n_tokens, item.meta),
-                                 "kv_transfer_params": item.kv_transfer_params})
-                break
+                    choice["token_ids"] = [t.token_id for t in toks]
+                payload: dict[str, Any] = {"choices": [choice]}
+                if done:
+                    payload["kv_transfer_params"] = item.kv_transfer_params
+                    if turn.body.return_token_ids:
+                        payload["prompt_token_ids"] = turn.prompt_ids
+                yield chunk(payload)
+                if done:
+                    api.metrics.requests.labels(endpoint, "ok").inc()
+                    if include_usage:
+                        yield chunk({"choices": [], "usage": _usage(turn, n_tokens, item.meta),
+                                     "kv_transfer_params": item.kv_transfer_params})
+                    break
     except EngineDead as exc:
         api.metrics.requests.labels(endpoint, "error").inc()
         yield b"data: " + json.dumps({"error": {"message": str(exc), "type":

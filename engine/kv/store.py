@@ -155,6 +155,7 @@ class KVStore:
         self._digests: dict[int, tuple[bytes, int]] = {}  # chunk int -> (digest, nbytes)
         self._digest_lock = threading.Lock()
         self._absent_once: set[int] = set()
+        self._storing: set[int] = set()  # chunks inside a store() call right now
         self._prefetch_pool = concurrent.futures.ThreadPoolExecutor(1, "kv-prefetch")
         self._prefetches: collections.OrderedDict[str, PrefetchStatus] = \
             collections.OrderedDict()
@@ -188,8 +189,14 @@ class KVStore:
             with self._digest_lock:
                 self._digests[ints[start // size]] = (d, nbytes)
 
-        self.engine.store(toks, mask=mask, layers=list(layers), on_digest=on_digest,
-                          request_configs=request_configs)
+        with self._digest_lock:
+            self._storing.update(ints[skip_chunks:])
+        try:
+            self.engine.store(toks, mask=mask, layers=list(layers), on_digest=on_digest,
+                              request_configs=request_configs)
+        finally:
+            with self._digest_lock:
+                self._storing.difference_update(ints[skip_chunks:])
         self.stats.stored_chunks += filled
         return filled
 
@@ -250,7 +257,25 @@ class KVStore:
 
     def _load_run(self, keys: list[Any], tier: Tier, first: int, layers: list[LayerKV],
                   result: LoadResult) -> int:
-        """Copy a run of chunks from one tier into ``layers``; returns how many were good."""
+        """Copy a run of chunks from one tier into ``layers``; returns how many were good.
+        Disk runs are read in batches that fit LMCache's DRAM pool (the read buffers come
+        from it, and a read that cannot get a buffer would wait forever)."""
+        step = len(keys) if tier is Tier.CPU else self._disk_batch
+        good = 0
+        for lo in range(0, len(keys), step):
+            part = keys[lo: lo + step]
+            ok = self._load_batch(part, tier, first + lo, layers, result)
+            good += ok
+            if ok < len(part):
+                break
+        return good
+
+    @property
+    def _disk_batch(self) -> int:
+        return max(1, int(self.config.cpu_gib * 1024**3) // self.chunk_bytes // 4)
+
+    def _load_batch(self, keys: list[Any], tier: Tier, first: int, layers: list[LayerKV],
+                    result: LoadResult) -> int:
         size = self.chunk_size
         if tier is Tier.CPU:
             objs = [self.cpu.get_blocking(k) for k in keys]
@@ -427,7 +452,21 @@ class KVStore:
         assert self.disk is not None
         pinned = [k for k in keys if self.disk.pin(k)]  # pins only where the data is read
         try:
-            objs = self._disk_read(pinned) if pinned else []
+            for lo in range(0, len(pinned), self._disk_batch):
+                self._prefetch_batch(status, pinned[lo: lo + self._disk_batch])
+            self.stats.prefetched_chunks += status.loaded
+            status.state = "done"
+        except Exception as exc:  # noqa: BLE001 - reported through the status endpoint
+            status.state, status.error = "failed", repr(exc)
+            log.exception("prefetch_failed", lookup_id=status.lookup_id)
+        finally:
+            for key in pinned:  # selective unpin: only the backend that took the pin
+                self.disk.unpin(key)
+            status.finished_at = time.time()
+
+    def _prefetch_batch(self, status: PrefetchStatus, pinned: list[Any]) -> None:
+        if pinned:
+            objs = self._disk_read(pinned)
             for key, obj in zip(pinned, objs, strict=True):
                 if obj is None or obj is SHORT_FILE:
                     if obj is None:
@@ -453,15 +492,6 @@ class KVStore:
                     if obj.is_pinned:
                         obj.unpin()
                     obj.ref_count_down()
-            self.stats.prefetched_chunks += status.loaded
-            status.state = "done"
-        except Exception as exc:  # noqa: BLE001 - reported through the status endpoint
-            status.state, status.error = "failed", repr(exc)
-            log.exception("prefetch_failed", lookup_id=status.lookup_id)
-        finally:
-            for key in pinned:  # selective unpin: only the backend that took the pin
-                self.disk.unpin(key)
-            status.finished_at = time.time()
 
     # ------------------------------------------------------------------ residency
     def residency(self) -> dict[Tier, set[int]]:
@@ -474,10 +504,18 @@ class KVStore:
         return out
 
     def forget_digests(self, resident: set[int]) -> None:
-        """Drop fingerprints of chunks no tier has held for two scans in a row (LMCache's own
-        evictions); two scans, so a chunk between fingerprinting and its put is never lost."""
+        """Drop fingerprints of chunks no tier holds any more (LMCache's own evictions).
+
+        A chunk being stored (fingerprinted, not yet put) or being written to disk (in no
+        index yet) is kept; so is one absent from a single scan only."""
+        keep = set(resident)
         with self._digest_lock:
-            absent = {v for v in self._digests if v not in resident}
+            keep |= self._storing
+        if self.disk is not None:
+            with self.disk.disk_worker.put_lock:
+                keep |= {k.chunk_hash for k in self.disk.disk_worker.put_tasks}
+        with self._digest_lock:
+            absent = {v for v in self._digests if v not in keep}
             for value in absent & self._absent_once:
                 del self._digests[value]
             self._absent_once = absent

@@ -172,3 +172,51 @@ def test_builtin_scheme_keys_equal_stock_lmcache_keys(engine_factory):
     theirs = [k for _, _, k in stock.process_tokens(tokens)]
     assert ours == theirs and len(ours) == 2
     assert [parts.keys.wire_of(k) for k in ours] == ["2b763dd00afa89c8", "79e62c807b48385b"]
+
+
+def test_disk_reads_in_small_batches_still_bit_exact(filled, monkeypatch):
+    from agentserving.engine.kv.store import KVStore
+
+    monkeypatch.setattr(KVStore, "_disk_batch", property(lambda self: 1))
+    parts, ids, layers, ints, wire = filled
+    store = parts.store
+    _evict_cpu(parts, wire)
+    res = store.load_prefix(ints)
+    assert res.num_tokens == 768 and _same(layers, res.layers, 768)
+    _evict_cpu(parts, wire)
+    status = _wait(store.prefetch(wire, None))
+    assert status.loaded == 3 and store.lookup(ints) == [Tier.CPU] * 3
+
+
+def test_fingerprints_survive_scans_during_a_store_and_go_with_the_chunk(engine_factory, tiny,
+                                                                        monkeypatch):
+    parts = engine_factory()
+    store = parts.store
+    original = store.connector.from_gpu
+
+    def from_gpu_with_scans(obj, start, end, **kw):  # residency scans land mid-store
+        original(obj, start, end, **kw)
+        store.forget_digests(set())
+        store.forget_digests(set())
+
+    monkeypatch.setattr(store.connector, "from_gpu", from_gpu_with_scans)
+    runner = ModelRunner(tiny)
+    ids = prompt(600, seed=12)
+    cache = runner.new_cache()
+    runner.forward(ids[:512], cache, 0)
+    runner.forward(ids[512:], cache, 512)
+    assert store.store(ids, runner.cache_layers(cache)) == 2
+    assert store.wait_disk_writes()
+    ints = parts.keys.int_hashes(ids)
+    assert all(store.expected_digest(v) is not None for v in ints)
+    wire = [parts.keys.wire_of_int(v) for v in ints]
+    _evict_cpu(parts, wire)
+    assert store.load_prefix(ints).num_tokens == 512  # verifiable, so served from disk
+    for v in ints:  # LMCache drops them by itself (its LRU), not through evict()
+        for backend in (store.cpu, store.disk):
+            backend.remove(parts.keys.key(v))
+    resident = set().union(*store.residency().values())
+    store.forget_digests(resident)
+    assert store.expected_digest(ints[0]) is not None  # one scan is not enough
+    store.forget_digests(resident)
+    assert store.expected_digest(ints[0]) is None

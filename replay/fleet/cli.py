@@ -17,7 +17,7 @@ from agentserving.core.cli import option
 @option("--prefill", type=click.IntRange(min=0), default=1,
         help="Prefill workers (they also decode when --decode is 0).")
 @option("--decode", type=click.IntRange(min=0), default=1, help="Decode workers.")
-@option("--kvindex", "kvindex_store", default="memory",
+@option("--kvindex", default="memory",
         help="The kvindex store: 'memory' or a Redis URL (redis://host:6379/0).")
 @option("--model", default="tiny", help="Model every worker serves.")
 @option("--routing", type=click.Choice(["kv-aware", "session", "round-robin"]),
@@ -34,7 +34,7 @@ from agentserving.core.cli import option
         help="Extra flag passed to every worker (repeatable), e.g. --worker-arg=--torch-threads=1.")
 @option("--startup-timeout", "startup_timeout_s", type=click.FloatRange(min=1), default=180.0,
         help="Seconds a worker may take to become healthy.")
-def command(prefill: int, decode: int, kvindex_store: str, model: str, routing: str,
+def command(prefill: int, decode: int, kvindex: str, model: str, routing: str,
             cpu_cache_gib: float, disk_cache_gib: float, proxy_port: int,
             run_dir: Path | None, worker_args: tuple[str, ...], startup_timeout_s: float) -> None:
     """Start kvindex, workers and proxy on loopback; stop them all on Ctrl-C or SIGTERM.
@@ -49,7 +49,7 @@ def command(prefill: int, decode: int, kvindex_store: str, model: str, routing: 
     from agentserving.replay.fleet.topology import FleetSpec, build
 
     run_dir = run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-up"
-    spec = FleetSpec(prefill=prefill, decode=decode, kvindex=kvindex_store, model=model,
+    spec = FleetSpec(prefill=prefill, decode=decode, kvindex=kvindex, model=model,
                      routing=routing, cpu_cache_gib=cpu_cache_gib,
                      disk_cache_gib=disk_cache_gib, proxy_port=proxy_port,
                      worker_args=list(worker_args), startup_timeout_s=startup_timeout_s)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -213,3 +214,33 @@ def test_up_exits_when_a_process_dies(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
+def test_up_with_a_redis_kvindex(tmp_path):
+    from agentserving.core.testing import redis_server
+
+    with redis_server() as redis:
+        run_dir = tmp_path / "up"
+        proc = subprocess.Popen([AGENTSERVING, "up", "--prefill", "0", "--decode", "0",
+                                 "--kvindex", redis.url, "--run-dir", str(run_dir)],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            deadline = time.monotonic() + 30
+            while not (run_dir / "fleet.json").exists():
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.1)
+            fleet = json.loads((run_dir / "fleet.json").read_text())
+            assert fleet["processes"][0]["argv"][-2:] == ["--store", redis.url]
+            kv = fleet["kvindex"]
+            assert httpx.post(kv + "/v1/pods", json={
+                "pod": "w0", "memory_api_url": "http://127.0.0.1:1", "model": "tiny"}
+            ).status_code == 200
+            assert redis.proc.poll() is None
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(30) == 0
+            assert wait_gone([fleet["processes"][0]["pid"]]) == []
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

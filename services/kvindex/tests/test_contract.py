@@ -109,13 +109,13 @@ async def test_unknown_pod_errors(index: Index) -> None:
 
 
 async def test_lapsed_lease_is_invisible_at_once_and_expiry_drops_residency(index: Index) -> None:
-    await register(index, "short", ttl_s=0.2)
+    await register(index, "short", ttl_s=0.4)
     await register(index, "long")
     for pod in ("short", "long"):
         await send(index, pod, 1, ev("stored", CPU, CHAIN[:3]))
     assert set(as_dict(await index.lookup(CHAIN[:3]))) == {"short", "long"}
 
-    await asyncio.sleep(0.35)
+    await asyncio.sleep(0.6)
     # Lapsed but not yet reaped: no read sees it, no write reaches it.
     assert [p.pod for p in await index.list_pods()] == ["long"]
     assert await index.locate(A) == [ChunkLocation(pod="long", tier=CPU)]
@@ -138,9 +138,9 @@ async def test_lapsed_lease_is_invisible_at_once_and_expiry_drops_residency(inde
 
 
 async def test_registering_again_after_lapse_starts_fresh(index: Index) -> None:
-    await register(index, "p", ttl_s=0.15)
+    await register(index, "p", ttl_s=0.3)
     await send(index, "p", 4, ev("stored", DISK, [A], 10))
-    await asyncio.sleep(0.25)
+    await asyncio.sleep(0.45)
     info = await index.register_pod(reg("p"), 30)  # before the reaper ran
     assert (info.seq, info.chunks, info.used_bytes) == (-1, {}, {})
     assert await index.locate(A) == []
@@ -148,11 +148,11 @@ async def test_registering_again_after_lapse_starts_fresh(index: Index) -> None:
 
 
 async def test_heartbeat_keeps_a_short_lease_alive(index: Index) -> None:
-    await register(index, "p", ttl_s=0.3)
+    await register(index, "p", ttl_s=0.6)
     await send(index, "p", 1, ev("stored", CPU, [A]))
-    for _ in range(3):
-        await asyncio.sleep(0.15)
-        await index.heartbeat("p", 0.3)
+    for _ in range(3):  # 0.75 s in all: longer than one lease
+        await asyncio.sleep(0.25)
+        await index.heartbeat("p", 0.6)
     assert await index.expire_leases() == []
     assert await index.locate(A) == [ChunkLocation(pod="p", tier=CPU)]
 

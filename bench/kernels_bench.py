@@ -46,6 +46,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=131_072, help="max_model_len for masks.")
     parser.add_argument("--chunk", type=int, default=2048, help="Prefill chunk C for masks.")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch CPU threads (1: multi-threaded copies on a shared, busy "
+                             "host measured 10x noise from thread contention).")
     parser.add_argument("--quick", action="store_true", help="Smoke sizes (CI).")
     parser.add_argument("--out", type=Path, default=Path("bench/results/kernels.json"))
     args = parser.parse_args(argv)
@@ -127,6 +130,7 @@ def mask_memory(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     report: dict = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -16,6 +16,7 @@ FOLDERS = {
     "agentserving.proxy": "services/proxy",
     "agentserving.replay": "replay",
     "agentserving.kernels": "kernels",
+    "agentserving.sim": "sim",
 }
 
 

@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, str] = {
     "trace": "agentserving.replay.trace_cli:command",
     "up": "agentserving.replay.fleet.cli:command",
     "bench": "agentserving.replay.bench:command",
+    "sim": "agentserving.sim.cli:command",
 }
 
 # Every option shows its default and its environment variable in --help.

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from agentserving.core.testing import free_port, service_process
+from agentserving.core.testing import free_port, free_port_run, service_process
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -97,7 +97,7 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
 def worker_process(tmp: Path, *args: str, name: str = "worker",
                    timeout_s: float = 120.0) -> Iterator[Worker]:
     """Start ``agentserving worker`` on free loopback ports; stop it (and its engines) after."""
-    port, memory_port = free_port(), _free_port_block(4)
+    port, memory_port = free_port(), free_port_run(4)
     log_path = tmp / f"{name}.log"
     cmd = [str(Path(sys.executable).parent / "agentserving"), "worker", "--port", str(port),
            "--memory-port-start", str(memory_port), "--pod-name", name,
@@ -105,26 +105,3 @@ def worker_process(tmp: Path, *args: str, name: str = "worker",
     with service_process(cmd, f"http://127.0.0.1:{port}/readyz", log_path=log_path,
                          timeout_s=timeout_s) as proc:
         yield Worker(proc, port, memory_port, log_path)
-
-
-def _free_port_block(n: int) -> int:
-    """A port p with p..p+n-1 all free (the memory API needs consecutive ports)."""
-    import socket
-
-    for _ in range(200):
-        base = free_port()
-        if base + n >= 65535:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no block of free ports")

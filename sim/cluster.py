@@ -1,0 +1,525 @@
+"""The simulated cluster: a proxy, a kvindex and pods, on one event loop.
+
+What runs for real (the objects the services run, called with the same inputs):
+- the proxy's routing policy (``agentserving.proxy.routing.make_policy``: ``RouteInput`` of
+  ``Candidate`` pods with their in-flight turns and the kvindex ``PodPrefix`` per pod, built the
+  way ``agentserving.proxy.orchestrator`` builds it: lookup of the session's previous chunk
+  hashes, role prefill) and ``LeastLoaded`` for decode pods;
+- the kvindex (``InMemoryIndex``: pods register, tiers report ``EventBatch``es, lookups rank
+  with ``rank_prefixes``) and its session store (``InMemorySessionStore``: each turn's chunk
+  hashes written after the turn, read before the next);
+- the prefill policy (``agentserving.prefill.policies.build_policy``), wrapped in the
+  ``ShadowScheduler`` whose N+1 prefetch moves disk chunks to DRAM.
+
+What is modelled: step times (``Profile``), the KV tiers (``PodTiers``), KV transfers, and decode
+as steps of the whole running batch (mixed with a prefill chunk on ``both`` pods). See docs/sim.md.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from agentserving.core.schemas import PodRegistration, PodRole, Tier
+from agentserving.kvindex.index.base import rank_prefixes
+from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStore
+from agentserving.prefill.policies import ReqView, SchedState, build_policy
+from agentserving.prefill.shadow import ShadowScheduler, StepTimeModel
+from agentserving.proxy.routing import Candidate, LeastLoaded, RouteInput, make_policy
+from agentserving.replay.metrics import summarize
+from agentserving.sim.events import EventLoop, run_sync
+from agentserving.sim.profile import Profile
+from agentserving.sim.tiers import PodTiers
+from agentserving.sim.workload import SimSession, SimTurn, with_poisson_starts
+
+CONFIGS = ("baseline", "agentserving")
+
+
+@dataclass
+class SimConfig:
+    config: str = "agentserving"          # agentserving | baseline
+    topology: str = "1P3D"                # xPyD, or Nx1 (N pods doing both)
+    policy: str = "longcap-dynamic"       # prefill policy (agentserving.prefill.POLICY_CLASSES)
+    shadow: bool = True                   # wrap it in the ShadowScheduler (N+1 prefetch)
+    routing: str | None = None            # default: kv-aware (agentserving), round-robin
+    baseline_policy: str = "fcfs-chunk"   # the baseline's scheduler (vLLM-like chunked prefill)
+    chunk: int = 256
+    rate: float | None = None             # root sessions/s (Poisson); None: trace start times
+    time_scale: float = 1.0
+    seed: int = 0
+    sample_s: float = 5.0                 # occupancy/transfer time series interval
+    load_penalty_tokens: int = 2048
+    lookahead: int = 5
+
+
+def parse_topology(spec: str) -> tuple[int, int, int]:
+    """(prefill, decode, both) pods: ``1P3D`` -> (1, 3, 0), ``4x1`` -> (0, 0, 4)."""
+    m = re.fullmatch(r"(\d+)P(\d+)D", spec.strip(), re.I)
+    if m:
+        return int(m[1]), int(m[2]), 0
+    m = re.fullmatch(r"(\d+)x1", spec.strip(), re.I)
+    if m:
+        return 0, 0, int(m[1])
+    raise ValueError(f"topology {spec!r}: expected xPyD (e.g. 1P3D) or Nx1 (e.g. 4x1)")
+
+
+class Req:
+    __slots__ = ("rid", "turn", "send", "prompt", "out", "cached", "computed", "disk",
+                 "view", "prefill_pod", "decode_pod", "first", "left", "ctx", "end",
+                 "cached_actual")
+
+    def __init__(self, rid: str, turn: SimTurn, send: float) -> None:
+        self.rid, self.turn, self.send = rid, turn, send
+        self.prompt, self.out = turn.prompt_len, turn.output_len
+        self.cached = self.computed = self.cached_actual = 0
+        self.disk: tuple[str, ...] = ()
+        self.view: ReqView | None = None
+        self.prefill_pod = self.decode_pod = ""
+        self.first: float | None = None
+        self.end: float | None = None
+        self.left = 0            # decode tokens still to produce on this pod
+        self.ctx = 0
+
+
+class Pod:
+    """A worker: prefill queue run by the policy, a decode batch, KV tiers."""
+
+    def __init__(self, cluster: Cluster, name: str, role: PodRole, reuse: bool,
+                 policy: Any) -> None:
+        self.c, self.name, self.role, self.reuse = cluster, name, role, reuse
+        p = cluster.profile
+        hbm = p.tokens(p.memory.hbm_kv_gib)
+        frac = p.memory.device_cache_fraction if reuse and role != PodRole.DECODE else 0.0
+        self.kv_tokens = int(hbm * (1 - frac))
+        cb = p.chunk_bytes(cluster.cfg.chunk)
+        caps = {Tier.DEVICE: int(hbm * frac) // cluster.cfg.chunk,
+                Tier.CPU: int(p.memory.dram_gib * 2**30 // cb) if reuse else 0,
+                Tier.DISK: int(p.memory.ssd_gib * 2**30 // cb) if reuse else 0}
+        self.tiers = PodTiers(name, caps, cb)
+        self.policy = policy
+        self.waiting: list[Req] = []
+        self.prefilling: dict[str, Req] = {}
+        self.decode_wait: list[Req] = []
+        self.decoding: dict[str, Req] = {}
+        self.decode_kv = 0
+        self.busy = False
+        self.pending = None          # the scheduled end of the current step/run
+        self.run_start = 0.0         # decode-only run: when it started, step length, steps
+        self.run_dt = 0.0
+        self.run_k = 0
+        self.disk_free_at = 0.0
+        self.steps = 0
+        self.busy_s = 0.0
+
+    @property
+    def inflight(self) -> int:
+        return len(self.waiting) + len(self.prefilling) + len(self.decode_wait) + \
+            len(self.decoding)
+
+    # ------------------------------------------------------------------ arrivals
+    def submit_prefill(self, r: Req) -> None:
+        now = self.c.loop.now
+        chunk = self.c.cfg.chunk
+        if self.reuse:
+            limit = (r.prompt - 1) // chunk
+            n, tiers = self.tiers.prefix(r.turn.chunks, limit)
+            r.cached = n * chunk
+            r.disk = tuple(h for h, t in zip(r.turn.chunks, tiers, strict=False)
+                           if t is Tier.DISK)
+        r.computed = r.cached
+        r.view = ReqView(r.rid, r.send, r.prompt, computed=r.cached, disk_chunks=r.disk,
+                         decode_left=(r.out - 1) if self.role == PodRole.BOTH else 0)
+        self.waiting.append(r)
+        self._kick(now)
+
+    def submit_decode(self, r: Req) -> None:
+        r.left = r.out - 1
+        r.ctx = r.prompt + 1
+        if r.left <= 0:
+            self.c.finish(r, self.c.loop.now)
+            return
+        self.decode_wait.append(r)
+        self._kick(self.c.loop.now)
+
+    # ------------------------------------------------------------------ stepping
+    def _kick(self, now: float) -> None:
+        if not self.busy:
+            self._step()
+        elif self.pending is not None and self.run_k > 1:
+            # interrupt a decode-only run at the next step boundary
+            done = int((now - self.run_start) / self.run_dt)
+            k = min(self.run_k, done + 1)
+            if k < self.run_k:
+                self.pending.cancel()
+                self.run_k = k
+                self.pending = self.c.loop.at(self.run_start + k * self.run_dt,
+                                              self._end_run)
+
+    def _admit_decodes(self) -> None:
+        while self.decode_wait:
+            r = self.decode_wait[0]
+            need = r.prompt + r.out
+            if self.decoding and self.decode_kv + need > self.kv_tokens:
+                break
+            self.decode_wait.pop(0)
+            self.decode_kv += need
+            self.decoding[r.rid] = r
+
+    def _state(self) -> SchedState:
+        running = [r.view for r in self.prefilling.values()]
+        running += [ReqView(r.rid, r.send, r.prompt, computed=r.ctx - 1, decode_left=r.left,
+                            running=True) for r in self.decoding.values()]
+        return SchedState(tuple(r.view for r in self.waiting), tuple(running),  # type: ignore
+                          max_running=self.c.profile.max_running,
+                          kv_capacity_tokens=self.kv_tokens, block_size=16,
+                          now=self.c.loop.now)
+
+    def _step(self) -> None:
+        now = self.c.loop.now
+        p = self.c.profile
+        if self.role == PodRole.DECODE:
+            self._admit_decodes()
+        if self.waiting or self.prefilling:
+            state = self._state()
+            if isinstance(self.policy, ShadowScheduler):
+                res = self.policy.step(state)
+                d = res.decision
+                for _rid, hashes in res.prefetch:
+                    self._prefetch(hashes, now)
+            else:
+                d = self.policy.decide(state)
+            if d.prefill:
+                self._prefill_step(d, state, now)
+                return
+        if self.decoding:
+            self._decode_run(now)
+            return
+        self.busy = False
+        self.pending = None
+
+    def _prefetch(self, hashes: tuple[str, ...], now: float) -> None:
+        p = self.c.profile
+        nbytes = len(hashes) * self.tiers.chunk_bytes
+        start = max(now, self.disk_free_at)
+        self.disk_free_at = start + p.transfer_s(nbytes, p.bandwidth.disk_to_dram_gbps)
+        self.c.loop.at(self.disk_free_at, self.tiers.prefetch, hashes)
+        self.c.stats["prefetch_chunks"] += len(hashes)
+
+    def _prefill_step(self, d: Any, state: SchedState, now: float) -> None:
+        p = self.c.profile
+        load_s = 0.0
+        for rid in d.admit:
+            r = next(x for x in self.waiting if x.rid == rid)
+            self.waiting.remove(r)
+            r.prefill_pod = self.name
+            if r.cached:
+                n, _ = self.tiers.prefix(r.turn.chunks, r.cached // self.c.cfg.chunk)
+                chunks = r.turn.chunks[:n]
+                src = self.tiers.use(chunks)
+                cb = self.tiers.chunk_bytes
+                load_s += p.transfer_s(src.get(Tier.CPU, 0) * cb, p.bandwidth.dram_to_device_gbps)
+                load_s += p.transfer_s(src.get(Tier.DISK, 0) * cb,
+                                       p.bandwidth.disk_to_dram_gbps) + p.transfer_s(
+                    src.get(Tier.DISK, 0) * cb, p.bandwidth.dram_to_device_gbps)
+                r.cached_actual = n * self.c.cfg.chunk
+                # a prefix evicted since arrival is recomputed
+                load_s += p.prefill.b_s * (r.cached - r.cached_actual)
+            self.prefilling[rid] = r
+        new = ctx = 0
+        for rid, n in d.prefill:
+            r = self.prefilling[rid]
+            ctx += r.computed
+            new += n
+        dt = p.prefill_s(new, ctx) + load_s
+        if self.decoding:
+            dt += p.decode_s(len(self.decoding), sum(r.ctx for r in self.decoding.values()))
+        if isinstance(self.policy, ShadowScheduler):
+            self.policy.observe(*StepTimeModel.features(d, state), dt)
+        self.busy = True
+        self.run_k = 1
+        self.pending = self.c.loop.after(dt, self._end_prefill_step, d.prefill, dt)
+
+    def _end_prefill_step(self, grants: tuple[tuple[str, int], ...], dt: float) -> None:
+        now = self.c.loop.now
+        self.steps += 1
+        self.busy_s += dt
+        if self.decoding:
+            self._advance_decodes(1, dt, now)
+        for rid, n in grants:
+            r = self.prefilling[rid]
+            r.computed += n
+            r.view = ReqView(r.rid, r.send, r.prompt, computed=r.computed, running=True,
+                             decode_left=r.view.decode_left)  # type: ignore[union-attr]
+            if r.computed >= r.prompt:
+                del self.prefilling[rid]
+                if self.reuse:
+                    self.tiers.store(r.turn.chunks)
+                    self.c.flush(self)
+                self.c.prefill_done(self, r, now)
+        self._step()
+
+    def _decode_run(self, now: float) -> None:
+        p = self.c.profile
+        k = min(r.left for r in self.decoding.values())
+        b = len(self.decoding)
+        dt = p.decode_s(b, sum(r.ctx for r in self.decoding.values()) + b * k // 2)
+        self.busy = True
+        self.run_start, self.run_dt, self.run_k = now, dt, k
+        self.pending = self.c.loop.at(now + k * dt, self._end_run)
+
+    def _end_run(self) -> None:
+        now = self.c.loop.now
+        k, dt = self.run_k, self.run_dt
+        self.steps += k
+        self.busy_s += k * dt
+        self._advance_decodes(k, dt, now)
+        self._step()
+
+    def _advance_decodes(self, k: int, dt: float, now: float) -> None:
+        self.c.itl.append((dt, k * len(self.decoding)))
+        for r in list(self.decoding.values()):
+            r.left -= k
+            r.ctx += k
+            if r.left <= 0:
+                del self.decoding[r.rid]
+                self.decode_kv -= r.prompt + r.out
+                if self.reuse and self.role == PodRole.BOTH:
+                    self.tiers.store(r.turn.stored_chunks)
+                    self.c.flush(self)
+                self.c.finish(r, now)
+
+
+@dataclass
+class SimResult:
+    summary: dict[str, Any]
+    records: list[dict[str, Any]]
+    timeseries: dict[str, list[float]]
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+class Cluster:
+    def __init__(self, sessions: list[SimSession], profile: Profile, cfg: SimConfig) -> None:
+        self.cfg, self.profile, self.sessions = cfg, profile, sessions
+        self.loop = EventLoop()
+        clock = lambda: self.loop.now  # noqa: E731 - the index sees simulated time
+        self.index = InMemoryIndex(clock=clock)
+        self.store = InMemorySessionStore(clock=clock)
+        reuse = cfg.config == "agentserving"
+        if cfg.config not in CONFIGS:
+            raise ValueError(f"config {cfg.config!r}: expected one of {CONFIGS}")
+        n_p, n_d, n_b = parse_topology(cfg.topology)
+        if not reuse:  # the baseline: the same number of independent pods
+            n_p, n_d, n_b = 0, 0, n_p + n_d + n_b
+        self.routing = make_policy(cfg.routing or ("kv-aware" if reuse else "round-robin"),
+                                   cfg.chunk, cfg.load_penalty_tokens)
+        self.decode_routing = LeastLoaded()
+        self.pods: dict[str, Pod] = {}
+        for role, n, prefix in ((PodRole.PREFILL, n_p, "prefill"), (PodRole.DECODE, n_d, "decode"),
+                                (PodRole.BOTH, n_b, "pod")):
+            for i in range(n):
+                name = f"{prefix}-{i}"
+                self.pods[name] = Pod(self, name, role, reuse, self._policy(reuse)
+                                      if role != PodRole.DECODE else None)
+                run_sync(self.index.register_pod(PodRegistration(
+                    pod=name, memory_api_url=f"http://{name}:6999", role=role,
+                    model=profile.model), ttl_s=1e12))
+        self.prefill_pods = [p for p in self.pods.values() if p.role != PodRole.DECODE]
+        self.decode_pods = [p for p in self.pods.values() if p.role == PodRole.DECODE]
+        self.records: list[dict[str, Any]] = []
+        self.itl: list[tuple[float, int]] = []
+        self.last_pod: dict[str, str] = {}
+        self.turn_end: dict[tuple[str, int], float] = {}
+        self.children: dict[tuple[str, int], list[SimSession]] = {}
+        self.remaining = sum(len(s.turns) for s in sessions)
+        self.stats: dict[str, Any] = {"lookups": 0, "lookup_chunks": 0, "lookup_s": 0.0,
+                                      "event_batches": 0, "chunk_events": 0, "index_apply_s": 0.0,
+                                      "route_best_tokens": 0, "route_chosen_tokens": 0,
+                                      "prefetch_chunks": 0, "pod_to_pod_bytes": 0}
+        self.ts: dict[str, list[float]] = {"t": []}
+
+    def _policy(self, reuse: bool) -> Any:
+        if not reuse:
+            return build_policy(self.cfg.baseline_policy,
+                                **({"chunk_tokens": 2048} if self.cfg.baseline_policy ==
+                                   "fcfs-chunk" else {}))
+        pol = build_policy(self.cfg.policy)
+        if self.cfg.shadow:
+            p = self.profile.prefill
+            return ShadowScheduler(pol, lookahead=self.cfg.lookahead,
+                                   model=StepTimeModel(prior=(p.a_s, p.b_s, p.c_s)))
+        return pol
+
+    # ------------------------------------------------------------------ driving
+    def run(self) -> SimResult:
+        cfg = self.cfg
+        if cfg.rate:
+            with_poisson_starts(self.sessions, cfg.rate, cfg.seed)
+        for s in self.sessions:
+            if s.parent is None:
+                self.loop.at((s.start_s or 0.0) * cfg.time_scale, self.start_turn, s, 0)
+            else:
+                self.children.setdefault((s.parent[0], s.parent[1]), []).append(s)
+        self.loop.at(0.0, self.sample)
+        wall = time.perf_counter()
+        self.loop.run()
+        self.stats["wall_s"] = time.perf_counter() - wall
+        self.stats["events"] = self.loop.processed
+        return self.result()
+
+    def start_turn(self, s: SimSession, k: int) -> None:
+        turn = s.turns[k]
+        now = self.loop.now
+        r = Req(f"{s.session_id}/{k}", turn, now)
+        pod = self.route(s.session_id, turn)
+        pod.submit_prefill(r)
+
+    def route(self, session_id: str, turn: SimTurn) -> Pod:
+        cands = [Candidate(p.name, p.name, p.inflight) for p in self.prefill_pods]
+        prefixes: dict[str, Any] = {}
+        if self.routing.name == "kv-aware":
+            try:
+                chunks = run_sync(self.store.get_intent(session_id, "last"))
+            except Exception:  # noqa: BLE001 - a first turn has no chunks yet
+                chunks = []
+            if chunks:
+                t0 = time.perf_counter()
+                found = run_sync(self.index.lookup(chunks, pods=[c.name for c in cands],
+                                                   role=PodRole.PREFILL))
+                ranked = rank_prefixes(found)
+                self.stats["lookup_s"] += time.perf_counter() - t0
+                self.stats["lookups"] += 1
+                self.stats["lookup_chunks"] += len(chunks)
+                prefixes = {p.pod: p for p in ranked}
+        order = self.routing.rank(RouteInput(session_id, cands, prefixes,
+                                             self.last_pod.get(session_id), True))
+        pod = self.pods[order[0].name]
+        if prefixes:
+            best = max(p.prefix_chunks for p in prefixes.values())
+            chosen = prefixes[pod.name].prefix_chunks if pod.name in prefixes else 0
+            self.stats["route_best_tokens"] += best
+            self.stats["route_chosen_tokens"] += chosen
+        self.last_pod[session_id] = pod.name
+        return pod
+
+    def flush(self, pod: Pod) -> None:
+        batch = pod.tiers.flush()
+        if batch is None:
+            return
+        t0 = time.perf_counter()
+        res = run_sync(self.index.apply_events(batch))
+        self.stats["index_apply_s"] += time.perf_counter() - t0
+        self.stats["event_batches"] += 1
+        self.stats["chunk_events"] += res.chunk_events
+
+    def prefill_done(self, pod: Pod, r: Req, now: float) -> None:
+        if pod.role == PodRole.BOTH:
+            r.first = now
+            r.decode_pod = pod.name
+            r.left = r.out - 1
+            r.ctx = r.prompt + 1
+            if r.left <= 0:
+                self.finish(r, now)
+            else:
+                pod.decoding[r.rid] = r
+            return
+        cands = [Candidate(p.name, p.name, p.inflight) for p in self.decode_pods]
+        dec = self.pods[self.decode_routing.rank(RouteInput(None, cands))[0].name]
+        nbytes = r.prompt * self.profile.kv_bytes_per_token
+        self.stats["pod_to_pod_bytes"] += nbytes
+        dt = self.profile.transfer_s(nbytes, self.profile.bandwidth.pod_to_pod_gbps)
+        r.decode_pod = dec.name
+        r.first = now + dt
+        self.loop.at(now + dt, dec.submit_decode, r)
+
+    def finish(self, r: Req, now: float) -> None:
+        r.end = now
+        t = r.turn
+        self.remaining -= 1
+        self.records.append({
+            "session_id": t.session_id, "turn": t.index, "last_turn": t.last, "ok": True,
+            "start_s": r.send, "end_s": now, "ttft_s": (r.first or now) - r.send,
+            "e2e_s": now - r.send, "itl_s": [], "prompt_tokens": r.prompt,
+            "cached_tokens": r.cached_actual, "completion_tokens": r.out,
+            "appended_tokens": t.appended, "ideal_cached_tokens": t.ideal_cached,
+            "prefill_pod": r.prefill_pod, "decode_pod": r.decode_pod})
+        if self.routing.name == "kv-aware":
+            run_sync(self.store.put_intent(t.session_id, "last", t.stored_chunks))
+        s_turns = self._session_turns(t.session_id)
+        gap = t.tool_gap_s * self.cfg.time_scale
+        if t.index + 1 < len(s_turns.turns):
+            nxt = s_turns.turns[t.index + 1]
+            when = now + gap
+            if nxt.timestamp_s is not None and s_turns.start_s is not None:
+                when = max(when, (nxt.timestamp_s - 0.0) * self.cfg.time_scale)
+            self.loop.at(when, self.start_turn, s_turns, t.index + 1)
+        for child in self.children.get((t.session_id, t.index), []):
+            self.loop.at(max(now + child.parent[2] * self.cfg.time_scale,  # type: ignore[index]
+                             (child.start_s or 0.0) * self.cfg.time_scale),
+                         self.start_turn, child, 0)
+
+    def _session_turns(self, sid: str) -> SimSession:
+        if not hasattr(self, "_by_id"):
+            self._by_id = {s.session_id: s for s in self.sessions}
+        return self._by_id[sid]
+
+    def sample(self) -> None:
+        ts = self.ts
+        ts["t"].append(self.loop.now)
+        cb = self.profile.chunk_bytes(self.cfg.chunk)
+        for tier in (Tier.DEVICE, Tier.CPU, Tier.DISK):
+            key = f"occupancy_bytes_{tier.value}"
+            ts.setdefault(key, []).append(
+                float(sum(p.tiers.count(tier) for p in self.pods.values()) * cb))
+        moved: dict[str, int] = {}
+        for p in self.pods.values():
+            for k, v in p.tiers.moved.items():
+                moved[k] = moved.get(k, 0) + v
+        for k in ("device_to_dram", "dram_to_disk", "disk_to_dram", "dram_to_device",
+                  "disk_to_device"):
+            ts.setdefault(f"moved_bytes_{k}", []).append(float(moved.get(k, 0)))
+        ts.setdefault("moved_bytes_pod_to_pod", []).append(float(self.stats["pod_to_pod_bytes"]))
+        ts.setdefault("queued_turns", []).append(
+            float(sum(len(p.waiting) + len(p.decode_wait) for p in self.pods.values())))
+        if self.remaining > 0:
+            self.loop.after(self.cfg.sample_s, self.sample)
+
+    # ------------------------------------------------------------------ results
+    def result(self) -> SimResult:
+        planned = sum(len(s.turns) for s in self.sessions)
+        ideal_prompt = sum(t.prompt_len for s in self.sessions for t in s.turns)
+        ideal = sum(t.ideal_cached for s in self.sessions for t in s.turns)
+        summary = summarize(self.records, sessions_planned=len(self.sessions),
+                            turns_planned=planned,
+                            ideal_hit_rate=ideal / ideal_prompt if ideal_prompt else None)
+        summary["itl_p99_s"] = weighted_percentile(self.itl, 99)
+        st = self.stats
+        st["route_prefix_efficiency"] = (st["route_chosen_tokens"] / st["route_best_tokens"]
+                                         if st["route_best_tokens"] else None)
+        st["pods"] = {p.name: {"role": p.role.value, "steps": p.steps,
+                               "busy_s": round(p.busy_s, 3)} for p in self.pods.values()}
+        summary["sim"] = {k: v for k, v in st.items() if k != "pods"}
+        return SimResult(summary, self.records, self.ts, st)
+
+
+def weighted_percentile(pairs: list[tuple[float, int]], q: float) -> float | None:
+    """The q-th percentile of values given as (value, count) pairs (inverted CDF)."""
+    pairs = [(v, n) for v, n in pairs if n > 0]
+    if not pairs:
+        return None
+    vals = np.array([v for v, _ in pairs])
+    counts = np.array([n for _, n in pairs], dtype=float)
+    order = np.argsort(vals, kind="stable")
+    cum = np.cumsum(counts[order])
+    idx = int(np.searchsorted(cum, q / 100 * cum[-1], side="left"))
+    return float(vals[order][min(idx, len(vals) - 1)])
+
+
+def simulate(sessions: list[SimSession], profile: Profile, cfg: SimConfig) -> SimResult:
+    """Run one configuration over ``sessions`` (compiled by ``workload.compile_trace``)."""
+    import copy
+
+    return Cluster(copy.deepcopy(sessions) if cfg.rate else sessions, profile, cfg).run()

@@ -1,0 +1,128 @@
+"""One pod's KV tiers (device prefix cache, CPU DRAM, local disk) as exclusive LRU lists of
+chunk ids, reporting residency changes to the kvindex the way a worker does (event batches).
+
+Simplifications (docs/sim.md): a chunk lives in exactly one tier; eviction demotes device ->
+DRAM -> disk -> gone; a hit is promoted to the device tier. Every move is counted as
+transfer volume of its kind.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from agentserving.core.schemas import EventBatch, EventOp, Tier, ResidencyEvent
+
+TIERS = (Tier.DEVICE, Tier.CPU, Tier.DISK)
+_DEMOTE = {Tier.DEVICE: Tier.CPU, Tier.CPU: Tier.DISK}
+_MOVE_KIND = {(Tier.DEVICE, Tier.CPU): "device_to_dram", (Tier.CPU, Tier.DISK): "dram_to_disk",
+              (Tier.CPU, Tier.DEVICE): "dram_to_device", (Tier.DISK, Tier.CPU): "disk_to_dram",
+              (Tier.DISK, Tier.DEVICE): "disk_to_device"}
+
+
+class PodTiers:
+    def __init__(self, pod: str, caps: dict[Tier, int], chunk_bytes: int) -> None:
+        self.pod = pod
+        self.caps = caps                       # chunks per tier (0: no such tier)
+        self.lru: dict[Tier, OrderedDict[str, None]] = {t: OrderedDict() for t in TIERS}
+        self.where: dict[str, Tier] = {}
+        self.chunk_bytes = chunk_bytes
+        self.moved: dict[str, int] = {}        # kind -> bytes
+        self._events: list[tuple[EventOp, Tier, list[str]]] = []  # in order
+        self.seq = 0
+
+    # -- queries
+    def prefix(self, chunks: list[str], limit: int) -> tuple[int, list[Tier]]:
+        tiers = []
+        for h in chunks[:limit]:
+            t = self.where.get(h)
+            if t is None:
+                break
+            tiers.append(t)
+        return len(tiers), tiers
+
+    def count(self, tier: Tier) -> int:
+        return len(self.lru[tier])
+
+    # -- changes
+    def _note(self, op: EventOp, tier: Tier, h: str) -> None:
+        ev = self._events
+        if ev and ev[-1][0] is op and ev[-1][1] is tier:
+            ev[-1][2].append(h)
+        else:
+            ev.append((op, tier, [h]))
+
+    def _remove(self, h: str) -> Tier | None:
+        t = self.where.pop(h, None)
+        if t is not None:
+            del self.lru[t][h]
+            self._note(EventOp.REMOVED, t, h)
+        return t
+
+    def _place(self, h: str, tier: Tier) -> None:
+        while tier is not None and self.caps.get(tier, 0) <= 0:
+            tier = _DEMOTE.get(tier)  # type: ignore[assignment]
+        if tier is None:
+            return
+        self.lru[tier][h] = None
+        self.where[h] = tier
+        self._note(EventOp.STORED, tier, h)
+        while len(self.lru[tier]) > self.caps[tier]:
+            victim, _ = self.lru[tier].popitem(last=False)
+            del self.where[victim]
+            self._note(EventOp.REMOVED, tier, victim)
+            lower = _DEMOTE.get(tier)
+            if lower is not None and self.caps.get(lower, 0) > 0:
+                self._count(tier, lower)
+                self._place(victim, lower)
+
+    def _count(self, src: Tier, dst: Tier) -> None:
+        kind = _MOVE_KIND[(src, dst)]
+        self.moved[kind] = self.moved.get(kind, 0) + self.chunk_bytes
+
+    def store(self, chunks: list[str]) -> None:
+        """Newly computed KV for ``chunks`` (on the device): keep it, most recent first."""
+        for h in chunks:
+            t = self.where.get(h)
+            if t is Tier.DEVICE:
+                self.lru[t].move_to_end(h)
+            else:
+                if t is not None:
+                    self._remove(h)
+                self._place(h, Tier.DEVICE)
+
+    def use(self, chunks: list[str]) -> dict[Tier, int]:
+        """A request reuses ``chunks``: promote them to the device; returns chunks per source."""
+        src: dict[Tier, int] = {}
+        for h in chunks:
+            t = self.where.get(h)
+            if t is None:
+                continue
+            src[t] = src.get(t, 0) + 1
+            if t is Tier.DEVICE:
+                self.lru[t].move_to_end(h)
+                continue
+            self._remove(h)
+            self._count(t, Tier.DEVICE)
+            self._place(h, Tier.DEVICE)
+        return src
+
+    def prefetch(self, chunks: tuple[str, ...] | list[str]) -> int:
+        """Disk -> DRAM for the chunks still on disk; returns how many moved."""
+        n = 0
+        for h in chunks:
+            if self.where.get(h) is Tier.DISK and self.caps.get(Tier.CPU, 0) > 0:
+                self._remove(h)
+                self._count(Tier.DISK, Tier.CPU)
+                self._place(h, Tier.CPU)
+                n += 1
+        return n
+
+    def flush(self) -> EventBatch | None:
+        """The residency changes since the last flush as one worker event batch."""
+        if not self._events:
+            return None
+        self.seq += 1
+        events = [ResidencyEvent(op=op, tier=tier, chunk_hashes=hs)
+                  for op, tier, hs in self._events]
+        self._events = []
+        return EventBatch(pod=self.pod, seq=self.seq, events=events)

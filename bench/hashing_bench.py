@@ -7,7 +7,6 @@ type, side by side in one run. Issue 2 aims for blake3 under 1 ms.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from agentserving.core.hashing import ChunkHasher, HashScheme
+from bench.common import write_result
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -64,9 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         for kind, r in by_kind.items():
             print(f"{scheme:<18}{kind:<10}{r['p50_ms']:>10.3f}{r['min_ms']:>10.3f}"
                   f"{r['p95_ms']:>10.3f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, report)
     return 0
 
 

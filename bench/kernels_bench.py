@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -28,6 +27,7 @@ import torch
 
 from agentserving.kernels import gather_blocks, prefill_mask, split_stacked, triton_available
 from agentserving.kernels import reference as ref
+from bench.common import write_result
 
 # HBM peak (bytes/s) by device-name substring; None when unknown.
 PEAK_BW = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 0.864e12, "A10": 0.6e12,
@@ -173,9 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         g = report["staging_gpu_triton"]
         print(f"  gpu triton: {g['staged_one_copy']['p50_ms']:.3f} ms, fraction of peak "
               f"{g['fraction_of_peak']}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, report)
     return 0
 
 

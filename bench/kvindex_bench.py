@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
 import platform
 import random
@@ -47,6 +46,7 @@ from agentserving.core.schemas import (
 from agentserving.kvindex.index.base import Index
 from agentserving.kvindex.index.memory import InMemoryIndex
 from agentserving.kvindex.index.redis import RedisIndex
+from bench.common import write_result
 
 NAME = "kvindex"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
@@ -390,9 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report = asyncio.run(run(args))
     print_table(report)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, report)
     return 0
 
 

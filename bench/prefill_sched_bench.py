@@ -42,6 +42,7 @@ from agentserving.prefill.policies import (
     advance,
 )
 from agentserving.prefill.shadow import ShadowScheduler, StepTimeModel
+from bench.common import write_result
 
 CHUNK = 256
 
@@ -314,8 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                      "prefetch_consumption": 0.9919, "prefetch_survival": 0.9950},
         "wall_s": time.perf_counter() - t0,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2))
+    write_result(args.out, out)
     print(json.dumps({"longcap_vs_fcfs_nochunk": out["longcap_vs_fcfs_nochunk"],
                       **{k: v["latency_s"] for k, v in results.items()},
                       "shadow": {k: results["longcap-dynamic+shadow"].get(k) for k in

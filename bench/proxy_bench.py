@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import tempfile
@@ -19,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from agentserving.core.testing import free_port, free_port_run, service_process
+from bench.common import percentile, write_result
 
 AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 
@@ -33,11 +33,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.turns = 20
     return args
-
-
-def pct(samples: list[float], q: float) -> float:
-    ordered = sorted(samples)
-    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         with httpx.Client(timeout=60) as http:
             for url in (worker, proxy):  # warm both paths; the session's KV is now cached
                 for _ in range(3):
-                    http.post(url + "/v1/completions", json=body, headers=headers).raise_for_status()
+                    http.post(url + "/v1/completions", json=body,
+                              headers=headers).raise_for_status()
             for _ in range(args.turns):
                 for url, out in ((worker, direct), (proxy, proxied)):
                     start = time.perf_counter()
@@ -75,14 +71,15 @@ def main(argv: list[str] | None = None) -> int:
                     out.append((time.perf_counter() - start) * 1e3)
             routing = _routing_p50_ms(http.get(proxy + "/metrics").text)
     added = [p - d for p, d in zip(proxied, direct, strict=True)]
+    p50_direct, p50_proxied = percentile(direct, 0.5), percentile(proxied, 0.5)
     report = {
         "turns": args.turns, "prompt_tokens": args.prompt_tokens,
-        "direct_ms": {"p50": pct(direct, 0.5), "p99": pct(direct, 0.99)},
-        "proxied_ms": {"p50": pct(proxied, 0.5), "p99": pct(proxied, 0.99)},
-        "added_ms": {"p50": statistics.median(added), "p99": pct(added, 0.99),
-                     "p50_of_difference_of_p50s": pct(proxied, 0.5) - pct(direct, 0.5)},
+        "direct_ms": {"p50": percentile(direct, 0.5), "p99": percentile(direct, 0.99)},
+        "proxied_ms": {"p50": percentile(proxied, 0.5), "p99": percentile(proxied, 0.99)},
+        "added_ms": {"p50": statistics.median(added), "p99": percentile(added, 0.99),
+                     "p50_of_difference_of_p50s": p50_proxied - p50_direct},
         "proxy_routing_p50_ms_bucket": routing,
-        "ratios": {"proxied_over_direct_p50": pct(proxied, 0.5) / pct(direct, 0.5)},
+        "ratios": {"proxied_over_direct_p50": p50_proxied / p50_direct},
         "target": {"added_p50_ms_max": 1.0},
     }
     report["target"]["met"] = report["added_ms"]["p50"] < 1.0
@@ -92,9 +89,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{report['proxied_ms']['p99']:>10.2f}")
     print(f"added per turn: p50 {report['added_ms']['p50']:.2f} ms, "
           f"p99 {report['added_ms']['p99']:.2f} ms")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, report)
     return 0
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from agentserving.replay.ideal import ideal_hit
 from agentserving.replay.mooncake import MooncakeOptions, read_mooncake
 from agentserving.replay.synthetic import generate_preset
 from agentserving.replay.trace import Session, Trace, resolve_all
+from bench.common import write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 MOONCAKE = ROOT.parent / "shared/data/mooncake/conversation_trace.jsonl"
@@ -85,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in out.items():
         if key != "note":
             print(f"{key:<36}{value!s:>14}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    write_result(args.out, out)
     return 0 if s["turns_failed"] == 0 else 1
 
 

@@ -34,6 +34,8 @@ from typing import Any
 
 import httpx
 
+from bench.common import write_result
+
 NAME = "worker"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
 
@@ -220,9 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"P->D transfer: {pd['transfer_bytes'] / 1e6:.1f} MB at "
           f"{pd['throughput_mb_s']:.0f} MB/s; decode equals single pod: "
           f"{pd['decode_equals_single_pod']}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, report)
     return 0 if pd["decode_equals_single_pod"] else 1
 
 

@@ -256,6 +256,7 @@ async def bench_ingest(index: Index, work: Workload, bar: Any, label: str) -> di
 async def run_backend(label: str, index: Index, work: Workload, bar: Any) -> dict[str, Any]:
     try:
         preload_s = await preload(index, work, bar, label)
+        await asyncio.sleep(1.0)  # let Redis finish rehashing what the preload grew
         lookup = await bench_lookup(index, work)
         ingest = await bench_ingest(index, work, bar, label)
     finally:

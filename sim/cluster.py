@@ -180,7 +180,6 @@ class Pod:
 
     def _step(self) -> None:
         now = self.c.loop.now
-        p = self.c.profile
         if self.role == PodRole.DECODE:
             self._admit_decodes()
         if self.waiting or self.prefilling:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from agentserving.core.schemas import EventBatch, EventOp, Tier, ResidencyEvent
+from agentserving.core.schemas import EventBatch, EventOp, ResidencyEvent, Tier
 
 TIERS = (Tier.DEVICE, Tier.CPU, Tier.DISK)
 _DEMOTE = {Tier.DEVICE: Tier.CPU, Tier.CPU: Tier.DISK}

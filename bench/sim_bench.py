@@ -1,0 +1,152 @@
+"""The cluster simulator (issue 8): validation vs a real bench run, seed 003's table in shape,
+and scale.
+
+    python -m bench sim [--quick] [--real RUN/report.json] [--out bench/results/sim.json]
+
+1. validation: bundled:bench-small on the calibrated ``reference-cpu`` profile, 1P2D (the
+   bench's default), vs a real ``agentserving bench`` report.json (``--real``, else the newest
+   runs/*/report.json); errors on request throughput and E2E P95 (target: within 15%).
+2. seed 003 in shape: the ``agent`` preset at 1,999 sessions, Poisson 5 IPS, 1P3D vs 4
+   independent pods, on ``910b3-qwen3-4b`` and ``910b3-llama8b``; the simulator's ratios beside
+   the seed's. (--quick: 300 sessions.)
+3. scale: xPyD clusters of growing size (up to 64 pods, 100k sessions at full size) with the
+   kvindex lookup load and routing quality per pod count; wall time of each run.
+Everything here is simulated except the real run read in part 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SEED_003 = {"910b3-qwen3-4b": {"req_per_s": 2.075 / 1.213, "prefix_hit_rate": 0.9285,
+                               "e2e_p95_s": 94.18 / 275.90, "itl_p99_s": 0.127 / 1.923},
+            "910b3-llama8b": {"req_per_s": 2.208 / 1.073, "prefix_hit_rate": 0.9291,
+                              "e2e_p95_s": 93.69 / 278.76, "itl_p99_s": 0.103 / 1.356}}
+KEYS = ("req_per_s", "tok_per_s", "prefix_hit_rate", "e2e_p95_s", "e2e_p99_s", "ttft_p50_s",
+        "itl_p99_s", "turns_completed", "success_rate")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench sim", description=__doc__)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--real", type=Path, default=None)
+    p.add_argument("--parts", default="1,2,3")
+    p.add_argument("--out", type=Path, default=Path("bench/results/sim.json"))
+    return p.parse_args(argv)
+
+
+def pair(trace: Any, profile: str, topology: str, rate: float | None, **kw: Any) -> dict:
+    from agentserving.sim import SimConfig, load_profile, simulate
+    from agentserving.sim.workload import compile_trace
+
+    prof = load_profile(profile)
+    out = {}
+    for name in ("baseline", "agentserving"):
+        t0 = time.perf_counter()
+        r = simulate(compile_trace(trace), prof,
+                     SimConfig(config=name, topology=topology, rate=rate, **kw))
+        out[name] = {**{k: r.summary.get(k) for k in KEYS}, "wall_s": time.perf_counter() - t0,
+                     "sim": r.summary["sim"]}
+    return out
+
+
+def validation(real: Path | None) -> dict[str, Any]:
+    from agentserving.replay.loader import load_trace
+
+    if real is None:
+        found = sorted(Path("runs").glob("*/report.json"))
+        if not found:
+            return {"skipped": "no real bench report.json (pass --real)"}
+        real = found[-1]
+    rep = json.loads(real.read_text())
+    settings = rep.get("settings", {})
+    topo = f"{settings.get('prefill', 1)}P{settings.get('decode', 2)}D"
+    sim = pair(load_trace(rep.get("workload", {}).get("spec", "bundled:bench-small")),
+               "reference-cpu", topo, settings.get("rate"))
+    errors = {}
+    for name in ("baseline", "agentserving"):
+        for key in ("req_per_s", "e2e_p95_s"):
+            r, s = rep["configs"][name][key], sim[name][key]
+            errors[f"{name}.{key}"] = {"real": r, "sim": s, "error": (s - r) / r}
+    return {"real_report": str(real), "topology": topo, "errors": errors,
+            "within_15pct": all(abs(e["error"]) <= 0.15 for e in errors.values()), "sim": sim}
+
+
+def seed_table(quick: bool) -> dict[str, Any]:
+    from agentserving.replay.synthetic import generate_preset
+
+    n = 300 if quick else 1999
+    trace = generate_preset("agent", sessions=n)
+    out = {}
+    for prof, seed in SEED_003.items():
+        res = pair(trace, prof, "1P3D", 5.0)
+        b, a = res["baseline"], res["agentserving"]
+        ratios = {k: (a[k] / b[k] if b[k] else None) for k in ("req_per_s", "e2e_p95_s",
+                                                                "itl_p99_s")}
+        ratios["prefix_hit_rate"] = a["prefix_hit_rate"]
+        out[prof] = {"sessions": n, "ips": 5.0, "sim": res, "sim_ratios": ratios,
+                     "seed_ratios": seed}
+        print(json.dumps({prof: {"sim": ratios, "seed": seed}}), flush=True)
+    return out
+
+
+def scale(quick: bool) -> dict[str, Any]:
+    from agentserving.replay.synthetic import generate_preset
+    from agentserving.sim import SimConfig, load_profile, simulate
+    from agentserving.sim.workload import compile_trace
+
+    prof = load_profile("h200-llama8b")
+    plan = [(4, 1000), (16, 4000)] if quick else [(4, 1000), (16, 4000), (64, 100_000)]
+    rows = []
+    for pods, sessions in plan:
+        t0 = time.perf_counter()
+        trace = generate_preset("agent", sessions=sessions)
+        ss = compile_trace(trace)
+        gen_s = time.perf_counter() - t0
+        topo = f"{pods // 4}P{pods - pods // 4}D"
+        ips = 1.0 * pods  # offered load grows with the cluster
+        r = simulate(ss, prof, SimConfig(topology=topo, rate=ips))
+        st = r.summary["sim"]
+        rows.append({"pods": pods, "topology": topo, "sessions": sessions, "ips": ips,
+                     "turns": r.summary["turns_completed"], "wall_s": st["wall_s"],
+                     "workload_s": gen_s, "events": st["events"],
+                     "lookups": st["lookups"], "lookup_chunks_mean":
+                         st["lookup_chunks"] / max(1, st["lookups"]),
+                     "lookup_us_mean": 1e6 * st["lookup_s"] / max(1, st["lookups"]),
+                     "event_batches": st["event_batches"], "chunk_events": st["chunk_events"],
+                     "index_apply_s": st["index_apply_s"],
+                     "route_prefix_efficiency": st["route_prefix_efficiency"],
+                     "hit_vs_ideal": r.summary["hit_vs_ideal"],
+                     "req_per_s": r.summary["req_per_s"], "e2e_p95_s": r.summary["e2e_p95_s"]})
+        print(json.dumps(rows[-1]), flush=True)
+    return {"profile": prof.name, "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    parts = {p.strip() for p in args.parts.split(",")}
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"issue": 8, "quick": args.quick,
+                           "simulated": "everything except the real run read in validation"}
+    if "1" in parts:
+        out["validation"] = validation(args.real)
+        print(json.dumps({"validation": out["validation"].get("errors",
+                                                              out["validation"])}), flush=True)
+    if "2" in parts:
+        out["seed_003"] = seed_table(args.quick)
+    if "3" in parts:
+        out["scale"] = scale(args.quick)
+    out["wall_s"] = time.perf_counter() - t0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""`agentserving sim`: simulate baseline vs agentserving on a workload; `sim calibrate`."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from agentserving.core.cli import option
+
+
+def run_pair(trace_spec: str, profile_spec: str, topology: str, policy: str, shadow: bool,
+             configs: list[str], rate: float | None, time_scale: float, limit: int | None,
+             seed: int, sample_s: float) -> tuple[dict[str, Any], dict[str, Any], Any]:
+    from agentserving.replay.loader import load_trace
+    from agentserving.sim.cluster import SimConfig, simulate
+    from agentserving.sim.profile import load_profile
+    from agentserving.sim.workload import compile_trace
+
+    trace = load_trace(trace_spec, limit=limit)
+    profile = load_profile(profile_spec)
+    results = {}
+    for name in configs:
+        cfg = SimConfig(config=name, topology=topology, policy=policy, shadow=shadow,
+                        rate=rate, time_scale=time_scale, seed=seed, sample_s=sample_s)
+        results[name] = simulate(compile_trace(trace), profile, cfg)
+    settings = {"trace": trace_spec, "profile": profile.name, "topology": topology,
+                "policy": policy, "shadow": shadow, "rate": rate, "time_scale": time_scale,
+                "limit": limit, "seed": seed}
+    return results, settings, profile
+
+
+@click.group("sim", invoke_without_command=True)
+@option("--trace", "trace_spec", default="bundled:bench-small",
+        help="Workload: bundled:NAME, a session trace, or a Mooncake trace.")
+@option("--profile", "profile_spec", default="reference-cpu",
+        help="Accelerator profile: a name in sim/profiles/ or a YAML path.")
+@option("--topology", default="1P3D", help="xPyD or Nx1 (the baseline gets x+y pods).")
+@option("--policy", default="longcap-dynamic", help="agentserving's prefill policy.")
+@option("--shadow/--no-shadow", default=True, help="Wrap the policy in the ShadowScheduler.")
+@option("--configs", default="baseline,agentserving", help="Configurations to simulate.")
+@option("--rate", type=float, default=None, help="Sessions/s (Poisson) instead of trace times.")
+@option("--time-scale", type=float, default=1.0, help="Multiply arrivals and tool gaps.")
+@option("--limit", type=int, default=None, help="First N sessions only.")
+@option("--seed", type=int, default=0)
+@option("--sample-s", type=float, default=5.0, help="Time-series interval (sim seconds).")
+@option("--sweep", default=None,
+        help="Comma-separated IPS values: sweep load x --sweep-topologies instead of one run.")
+@option("--sweep-topologies", default="1P3D", help="Topologies for --sweep.")
+@option("--validate", "validate_path", type=click.Path(exists=True, path_type=Path),
+        default=None, help="A real bench report.json: report the simulator's errors vs it.")
+@option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
+        help="Output folder [default: runs/sim-<time>].")
+@option("--plots/--no-plots", default=True)
+@click.pass_context
+def command(ctx: click.Context, trace_spec: str, profile_spec: str, topology: str, policy: str,
+            shadow: bool, configs: str, rate: float | None, time_scale: float,
+            limit: int | None, seed: int, sample_s: float, sweep: str | None,
+            sweep_topologies: str, validate_path: Path | None, out: Path | None,
+            plots: bool) -> None:
+    """Simulate a cluster running the real routing/scheduling/index code; write report.json."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from agentserving.replay.report import print_table
+    from agentserving.sim.report import draw, draw_sweep, validation, write_run
+
+    out = out or Path("runs") / time.strftime("sim-%Y%m%d-%H%M%S")
+    names = [c.strip() for c in configs.split(",") if c.strip()]
+    if sweep:
+        rows = []
+        for topo in [t.strip() for t in sweep_topologies.split(",")]:
+            for ips in [float(x) for x in sweep.split(",")]:
+                results, _, _ = run_pair(trace_spec, profile_spec, topo, policy, shadow, names,
+                                         ips, time_scale, limit, seed, sample_s)
+                for name, r in results.items():
+                    rows.append({"config": name, "topology": topo, "ips": ips,
+                                 **{k: r.summary.get(k) for k in
+                                    ("req_per_s", "e2e_p95_s", "prefix_hit_rate",
+                                     "itl_p99_s", "ttft_p95_s")}})
+                    click.echo(json.dumps(rows[-1]))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sweep.json").write_text(json.dumps(rows, indent=2) + "\n")
+        if plots:
+            click.echo(f"plot:   {draw_sweep(out / 'plots' / 'sweep.png', rows)}")
+        click.echo(f"sweep:  {out / 'sweep.json'}")
+        return
+    results, settings, profile = run_pair(trace_spec, profile_spec, topology, policy, shadow,
+                                          names, rate, time_scale, limit, seed, sample_s)
+    extra: dict[str, Any] = {"settings": settings, "simulated": True,
+                             "profile": profile.model_dump(mode="json", exclude={"measured"})}
+    if validate_path is not None:
+        real = json.loads(validate_path.read_text())
+        report_probe = {"configs": {k: r.summary for k, r in results.items()}}
+        extra["validation"] = {"real_report": str(validate_path),
+                               "errors": validation(report_probe, real)}
+    report = write_run(out, results, **extra)
+    if "baseline" in results and "agentserving" in results:
+        print_table(report, title=f"simulated {trace_spec} on {profile.name}: baseline vs "
+                                  f"agentserving {topology}")
+    if "validation" in report:
+        for cfgname, row in report["validation"]["errors"].items():
+            for key in ("req_per_s", "e2e_p95_s"):
+                e = row[key]["error"]
+                click.echo(f"validation {cfgname} {key}: real {row[key]['real']:.3f} sim "
+                           f"{row[key]['sim']:.3f} error {100 * e:+.1f}%" if e is not None
+                           else f"validation {cfgname} {key}: n/a")
+    if plots:
+        for path in draw(out, results, report):
+            click.echo(f"plot:   {path}")
+    click.echo(f"report: {out / 'report.json'}")
+
+
+@command.command("calibrate")
+@option("--model", default="tiny", help="Reference-engine model to measure.")
+@option("--from-run", type=click.Path(exists=True, path_type=Path), default=None,
+        help="A real bench report.json: fit the P/D hand-off and decode overhead from it.")
+@option("--name", default="reference-cpu")
+@option("--full/--quick", default=False, help="More calibration points.")
+@option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+        help="Profile path [default: sim/profiles/NAME.yaml].")
+def calibrate_command(model: str, from_run: Path | None, name: str, full: bool,
+                      out: Path | None) -> None:
+    """Measure the reference engine briefly, in-process, and write a profile."""
+    from agentserving.sim.calibrate import build_profile, measure
+    from agentserving.sim.calibrate import from_run as fit_run
+    from agentserving.sim.profile import PROFILE_DIR, write_profile
+
+    m = measure(model, quick=not full)
+    prof = build_profile(m, fit_run(from_run) if from_run else None, name=name)
+    path = write_profile(prof, out or PROFILE_DIR / f"{name}.yaml")
+    click.echo(json.dumps({"prefill": prof.prefill.model_dump(),
+                           "decode": prof.decode.model_dump(),
+                           "bandwidth": prof.bandwidth.model_dump()}, indent=1))
+    click.echo(f"profile: {path}")

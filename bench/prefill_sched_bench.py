@@ -23,10 +23,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import random
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -68,54 +66,14 @@ def pct(xs: list[float], q: float) -> float:
 # ------------------------------------------------------------------ 1. calibration (real)
 
 def calibrate(quick: bool) -> dict[str, Any]:
-    os.environ.setdefault("LMCACHE_LOG_LEVEL", "WARNING")
-    import torch
+    """The step-time model and KV load costs, measured on the real engine (sim's calibration)."""
+    from agentserving.sim.calibrate import measure
 
-    from agentserving.engine.builder import build_engine
-    from agentserving.engine.settings import WorkerSettings
-    from agentserving.engine.testing import prompt
-
-    torch.set_num_threads(1)
-    tmp = Path(tempfile.mkdtemp(prefix="prefill-bench-"))
-    parts = build_engine(WorkerSettings(cpu_cache_gib=0.25, disk_cache_dir=tmp / "disk",
-                                        disk_cache_gib=0.5, pod_name="bench"))
-    runner = parts.runner
-    model = StepTimeModel(min_samples=3)
-    rows = []
-    sizes = [256, 1024, 2048] if quick else [256, 512, 1024, 2048]
-    starts = [0, 1024] if quick else [0, 1024, 2048]
-    ids = prompt(4096, seed=1)
-    runner.forward(ids[:256], runner.new_cache(), 0)  # warm
-    for start in starts:
-        for n in sizes:
-            cache = runner.new_cache()
-            if start:
-                runner.forward(ids[:start], cache, 0)
-            t0 = time.perf_counter()
-            runner.forward(ids[start:start + n], cache, start)
-            sec = time.perf_counter() - t0
-            rows.append({"new_tokens": n, "context_tokens": start, "seconds": sec})
-            model.observe(n, start, sec)
-    model.fit()
-    # KV load cost per chunk, DRAM and disk (real LMCache tiers)
-    store, keys = parts.store, parts.keys
-    toks = prompt(1024 + 1, seed=2)
-    cache = runner.new_cache()
-    runner.forward(toks[:1024], cache, 0)
-    store.store(toks, runner.cache_layers(cache), 0, None)
-    store.wait_disk_writes()
-    ints = [keys.to_int(h) for h in keys.hasher(None).raw_hashes(toks)][:4]
-    cpu_s = min(store.load_prefix(ints).seconds for _ in range(3)) / 4
-    wires = [keys.wire_of_int(v) for v in ints]
-    disk = []
-    for _ in range(3):
-        store.evict(wires, store.resolve_locations(["cpu"]))
-        disk.append(store.load_prefix(ints).seconds / 4)
-    parts.close()
-    a, b, c = model.coef
-    return {"rows": rows, "coef": {"a_s": a, "b_s_per_new_token": b,
-                                   "c_s_per_context_token": c},
-            "kv_load_s_per_chunk": {"cpu": cpu_s, "disk": min(disk)}}
+    m = measure(quick=quick)
+    a, b, c = m["prefill_coef"]
+    return {"rows": m["prefill_rows"], "coef": {"a_s": a, "b_s_per_new_token": b,
+                                                "c_s_per_context_token": c},
+            "kv_load_s_per_chunk": m["kv_load_s_per_chunk"]}
 
 
 # ------------------------------------------------------------------ 2. replay (simulated)

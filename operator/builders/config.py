@@ -6,7 +6,7 @@ from typing import Any
 
 import yaml
 
-from .common import CONFIG_DIR, KVCACHE_DIR, Instance, metadata
+from .common import CONFIG_DIR, KVCACHE_DIR, MEMORY_PORT_START, Instance, metadata
 
 
 def engine_settings(inst: Instance, kvindex_url: str) -> dict[str, Any]:
@@ -50,6 +50,12 @@ def lmcache_settings(inst: Instance) -> dict[str, Any]:
     if kv["diskGiB"] > 0:
         settings["local_disk"] = f"file://{KVCACHE_DIR}/"
         settings["max_local_disk_size"] = float(kv["diskGiB"])
+    if inst.spec["engine"]["type"] in ("vllm", "vllm-ascend"):
+        # LMCache's internal API server carries the memory API (/memory/prefetch, /evict):
+        # the scheduler process on 6999, worker k on 6999 + 1 + k (seed 000, section 4.3).
+        settings["internal_api_server_enabled"] = True
+        settings["internal_api_server_host"] = "0.0.0.0"
+        settings["internal_api_server_port_start"] = MEMORY_PORT_START
     return settings
 
 

@@ -120,35 +120,88 @@ def reference_worker(ctx: WorkerContext) -> dict[str, Any]:
     return _container(ctx, command + list(ctx.engine.get("args") or []), "/healthz")
 
 
-def vllm_worker(ctx: WorkerContext) -> dict[str, Any]:
-    """vLLM (or vLLM-Ascend) with LMCache as its KV connector. Issue 10 refines this."""
-    kv_transfer = {
-        "kv_connector": "LMCacheConnectorV1",
-        "kv_role": "kv_producer" if ctx.role == "prefill" else "kv_consumer",
-        "kv_connector_extra_config": {
-            "transfer_backend": ctx.kv["transferBackend"],
-            "kvindex_url": ctx.kvindex_url,
-            "memory_port_start": MEMORY_PORT_START,
-        },
+# The LMCache connector each vLLM flavour loads (seed 000 for vLLM-Ascend: LMCache-Ascend's
+# dynamic connector, which carries its memory API and the chunk_hashes return).
+VLLM_CONNECTORS: dict[str, dict[str, str]] = {
+    "vllm": {"kv_connector": "LMCacheConnectorV1"},
+    "vllm-ascend": {
+        "kv_connector": "LMCacheAscendConnectorV1Dynamic",
+        "kv_connector_module_path": "lmcache_ascend.integration.vllm.lmcache_ascend_connector_v1",
+    },
+}
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# Hash schemes built on Python's hash(): the start of the chain depends on PYTHONHASHSEED
+# when vLLM is importable, so every pod (and whoever recomputes hashes) pins the same seed.
+PINNED_HASH_SEED_SCHEMES = {"lmcache-builtin", "lmcache-ascend"}
+PYTHONHASHSEED = "0"
+
+# Host paths a vLLM-Ascend container needs besides the /dev/davinci* devices its device plugin
+# injects (seed 000's docker run -v list; /dev/shm becomes a memory emptyDir).
+ASCEND_HOST_MOUNTS: tuple[tuple[str, str], ...] = (
+    ("ascend-driver-lib64", "/usr/local/Ascend/driver/lib64/"),
+    ("ascend-driver-version", "/usr/local/Ascend/driver/version.info"),
+    ("ascend-install-info", "/etc/ascend_install.info"),
+    ("ascend-dcmi", "/usr/local/dcmi"),
+    ("ascend-npu-smi", "/usr/local/bin/npu-smi"),
+    ("ascend-hccn-conf", "/etc/hccn.conf"),
+    ("ascend-hccn-tool", "/usr/bin/hccn_tool"),
+    ("ascend-driver-hccn-tool", "/usr/local/Ascend/driver/tools/hccn_tool"),
+)
+
+
+def kv_transfer_config(ctx: WorkerContext) -> dict[str, Any]:
+    """vLLM's --kv-transfer-config: the LMCache connector, kv_role by pool."""
+    config: dict[str, Any] = {**VLLM_CONNECTORS[ctx.engine["type"]],
+                              "kv_role": KV_ROLES[ctx.role]}
+    config["kv_connector_extra_config"] = {
+        "transfer_backend": ctx.kv["transferBackend"],
+        "kvindex_url": ctx.kvindex_url,
+        "memory_port_start": MEMORY_PORT_START,
     }
+    return config
+
+
+def engine_volumes(ctx: WorkerContext) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(pod volumes, container volumeMounts) an engine needs besides the kvcache and config
+    volumes the pool adds: the Ascend driver files for vLLM-Ascend, shared memory for vLLM."""
+    volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    if ctx.engine["type"] == "vllm-ascend":
+        for name, path in ASCEND_HOST_MOUNTS:
+            volumes.append({"name": name, "hostPath": {"path": path.rstrip("/")}})
+            mounts.append({"name": name, "mountPath": path.rstrip("/"), "readOnly": True})
+    return volumes, mounts
+
+
+def vllm_worker(ctx: WorkerContext) -> dict[str, Any]:
+    """vLLM (NVIDIA) or vLLM-Ascend with LMCache as its KV connector (seed 000's command)."""
     command = [
         "vllm", "serve", ctx.model["name"],
         "--host", "0.0.0.0",
         "--port", str(WORKER_PORT),
         "--served-model-name", ctx.served_name,
         "--tensor-parallel-size", str(ctx.tensor_parallel),
-        "--kv-transfer-config", json.dumps(kv_transfer, sort_keys=True),
+        # LMCache holds the reusable prefix; vLLM's own prefix cache would hide hits from it.
+        "--no-enable-prefix-caching",
+        "--kv-transfer-config", json.dumps(kv_transfer_config(ctx), sort_keys=True),
     ]
     if ctx.model.get("maxContext"):
         command += ["--max-model-len", str(ctx.model["maxContext"])]
     if ctx.model.get("source") == "dummy":
         command += ["--load-format", "dummy"]
     container = _container(ctx, command + list(ctx.engine.get("args") or []), "/health")
-    container["env"] += [
+    extra = [
         env_var("LMCACHE_CHUNK_SIZE", ctx.kv["chunkSize"]),
         env_var("LMCACHE_USE_EXPERIMENTAL", "True"),
         env_var("AGENTSERVING_KVINDEX_URL", ctx.kvindex_url),
     ]
+    if ctx.kv["hashScheme"] in PINNED_HASH_SEED_SCHEMES:
+        extra.append(env_var("PYTHONHASHSEED", PYTHONHASHSEED))
+    # User env (spec.engine.env, already in _common_env) stays last so it can override.
+    user = len(ctx.engine.get("env") or [])
+    head, tail = container["env"][:len(container["env"]) - user], container["env"][
+        len(container["env"]) - user:]
+    container["env"] = head + extra + tail
     return container
 
 

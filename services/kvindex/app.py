@@ -51,6 +51,13 @@ def create_app(settings: KvindexSettings, index: Index | None = None,
             from agentserving.kvindex.ingest.vllm_events import subscribe_forever
 
             tasks.append(asyncio.create_task(subscribe_forever(st, settings.vllm_event_endpoints)))
+        if settings.lmcache_controller:
+            from agentserving.kvindex.ingest.lmcache_controller import LmcacheControllerEndpoint
+
+            app.state.lmcache = LmcacheControllerEndpoint(
+                st, settings.lmcache_controller, settings.lmcache_controller_reply,
+                settings.lmcache_instance_pods)
+            tasks.append(asyncio.create_task(app.state.lmcache.run()))
         try:
             yield
         finally:

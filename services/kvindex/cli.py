@@ -19,6 +19,17 @@ def _parse_endpoints(values: tuple[str, ...]) -> dict[str, str]:
     return out
 
 
+def _parse_instances(values: tuple[str, ...]) -> dict[str, str]:
+    out = {}
+    for value in values:
+        instance, sep, pod = value.partition("=")
+        if not sep or not instance or not pod:
+            raise click.BadParameter(f"'{value}': expected INSTANCE=POD",
+                                     param_hint="--lmcache-instance")
+        out[instance] = pod
+    return out
+
+
 @click.command("kvindex")
 @option("--host", default="127.0.0.1", help="Address to bind (0.0.0.0 in a pod).")
 @option("--port", type=click.IntRange(0, 65535), default=8300, help="HTTP port.")
@@ -34,6 +45,12 @@ def _parse_endpoints(values: tuple[str, ...]) -> dict[str, str]:
         help="Seconds to wait for each pod's memory API during prefetch/evict fan-out.")
 @option("--vllm-events", multiple=True, metavar="POD=ENDPOINT",
         help="Subscribe to a vLLM KV event stream (ZMQ PUB) on behalf of POD; repeatable.")
+@option("--lmcache-controller", default=None, metavar="tcp://HOST:PORT",
+        help="Act as LMCache's controller for its workers: PULL on PORT, ROUTER on PORT+1.")
+@option("--lmcache-controller-reply", default=None, metavar="tcp://HOST:PORT",
+        help="Where LMCache workers' requests (DEALER) connect; default PORT+1.")
+@option("--lmcache-instance", multiple=True, metavar="INSTANCE=POD",
+        help="Name the pod of an LMCache instance id (default: the id itself); repeatable.")
 @option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
         default="info", help="Log level.")
 @option("--log-json/--log-console", default=True, help="JSON log lines, or readable ones.")
@@ -45,7 +62,9 @@ def command(**kwargs: object) -> None:
     from agentserving.kvindex.app import create_app
 
     endpoints = _parse_endpoints(kwargs.pop("vllm_events"))  # type: ignore[arg-type]
-    settings = KvindexSettings(**kwargs, vllm_event_endpoints=endpoints)  # type: ignore[arg-type]
+    instances = _parse_instances(kwargs.pop("lmcache_instance"))  # type: ignore[arg-type]
+    settings = KvindexSettings(**kwargs, vllm_event_endpoints=endpoints,  # type: ignore[arg-type]
+                               lmcache_instance_pods=instances)
     configure_logging(settings.log_level, settings.log_json)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                 log_level=settings.log_level, access_log=False)

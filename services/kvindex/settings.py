@@ -18,5 +18,15 @@ class KvindexSettings(BaseModel):
     vllm_event_endpoints: dict[str, str] = Field(
         default_factory=dict, description="pod name -> ZMQ PUB endpoint of a vLLM KV event stream"
     )
+    lmcache_controller: str | None = Field(
+        default=None, description="Bind LMCache's controller worker endpoint here (ZMQ PULL, "
+        "tcp://HOST:PORT); its ROUTER (requests) binds lmcache_controller_reply or PORT+1."
+    )
+    lmcache_controller_reply: str | None = Field(
+        default=None, description="ZMQ ROUTER endpoint for LMCache workers' requests."
+    )
+    lmcache_instance_pods: dict[str, str] = Field(
+        default_factory=dict, description="LMCache instance id -> pod name (default: same)"
+    )
     log_level: str = "info"
     log_json: bool = True

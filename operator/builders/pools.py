@@ -18,7 +18,7 @@ from .common import (
     metadata,
     selector_labels,
 )
-from .engines import ENGINES, WorkerContext
+from .engines import ENGINES, WorkerContext, engine_volumes
 
 # accelerator type -> the extended resource its device plugin advertises (overridable per pool)
 DEFAULT_RESOURCE_NAMES = {"nvidia": "nvidia.com/gpu", "ascend": "huawei.com/ascend-1980"}
@@ -79,6 +79,10 @@ def build_pool(inst: Instance, role: str, image: str, kvindex_url: str,
         container["resources"] = resources
     volumes, claims = _disk_volume(inst)
     volumes.append({"name": "config", "configMap": {"name": inst.child_name("config")}})
+    if inst.spec["engine"]["type"] != "reference":  # vLLM: shared memory; Ascend: driver files
+        extra_volumes, extra_mounts = engine_volumes(ctx)
+        volumes += extra_volumes
+        container["volumeMounts"] += extra_mounts
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "volumes": volumes,

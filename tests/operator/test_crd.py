@@ -56,7 +56,9 @@ def test_enums_match_the_contracts():
     assert props["engine"]["properties"]["type"]["enum"] == ["reference", "vllm", "vllm-ascend"]
     assert props["proxy"]["properties"]["routing"]["enum"] == ["kv-aware", "session",
                                                                "round-robin"]
-    assert props["kvCache"]["properties"]["hashScheme"]["enum"] == ["blake3", "lmcache-builtin"]
+    from agentserving.core.hashing import HashScheme
+
+    assert props["kvCache"]["properties"]["hashScheme"]["enum"] == [s.value for s in HashScheme]
     assert props["decode"]["properties"]["accelerator"]["properties"]["type"]["enum"] == [
         "cpu", "nvidia", "ascend"]
 

@@ -136,3 +136,23 @@ def test_examples_render_their_engine(settings):
         assert c["command"][:2] == ["vllm", "serve"]
         assert json.loads(flag(c["command"], "--kv-transfer-config"))["kv_role"] == "kv_producer"
     assert seen == {"vllm", "vllm-ascend"}
+
+
+def test_ascend_pods_mount_the_driver_and_accept_the_ascend_hash_scheme():
+    from agentserving.operator.builders import build_children
+    from agentserving.operator.settings import OperatorSettings
+
+    inst = make_instance({"model": {"name": "Qwen/Qwen3-4B"}, "engine": {"type": "vllm-ascend"},
+                          "kvCache": {"hashScheme": "lmcache-ascend"},
+                          "prefill": {"accelerator": {"type": "ascend", "count": 1}},
+                          "decode": {"accelerator": {"type": "ascend", "count": 1}}})
+    children = build_children(inst, OperatorSettings())
+    pool = next(c for c in children if c["kind"] == "StatefulSet"
+                and c["metadata"]["name"].endswith("prefill"))
+    pod = pool["spec"]["template"]["spec"]
+    mounts = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    assert "/dev/shm" in mounts and any("ascend" in m for m in mounts)
+    assert {v["name"] for v in pod["volumes"]} >= {m["name"] for m in
+                                                   pod["containers"][0]["volumeMounts"]}
+    env = {e["name"]: e.get("value") for e in pod["containers"][0].get("env", [])}
+    assert env.get("PYTHONHASHSEED") == "0"

@@ -44,17 +44,15 @@ class _Pod:
         self.seq = -1
         self.needs_resync = False
         self.chunks: dict[str, int] = {}  # chunk_hash -> tier mask
+        self.counts: dict[Tier, int] = defaultdict(int)  # chunks per tier, kept incrementally
         self.used_bytes: dict[Tier, int] = defaultdict(int)
 
     def info(self) -> PodInfo:
-        counts: dict[Tier, int] = defaultdict(int)
-        for mask in self.chunks.values():
-            for tier in tiers_of(mask):
-                counts[tier] += 1
+        counts = {t: n for t, n in self.counts.items() if n}
         return PodInfo(
             **self.reg.model_dump(), registered_at=self.registered_at,
             last_heartbeat=self.last_heartbeat, lease_expires_at=self.lease_expires_at,
-            seq=self.seq, needs_resync=self.needs_resync, chunks=dict(counts),
+            seq=self.seq, needs_resync=self.needs_resync, chunks=counts,
             used_bytes={t: b for t, b in self.used_bytes.items() if b},
         )
 
@@ -128,6 +126,9 @@ class InMemoryIndex:
     # -- residency
     def _set_mask(self, state: _Pod, chunk: str, mask: int) -> None:
         pod = state.reg.pod
+        old = state.chunks.get(chunk, 0)
+        for tier in tiers_of(old ^ mask):
+            state.counts[tier] += 1 if mask & TIER_BITS[tier] else -1
         if mask:
             state.chunks[chunk] = mask
             self._chunks.setdefault(chunk, {})[pod] = mask

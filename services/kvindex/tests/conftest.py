@@ -9,17 +9,15 @@ import pytest
 import redis
 
 from agentserving.core.testing import RedisServer
+from agentserving.core.testing import redis_server as running_redis
 from agentserving.kvindex.index.base import Index, SessionStore
 from agentserving.kvindex.index.factory import new_index
 
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
-    server = RedisServer()
-    try:
+    with running_redis() as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import pytest
 
 from agentserving.core.schemas import EventBatch, PodRegistration, ResidencyEvent
 from agentserving.core.testing import RedisServer, free_port
+from agentserving.core.testing import redis_server as running_redis
 from agentserving.kvindex.index.base import BackendUnavailable
 from agentserving.kvindex.index.redis import RedisIndex, RedisSessionStore
 
@@ -24,11 +25,8 @@ BREAKER_S = 0.3
 @pytest.fixture
 def own_redis() -> Iterator[RedisServer]:
     """A redis-server of this test's own, since the test stops it."""
-    server = RedisServer()
-    try:
+    with running_redis() as server:
         yield server
-    finally:
-        server.stop()
 
 
 async def fill(index: RedisIndex, pod: str) -> None:

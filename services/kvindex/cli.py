@@ -8,25 +8,14 @@ from agentserving.core.cli import option
 from agentserving.kvindex.settings import KvindexSettings
 
 
-def _parse_endpoints(values: tuple[str, ...]) -> dict[str, str]:
+def _parse_pairs(values: tuple[str, ...], flag: str, form: str) -> dict[str, str]:
+    """('a=b', ...) -> {'a': 'b'}; ``form`` names the two sides for the error message."""
     out = {}
     for value in values:
-        pod, sep, endpoint = value.partition("=")
-        if not sep or not pod or not endpoint:
-            raise click.BadParameter(f"'{value}': expected POD=tcp://HOST:PORT",
-                                     param_hint="--vllm-events")
-        out[pod] = endpoint
-    return out
-
-
-def _parse_instances(values: tuple[str, ...]) -> dict[str, str]:
-    out = {}
-    for value in values:
-        instance, sep, pod = value.partition("=")
-        if not sep or not instance or not pod:
-            raise click.BadParameter(f"'{value}': expected INSTANCE=POD",
-                                     param_hint="--lmcache-instance")
-        out[instance] = pod
+        key, sep, target = value.partition("=")
+        if not sep or not key or not target:
+            raise click.BadParameter(f"'{value}': expected {form}", param_hint=flag)
+        out[key] = target
     return out
 
 
@@ -61,8 +50,10 @@ def command(**kwargs: object) -> None:
     from agentserving.core.logging import configure_logging
     from agentserving.kvindex.app import create_app
 
-    endpoints = _parse_endpoints(kwargs.pop("vllm_events"))  # type: ignore[arg-type]
-    instances = _parse_instances(kwargs.pop("lmcache_instance"))  # type: ignore[arg-type]
+    endpoints = _parse_pairs(kwargs.pop("vllm_events"),  # type: ignore[arg-type]
+                             "--vllm-events", "POD=tcp://HOST:PORT")
+    instances = _parse_pairs(kwargs.pop("lmcache_instance"),  # type: ignore[arg-type]
+                             "--lmcache-instance", "INSTANCE=POD")
     settings = KvindexSettings(**kwargs, vllm_event_endpoints=endpoints,  # type: ignore[arg-type]
                                lmcache_instance_pods=instances)
     configure_logging(settings.log_level, settings.log_json)

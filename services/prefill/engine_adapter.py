@@ -27,7 +27,7 @@ from agentserving.engine.scheduler.request import EngineRequest, RequestState
 from agentserving.prefill.policies import build_policy
 from agentserving.prefill.policies.base import PurePolicy
 from agentserving.prefill.policies.types import ReqView, SchedState
-from agentserving.prefill.shadow import ShadowScheduler, StepTimeModel
+from agentserving.prefill.shadow import ShadowScheduler
 
 
 class EnginePolicy:
@@ -93,12 +93,12 @@ class EnginePolicy:
         """The engine's measured time for the last plan (feeds the step-time model)."""
         if self.shadow is None or self._last_decision is None or self._last_state is None:
             return
-        new, ctx_tokens = StepTimeModel.features(self._last_decision, self._last_state)
-        self.shadow.observe(new, ctx_tokens, seconds)
+        self.shadow.observe_step(self._last_decision, self._last_state, seconds)
 
 
 ENGINE_POLICIES = ("fcfs-nochunk", "fcfs-chunk", "longcap-dynamic", "shadow")
 _INT_OPTS = {"step_tokens", "short_tokens", "min_chunk", "max_long_running", "chunk_align",
+             "long_chunk_max",
              "lookahead", "prefetch_window", "kv_capacity_tokens", "block_size",
              "chunk_tokens"}
 

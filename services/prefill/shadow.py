@@ -22,18 +22,31 @@ from agentserving.prefill.policies.types import Decision, SchedState, advance
 
 
 class StepTimeModel:
-    """seconds ~ a + b * new_tokens + c * context_tokens, least squares over recent steps.
+    """seconds ~ a + b * new_tokens + c * context_tokens [+ d * attention_pairs], least
+    squares (non-negative) over recent steps.
 
     ``context_tokens`` is the KV already on the pod that the step's chunks attend to (each
-    chunk's start), summed over the step's chunks and decodes. Until ``min_samples`` steps
-    are seen it uses the prior."""
+    chunk's start), summed over the step's chunks and decodes. With ``attention=True`` the
+    model adds the attention term: ``attention_pairs`` sums, over the step's chunks, the
+    (query, key) pairs the chunk computes, ``n * (start + (n + 1) / 2)``. Prefill attention
+    is quadratic in the prompt: charged by ``context_tokens`` alone, a prompt prefilled whole
+    pays nothing for it (start 0) while the same prompt in chunks pays ``c * start`` per chunk
+    whatever the chunk's size, so chunking looks far dearer than it is. The pair count is the
+    same however a prompt is split, so only the per-step ``a`` and the per-chunk KV read
+    ``c`` make chunking cost more. The 3-term form (the default) is what ``sim`` profiles
+    store. Until ``min_samples`` steps are seen it uses the prior."""
 
-    def __init__(self, prior: tuple[float, float, float] = (0.01, 2e-4, 0.0),
-                 window: int = 512, min_samples: int = 8) -> None:
+    def __init__(self, prior: tuple[float, ...] | None = None, window: int = 512,
+                 min_samples: int = 8, attention: bool = False) -> None:
+        self.attention = attention
+        if prior is None:
+            prior = (0.01, 2e-4, 0.0, 0.0) if attention else (0.01, 2e-4, 0.0)
+        if len(prior) != (4 if attention else 3):
+            raise ValueError("prior needs 4 coefficients with attention=True, else 3")
         self.coef = np.array(prior, dtype=float)
         self.window = window
         self.min_samples = min_samples
-        self._rows: list[tuple[float, float, float]] = []
+        self._rows: list[tuple[float, ...]] = []
 
     @staticmethod
     def features(decision: Decision, state: SchedState) -> tuple[int, int]:
@@ -43,25 +56,71 @@ class StepTimeModel:
         ctx += sum(computed.get(rid, 0) for rid in decision.decode)
         return new, ctx
 
-    def observe(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
-        self._rows.append((float(new_tokens), float(context_tokens), float(seconds)))
+    @staticmethod
+    def attention_pairs(decision: Decision, state: SchedState) -> float:
+        computed = {r.req_id: r.computed for r in state.running + state.waiting}
+        pairs = sum(n * (computed.get(rid, 0) + (n + 1) / 2) for rid, n in decision.prefill)
+        return float(pairs + sum(computed.get(rid, 0) + 1 for rid in decision.decode))
+
+    @staticmethod
+    def chunk_pairs(new_tokens: int, context_tokens: int) -> float:
+        """Attention pairs of one chunk of ``new_tokens`` starting at ``context_tokens``."""
+        return new_tokens * (context_tokens + (new_tokens + 1) / 2)
+
+    def observe(self, new_tokens: int, context_tokens: int, seconds: float,
+                pairs: float | None = None) -> None:
+        """One measured step. ``pairs`` defaults to a single chunk's (exact for one chunk;
+        use ``observe_step`` for a step of several)."""
+        if self.attention:
+            if pairs is None:
+                pairs = self.chunk_pairs(new_tokens, context_tokens)
+            row: tuple[float, ...] = (float(new_tokens), float(context_tokens), float(pairs),
+                                      float(seconds))
+        else:
+            row = (float(new_tokens), float(context_tokens), float(seconds))
+        self._rows.append(row)
         if len(self._rows) > self.window:
             del self._rows[: len(self._rows) - self.window]
         if len(self._rows) >= self.min_samples:
             self.fit()
 
+    def observe_step(self, decision: Decision, state: SchedState, seconds: float) -> None:
+        new, ctx = self.features(decision, state)
+        pairs = self.attention_pairs(decision, state) if self.attention else None
+        self.observe(new, ctx, seconds, pairs)
+
     def fit(self) -> None:
         rows = np.array(self._rows)
-        x = np.column_stack([np.ones(len(rows)), rows[:, 0], rows[:, 1]])
-        coef, *_ = np.linalg.lstsq(x, rows[:, 2], rcond=None)
-        self.coef = np.maximum(coef, 0.0)  # a negative cost is never physical
+        x = np.column_stack([np.ones(len(rows)), rows[:, :-1]])
+        self.coef = nonneg_lstsq(x, rows[:, -1])  # a negative cost is never physical
 
-    def predict(self, new_tokens: int, context_tokens: int) -> float:
-        a, b, c = self.coef
-        return float(a + b * new_tokens + c * context_tokens)
+    def predict(self, new_tokens: int, context_tokens: int,
+                pairs: float | None = None) -> float:
+        t = self.coef[0] + self.coef[1] * new_tokens + self.coef[2] * context_tokens
+        if self.attention:
+            if pairs is None:
+                pairs = self.chunk_pairs(new_tokens, context_tokens)
+            t += self.coef[3] * pairs
+        return float(t)
 
     def predict_step(self, decision: Decision, state: SchedState) -> float:
-        return self.predict(*self.features(decision, state))
+        new, ctx = self.features(decision, state)
+        pairs = self.attention_pairs(decision, state) if self.attention else None
+        return self.predict(new, ctx, pairs)
+
+
+def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (active set: a column whose coefficient
+    comes out negative is dropped and the rest refitted)."""
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            return coef
+        active.pop(int(np.argmin(sol)))
+    return coef
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +146,7 @@ class ShadowScheduler:
         self.chunk_align = policy.chunk_align
         self.lookahead = lookahead
         self.prefetch_window = prefetch_window
-        self.model = model or StepTimeModel()
+        self.model = model or StepTimeModel(attention=True)
         self.prefetched: set[str] = set()
         self.last: dict[str, Prediction] = {}
 
@@ -126,3 +185,7 @@ class ShadowScheduler:
 
     def observe(self, new_tokens: int, context_tokens: int, seconds: float) -> None:
         self.model.observe(new_tokens, context_tokens, seconds)
+
+    def observe_step(self, decision: Decision, state: SchedState, seconds: float) -> None:
+        """A measured step: the decision that ran, the state it ran on, its seconds."""
+        self.model.observe_step(decision, state, seconds)

@@ -8,9 +8,12 @@ prefill length: *short* (at most ``short_tokens`` left) and *long*.
   from the rest; whatever the shorts leave goes back to the longs (work conserving). At most
   ``max_long_running`` long requests hold KV at once. Within a band, order is FCFS.
 - Dynamic Chunk: the long band's chunk is chosen each step from the queue and the free KV:
-  the whole budget when no short is pending (few, large, efficient steps), ``long_cap`` of it
-  when shorts are pending (so they slip in between the long turn's chunks), never more than
-  the free KV left after the pending shorts' needs, and never below ``min_chunk``.
+  ``long_chunk_max`` (default: the whole budget) when no short is pending (few, large,
+  efficient steps), ``long_cap`` of the budget when shorts are pending (so they slip in
+  between the long turn's chunks), never more than the free KV left after the pending shorts'
+  needs, and never below ``min_chunk``. ``long_chunk_max`` also bounds the long band's total
+  in a step (top-up included): it bounds how long a step runs, so how long a short turn that
+  arrives while a long one is prefilling waits for the next step boundary.
 
 Both keep every decision legal (``--chunk-align``) and KV-safe (see ``base``).
 """
@@ -27,22 +30,26 @@ class LongcapDynamic(_Base):
 
     def __init__(self, step_tokens: int = 8192, short_tokens: int | None = None,
                  long_cap: float = 0.25, min_chunk: int = 512, max_long_running: int = 1,
-                 chunk_align: int = 0) -> None:
+                 chunk_align: int = 0, long_chunk_max: int | None = None) -> None:
         if not 0.0 < long_cap <= 1.0:
             raise ValueError("long_cap must be in (0, 1]")
+        long_chunk_max = step_tokens if long_chunk_max is None else long_chunk_max
+        if not 0 < min_chunk <= long_chunk_max <= step_tokens:
+            raise ValueError("need 0 < min_chunk <= long_chunk_max <= step_tokens")
         self.step_tokens = step_tokens
         self.short_tokens = step_tokens if short_tokens is None else short_tokens
         self.long_cap = long_cap
         self.min_chunk = min_chunk
         self.max_long_running = max_long_running
         self.chunk_align = chunk_align
+        self.long_chunk_max = long_chunk_max
 
     def long_chunk(self, state: SchedState, shorts_left: int, shorts_pending: bool) -> int:
         """The long band's budget this step (Dynamic Chunk)."""
         if not shorts_pending:
-            return self.step_tokens
+            return self.long_chunk_max
         chunk = int(self.long_cap * self.step_tokens)
-        chunk = min(chunk, free_tokens(state) - shorts_left)
+        chunk = min(chunk, free_tokens(state) - shorts_left, self.long_chunk_max)
         return max(self.min_chunk, chunk)
 
     def _plan(self, state: SchedState, p: Planner) -> None:
@@ -82,13 +89,18 @@ class LongcapDynamic(_Base):
                 break
             left -= n
 
-        # 3. work conserving: what the shorts left goes back to the running longs
-        if left > 0:
+        # 3. work conserving: what the shorts left goes back to the running longs, up to
+        #    the band's ``long_chunk_max`` in all
+        band_left = self.long_chunk_max - long_used
+        if left > 0 and band_left > 0:
             for r in run_long + [v for v in p.views.values() if v.req_id in p.admitted
                                  and not is_short(v)]:
-                if left <= 0:
+                extra = min(left, band_left)
+                if extra <= 0:
                     break
-                left -= self._top_up(state, p, r, left)
+                got = self._top_up(state, p, r, extra)
+                left -= got
+                band_left -= got
 
     @staticmethod
     def _top_up(state: SchedState, p: Planner, r, extra: int) -> int:

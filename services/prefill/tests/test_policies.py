@@ -136,6 +136,9 @@ POLICIES = [
     lambda a: FcfsChunk(chunk_tokens=512, chunk_align=a),
     lambda a: LongcapDynamic(step_tokens=2048, short_tokens=1024, long_cap=0.25,
                              min_chunk=256, chunk_align=a),
+    lambda a: LongcapDynamic(step_tokens=2048, short_tokens=1024, long_cap=0.5,
+                             min_chunk=256, long_chunk_max=512, max_long_running=2,
+                             chunk_align=a),
 ]
 
 jobs = st.lists(st.tuples(st.integers(1, 6000), st.integers(0, 3000), st.integers(0, 20),
@@ -143,7 +146,7 @@ jobs = st.lists(st.tuples(st.integers(1, 6000), st.integers(0, 3000), st.integer
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(jobs=jobs, which=st.integers(0, 2), align=st.sampled_from([0, 128]),
+@given(jobs=jobs, which=st.integers(0, len(POLICIES) - 1), align=st.sampled_from([0, 128]),
        capacity=st.integers(9000, 30000), max_running=st.integers(1, 6))
 def test_invariants_hold_and_everything_finishes(jobs, which, align, capacity, max_running):
     policy = POLICIES[which](align)
@@ -219,6 +222,77 @@ def test_shadow_does_not_change_the_policy_decision():
         d = policy.decide(s)
         assert shadow.decide(s) == d
         s = advance(s, d)
+
+
+def test_long_chunk_max_bounds_the_long_band_even_when_nothing_else_wants_the_step():
+    p = LongcapDynamic(step_tokens=8192, long_cap=0.25, min_chunk=256, long_chunk_max=1024)
+    long = ReqView("L", 0, 40000, computed=4096, running=True)
+    # alone: the long gets long_chunk_max, not the whole step
+    assert dict(p.decide(state([], [long])).prefill)["L"] == 1024
+    # a small short pending: the top-up stops at long_chunk_max too
+    grants = dict(p.decide(state([w("s", 300, 1)], [long])).prefill)
+    assert grants == {"L": 1024, "s": 300}
+    # shorts filling the step: the long keeps its (smaller) cap share, never starved
+    shorts = [w(f"s{i}", 2000, 1 + i) for i in range(8)]
+    grants = dict(LongcapDynamic(step_tokens=8192, long_cap=0.0625, min_chunk=256,
+                                 long_chunk_max=1024).decide(state(shorts, [long])).prefill)
+    assert grants["L"] == 512 and sum(grants.values()) == 8192
+    # the default keeps the old behaviour: the whole step when no short is pending
+    assert dict(LongcapDynamic(step_tokens=8192).decide(state([], [long])).prefill)["L"] == 8192
+
+
+def test_long_chunk_max_must_fit_between_min_chunk_and_the_step():
+    with pytest.raises(ValueError):
+        LongcapDynamic(step_tokens=8192, min_chunk=512, long_chunk_max=256)
+    with pytest.raises(ValueError):
+        LongcapDynamic(step_tokens=4096, long_chunk_max=8192)
+
+
+def test_attention_pairs_do_not_depend_on_how_a_prompt_is_chunked():
+    whole = Decision(prefill=(("a", 6000),))
+    s0 = state([w("a", 6000, 0)])
+    total = StepTimeModel.attention_pairs(whole, s0)
+    assert total == pytest.approx(6000 * 6001 / 2)
+    chunked, s = 0.0, state([], [ReqView("a", 0, 6000, running=True)])
+    for n in (512, 2048, 1000, 2440):
+        d = Decision(prefill=(("a", n),))
+        chunked += StepTimeModel.attention_pairs(d, s)
+        s = advance(s, d)
+    assert chunked == pytest.approx(total)
+    # the 3-term context feature, by contrast, charges the chunked prompt and not the whole
+    assert StepTimeModel.features(whole, s0) == (6000, 0)
+
+
+def test_attention_step_time_model_recovers_its_cost_and_stays_non_negative():
+    m = StepTimeModel(attention=True, min_samples=4)
+    assert len(m.coef) == 4
+    for new, ctx in [(256, 0), (1024, 0), (2048, 0), (256, 1024), (1024, 1024), (2048, 4096),
+                     (512, 9000)]:
+        m.observe(new, ctx, 0.01 + 1e-4 * new + 5e-8 * StepTimeModel.chunk_pairs(new, ctx))
+    assert m.coef == pytest.approx([0.01, 1e-4, 0.0, 5e-8], rel=1e-4, abs=1e-9)
+    assert m.predict(4096, 20000) == pytest.approx(
+        0.01 + 0.4096 + 5e-8 * 4096 * (20000 + 4097 / 2), rel=1e-4)
+    # data that would fit a negative context cost: that coefficient is clamped at exactly 0
+    m2 = StepTimeModel(attention=True, min_samples=1)
+    for new, ctx in [(256, 0), (256, 8000), (2048, 0), (2048, 8000), (1024, 4000)]:
+        m2.observe(new, ctx, 0.02 + 1e-4 * new - 1e-6 * ctx)
+    assert (m2.coef >= 0).all() and m2.coef[2] == 0.0
+    with pytest.raises(ValueError):
+        StepTimeModel(prior=(0.0, 1e-4, 0.0), attention=True)
+
+
+def test_shadow_observe_step_fits_the_step_time_model_from_decisions():
+    shadow = ShadowScheduler(FcfsChunk(chunk_tokens=1024), lookahead=2)
+    assert shadow.model.attention
+    shadow.model.min_samples = 3
+    s = state([w(f"r{i}", 3000, i, cached=256 * i) for i in range(6)])
+    truth = StepTimeModel(prior=(0.005, 2e-4, 1e-6, 3e-8), attention=True)
+    for _ in range(12):
+        d = shadow.decide(s)
+        shadow.observe_step(d, s, truth.predict_step(d, s))
+        s = advance(s, d)
+    d = FcfsChunk(chunk_tokens=1024).decide(s)
+    assert shadow.model.predict_step(d, s) == pytest.approx(truth.predict_step(d, s), rel=0.05)
 
 
 def test_decision_is_empty_on_an_empty_pod():

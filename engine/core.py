@@ -65,6 +65,7 @@ class EngineCoreStats:
     prefill_tokens_computed: int = 0
     transfer_bytes_received: int = 0
     transfer_failures: int = 0
+    transfer_tokens_local: int = 0  # P/D: prompt tokens found here instead of pulled
     requests_finished: int = 0
 
 
@@ -129,6 +130,12 @@ class EngineCore:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.pulling or self._deferred)
+
+    def has_ready_work(self) -> bool:
+        """A step would do something now (not just wait for a pull still on the wire): the
+        engine process spins on this and only polls slowly while a pull is in flight."""
+        return bool(self.waiting or self.running or self._deferred) or any(
+            r.remote.header_ready() for r in self.pulling)
 
     @property
     def num_waiting(self) -> int:
@@ -313,7 +320,8 @@ class EngineCore:
             meta.update(transfer_bytes=req.remote.bytes_received,
                         transfer_seconds=req.remote.seconds)
             params.update(kv_source="remote", transfer_bytes=req.remote.bytes_received,
-                          transfer_seconds=round(req.remote.seconds, 6))
+                          transfer_seconds=round(req.remote.seconds, 6),
+                          transfer_start_token=req.remote.start_token)
         outputs.append(EngineOutput(req.req_id, tokens, finished=True, finish_reason=reason,
                                     meta=meta, kv_transfer_params=params))
         if req in self.running:
@@ -353,23 +361,50 @@ class EngineCore:
 
         b = self.runner.bundle
         req.arrival_time = req.arrival_time or self.clock()
+        self._hashes(req)
+        prefix = self._local_prefix(req)
+        n_local = req.reused_tokens // self.chunk_size
         try:
             req.remote = RemoteKV(req.kv_transfer_params or {}, req.prompt_token_ids,
                                   num_layers=b.num_layers, num_kv_heads=b.num_kv_heads,
                                   head_dim=b.head_dim, dtype=b.dtype,
-                                  timeout_s=self.pull_timeout_s).start()
+                                  timeout_s=self.pull_timeout_s, prefix=prefix,
+                                  prefix_chunk_hashes=req.chunk_hashes[:n_local]).start()
         except TransferError as exc:
             self._fall_back(req, exc, queued=False)
             return
         req.state = RequestState.PULLING
         self.pulling.append(req)
 
+    def _local_prefix(self, req: EngineRequest) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The prompt's leading full chunks this engine already holds (a session's previous
+        turn, kept after its pull): only the rest is pulled from the prefill pod. Every full
+        chunk counts — the prefill pod sent the first token, nothing is computed here."""
+        req.reused_tokens = 0
+        req.tokens_by_tier = {}
+        if self.store is None or not req.chunk_ints:
+            return None
+        t0 = time.perf_counter()
+        res = self.store.load_prefix(req.chunk_ints)
+        req.load_seconds = time.perf_counter() - t0
+        if not res.num_tokens or res.layers is None:
+            return None
+        req.reused_tokens = res.num_tokens
+        for tier, n in res.tokens_by_tier.items():
+            req.add_tier_tokens(tier, n)
+        return list(res.layers)
+
     def _promote_pulls(self) -> None:
-        """Requests whose hand-off header arrived start decoding (layers may still stream)."""
+        """Requests whose hand-off header arrived start decoding. On an idle engine layers may
+        still stream (the first forward pass waits for each layer as it needs it); while
+        other requests are decoding, a pull joins them only once all of it is here, so their
+        tokens never wait on the network."""
         from agentserving.decode.kv_pull import layerwise_cache
 
         for req in list(self.pulling):
             if not req.remote.header_ready():
+                continue
+            if self.running and not req.remote.done():
                 continue
             self.pulling.remove(req)
             try:
@@ -381,7 +416,6 @@ class EngineCore:
                 self.pulling.insert(0, req)
                 break
             req.scheduled_time = self.clock()
-            self._hashes(req)
             req.cache = layerwise_cache(self.runner.config, req.remote, req.num_prompt_tokens)
             req.num_computed = req.num_prompt_tokens
             req.state = RequestState.DECODING
@@ -413,7 +447,8 @@ class EngineCore:
             self._fall_back(req, exc)
             return
         self.stats.transfer_bytes_received += req.remote.bytes_received
-        req.add_tier_tokens(REMOTE_TIER, req.num_prompt_tokens)
+        self.stats.transfer_tokens_local += req.reused_tokens
+        req.add_tier_tokens(REMOTE_TIER, req.num_prompt_tokens - req.reused_tokens)
         req.first_token_time = self.clock()
         tokens = [first]
         reason = self._stop_reason(req, first_id)
@@ -438,16 +473,24 @@ class EngineCore:
         req.cache = None
         req.num_computed = 0
         req.tokens_by_tier = {}
+        req.reused_tokens = 0
+        req.load_seconds = 0.0
         req.state = RequestState.WAITING
         self.waiting.appendleft(req)
 
     def _store_remote(self, req: EngineRequest, cache: Any) -> None:
-        """Keep a pulled prompt's full chunks here too, for this session's next turn."""
+        """Keep a pulled prompt's full chunks here too, for this session's next turn (the
+        chunks that were found here already are not stored again)."""
         store = self.store
         assert store is not None
         layers = [(k, v) for k, v in self.runner.cache_layers(cache)]
+        if any(k is None for k, _ in layers):  # never materialized (finished on token one)
+            return
         tokens, salt = list(req.prompt_token_ids), req.cache_salt
-        self._deferred.append(lambda: store.store(tokens, layers, 0, salt))
+        skip = req.reused_tokens // self.chunk_size
+        if len(tokens) // self.chunk_size <= skip:
+            return
+        self._deferred.append(lambda: store.store(tokens, layers, skip, salt))
 
     # ------------------------------------------------------------------ policy helpers
     def _lookup_tiers(self, req: EngineRequest) -> list[Tier]:

@@ -126,7 +126,8 @@ def _serve(settings, index, in_addr, out_addr, parent_pid, zctx, out, log) -> in
     last_parent_check = time.monotonic()
     try:
         while not stop.is_set():
-            timeout = 0 if core.has_work() else 50
+            # ms: spin while a step has work, poll gently while only a pull is on the wire
+            timeout = 0 if core.has_ready_work() else 1 if core.has_work() else 50
             while poller.poll(timeout):
                 msg = ipc.decode_to_engine(inbox.recv())
                 timeout = 0
@@ -238,6 +239,8 @@ def _residency_loop(parts, index, settings, zctx, out_addr, stop) -> None:  # no
                         "transfer_bytes_sent": hs.bytes_sent,
                         "transfer_bytes_received": cs.transfer_bytes_received,
                         "transfer_failures": cs.transfer_failures,
+                        "transfer_tokens_skipped": hs.tokens_skipped,
+                        "transfer_tokens_local": cs.transfer_tokens_local,
                         "handoffs_registered": hs.registered, "handoffs_claimed": hs.claimed,
                         "handoffs_expired": hs.expired, "handoffs_pending": handoff.pending(),
                         "kv_corrupt_chunks": ks.corrupt_chunks,

@@ -19,6 +19,8 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "transfer_bytes_sent": ("transfer_bytes", ("sent",)),
     "transfer_bytes_received": ("transfer_bytes", ("received",)),
     "transfer_failures": ("transfer_failures", ()),
+    "transfer_tokens_skipped": ("transfer_reused_tokens", ("prefill",)),
+    "transfer_tokens_local": ("transfer_reused_tokens", ("decode",)),
     "handoffs_registered": ("handoffs", ("registered",)),
     "handoffs_claimed": ("handoffs", ("claimed",)),
     "handoffs_expired": ("handoffs", ("expired",)),
@@ -67,6 +69,10 @@ class WorkerMetrics:
                                       ["direction"], registry=r)
         self.transfer_failures = Counter(P + "transfer_failures", "Hand-off pulls that failed "
                                          "(the prompt was recomputed).", registry=r)
+        self.transfer_reused_tokens = Counter(
+            P + "transfer_reused_tokens", "P/D: prompt tokens a decode pod already held (the "
+            "session's previous turn) and so did not pull; side=prefill: not sent, "
+            "side=decode: found locally.", ["side"], registry=r)
         self.handoffs = Counter(P + "handoffs", "Prefill-side hand-offs by outcome.",
                                 ["outcome"], registry=r)
         self.chunk_errors = Counter(P + "kv_chunk_errors", "Disk chunks refused (checksum "

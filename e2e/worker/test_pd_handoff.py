@@ -72,6 +72,61 @@ def test_streamed_decode_equals_single_pod(pods):
     assert events[-2]["kv_transfer_params"]["kv_source"] == "remote"
 
 
+def _wait_resident(worker, chunk_hashes, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        held = set(httpx.get(worker.memory_url + "/memory/chunks", timeout=10)
+                   .json()["chunks"].get("cpu", []))
+        if set(chunk_hashes) <= held:
+            return
+        assert time.monotonic() < deadline, "the decode pod never kept the pulled chunks"
+        time.sleep(0.1)
+
+
+def test_next_turn_pulls_only_the_new_suffix_and_equals_single_pod(pods):
+    p, d = pods
+    turn1 = prompt(650, seed=210)  # 2 full chunks + a partial one
+    body1 = {"prompt": turn1, "max_tokens": 6, "return_token_ids": True}
+    _, out1 = _disaggregated(p, d, body1)
+    full1 = out1["kv_transfer_params"]["transfer_bytes"]
+    assert out1["kv_transfer_params"]["transfer_start_token"] == 0
+    kept = out1["kv_transfer_params"]["chunk_hashes"]
+    assert len(kept) == 2
+    _wait_resident(d, kept)  # the decode pod stored what it pulled, in its own DRAM tier
+    time.sleep(0.3)  # stats flush
+    skipped_before = metric_value(p.metrics(), "agentserving_worker_transfer_reused_tokens_total",
+                                  'side="prefill"')
+    local_before = metric_value(d.metrics(), "agentserving_worker_transfer_reused_tokens_total",
+                                'side="decode"')
+
+    # turn 2: the whole history plus a tool result, as an agent sends it
+    turn2 = turn1 + out1["choices"][0]["token_ids"] + prompt(300, seed=211)  # 956 tokens
+    body2 = {"prompt": turn2, "max_tokens": 8, "logprobs": 2, "return_token_ids": True}
+    single = p.complete(**body2)
+    first, out2 = _disaggregated(p, d, body2)
+    a, b = single["choices"][0], out2["choices"][0]
+    assert b["token_ids"] == a["token_ids"] and b["text"] == a["text"]
+    assert b["logprobs"]["token_logprobs"] == a["logprobs"]["token_logprobs"]
+    assert b["logprobs"]["top_logprobs"] == a["logprobs"]["top_logprobs"]
+    kvp = out2["kv_transfer_params"]
+    assert kvp["kv_source"] == "remote" and kvp["transfer_start_token"] == 512
+    assert kvp["chunk_hashes"][:2] == kept
+    # only tokens 512..955 crossed the wire: 444 of 956 (fp32 K+V, 4 layers x 256 dims)
+    per_token = full1 / 650
+    assert 444 * 8192 <= kvp["transfer_bytes"] < 460 * per_token
+    assert kvp["transfer_bytes"] < full1
+    usage = out2["usage"]["prompt_tokens_details"]
+    assert usage == {"cached_tokens": 956,
+                     "cached_tokens_by_tier": {"cpu": 512, "remote": 444}}
+    time.sleep(0.3)  # stats flush
+    assert metric_value(p.metrics(), "agentserving_worker_transfer_reused_tokens_total",
+                        'side="prefill"') == skipped_before + 512
+    assert metric_value(d.metrics(), "agentserving_worker_transfer_reused_tokens_total",
+                        'side="decode"') == local_before + 512
+    # and the new third chunk is kept for the turn after
+    _wait_resident(d, kvp["chunk_hashes"])
+
+
 def test_unclaimed_pin_expires_and_decode_recomputes(pods):
     p, d = pods
     ids = prompt(500, seed=202)

@@ -4,9 +4,13 @@
     frame   := u32 big-endian payload length | payload | blake3(payload)[:16]
     header  := JSON: transfer_id, model, num_tokens, num_layers, num_kv_heads, head_dim, dtype,
                tokens_digest (blake3 of the prompt ids as big-endian u32), chunk_hashes,
-               first_token_id, first_logprob, first_top_logprobs
-    layer i := keys then values of layer i, each [kv_heads, num_tokens, head_dim], raw bytes
+               first_token_id, first_logprob, first_top_logprobs, start_token (optional, 0)
+    layer i := keys then values of layer i, each [kv_heads, num_tokens - start_token, head_dim],
+               raw bytes: the prompt's tokens [start_token, num_tokens)
     end     := JSON {"end": true, "num_layers": n}
+
+A decode pod that already holds the prompt's first chunks (a session's previous turn) asks
+for the rest only (``start_token``); the frames then carry just that suffix.
 
 Layers come in model order so the receiver can run the first forward pass while later layers
 are still on the wire (layer-wise load). A frame whose checksum does not match, a short
@@ -62,7 +66,14 @@ def _frame(*parts: bytes | memoryview) -> Iterator[bytes | memoryview]:
     yield h.digest(length=DIGEST)
 
 
+def suffix_tokens(header: dict[str, Any]) -> int:
+    """How many tokens each layer frame of a stream with this header carries."""
+    return int(header["num_tokens"]) - int(header.get("start_token") or 0)
+
+
 def _raw(t: torch.Tensor) -> memoryview:
+    if t.numel() == 0:  # a suffix of no tokens (memoryview cannot cast a zero-size shape)
+        return memoryview(b"")
     return memoryview(t.contiguous().numpy()).cast("B")
 
 
@@ -145,7 +156,7 @@ class Decoder:
     def _max_frame(self) -> int:
         h = self.header or {}
         item = torch.empty((), dtype=_DTYPES[h["dtype"]]).element_size()
-        return max(2 * h["num_kv_heads"] * h["num_tokens"] * h["head_dim"] * item, 1 << 16)
+        return max(2 * h["num_kv_heads"] * suffix_tokens(h) * h["head_dim"] * item, 1 << 16)
 
     def _event(self, frame: bytearray, size: int) -> tuple:
         payload = bytes(frame[:size]) if self.header is None or \
@@ -155,6 +166,8 @@ class Decoder:
                 header = json.loads(payload)
                 header["num_tokens"], header["num_layers"]  # noqa: B018 - required fields
                 dtype = _DTYPES[header["dtype"]]
+                if not 0 <= int(header.get("start_token") or 0) <= int(header["num_tokens"]):
+                    raise ValueError("start_token outside the prompt")
             except (ValueError, KeyError, TypeError) as exc:
                 raise TransferCorrupt(f"bad hand-off header: {exc!r}") from exc
             self.header = header
@@ -167,14 +180,18 @@ class Decoder:
                 raise TransferCorrupt("bad end frame")
             self.done = True
             return ("end", end)
-        shape = (1, h["num_kv_heads"], h["num_tokens"], h["head_dim"])
+        shape = (1, h["num_kv_heads"], suffix_tokens(h), h["head_dim"])
         item = torch.empty((), dtype=self._dtype).element_size()
         count = shape[1] * shape[2] * shape[3]
         if size != 2 * count * item:
             raise TransferCorrupt(f"layer {self._layer}: {size} bytes, wrong size")
-        k = torch.frombuffer(frame, dtype=self._dtype, count=count).view(shape)
-        v = torch.frombuffer(frame, dtype=self._dtype, count=count,
-                             offset=count * item).view(shape)
+        if count == 0:  # the receiver held every token already
+            k = torch.empty(shape, dtype=self._dtype)
+            v = torch.empty(shape, dtype=self._dtype)
+        else:
+            k = torch.frombuffer(frame, dtype=self._dtype, count=count).view(shape)
+            v = torch.frombuffer(frame, dtype=self._dtype, count=count,
+                                 offset=count * item).view(shape)
         idx = self._layer
         self._layer += 1
         return ("layer", idx, k, v)

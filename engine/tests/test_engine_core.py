@@ -134,3 +134,43 @@ def test_seeded_sampling_is_reproducible_with_reuse(engine_factory):
     a = run(parts, request("a", ids, temperature=0.9, top_p=0.95, seed=42, max_tokens=8))
     b = run(parts, request("b", ids, temperature=0.9, top_p=0.95, seed=42, max_tokens=8))
     assert b["first"]["cached_tokens"] == 512 and a["tokens"] == b["tokens"]
+
+
+class _Pull:
+    """A hand-off in flight, as the step loop sees it."""
+
+    def __init__(self, header: bool, done: bool) -> None:
+        self.header, self.finished = header, done
+
+    def header_ready(self) -> bool:
+        return self.header
+
+    def done(self) -> bool:
+        return self.finished
+
+    def wait_header(self) -> dict:
+        return {}
+
+
+def test_a_pull_joins_busy_decoding_only_once_it_has_fully_arrived(engine_factory):
+    core = engine_factory().core
+    pulled = request("pulled", prompt(300, seed=9))
+    pulled.remote = _Pull(header=False, done=False)
+    core.pulling.append(pulled)
+    assert core.has_work() and not core.has_ready_work()  # nothing to do but wait
+    pulled.remote.header = True
+    assert core.has_ready_work()
+    busy = request("busy", prompt(10, seed=8))
+    core.running.append(busy)  # another request is decoding
+    core._promote_pulls()
+    assert core.pulling == [pulled] and core.running == [busy]  # layers still on the wire
+    pulled.remote.finished = True
+    core._promote_pulls()
+    assert core.pulling == [] and core.running == [busy, pulled]
+    # an idle engine starts at once, overlapping the first forward pass with the layers
+    core.running.clear()
+    early = request("early", prompt(300, seed=10))
+    early.remote = _Pull(header=True, done=False)
+    core.pulling.append(early)
+    core._promote_pulls()
+    assert core.running == [early]

@@ -8,6 +8,11 @@ model touches it, so the first decode forward pass runs while later layers are s
 wire (layer-wise load). Any failure surfaces as a ``TransferError`` from ``wait_header``,
 ``layer`` or the forward pass; the engine then recomputes the prompt locally — output is the
 same either way, only slower.
+
+A decode pod that already holds the prompt's first ``N`` tokens in its own tiers (the chunks of
+the session's previous turn, kept after that turn's pull) passes them as ``prefix``: the pull
+asks for tokens ``[N, num_tokens)`` only (``?start=N``), checks that the prefill's chunk hashes
+agree with the local ones, and each layer is the local prefix followed by the pulled suffix.
 """
 
 from __future__ import annotations
@@ -35,17 +40,30 @@ __all__ = ["RemoteKV", "layerwise_cache", "TransferError"]
 class RemoteKV:
     def __init__(self, params: dict[str, Any], prompt_token_ids: Sequence[int], *,
                  num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 timeout_s: float) -> None:
+                 timeout_s: float,
+                 prefix: Sequence[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                 prefix_chunk_hashes: Sequence[str] = ()) -> None:
         try:
             host, port = params["remote_host"], int(params["remote_port"])
             self.transfer_id = str(params["transfer_id"])
         except (KeyError, TypeError, ValueError) as exc:
             raise TransferMismatch(f"kv_transfer_params lacks {exc}") from exc
+        self.prefix = list(prefix) if prefix else None
+        self.start_token = int(self.prefix[0][0].shape[2]) if self.prefix else 0
+        if self.prefix is not None and len(self.prefix) != num_layers:
+            raise TransferMismatch(f"local prefix has {len(self.prefix)} layers, "
+                                   f"not {num_layers}")
+        if self.start_token > len(prompt_token_ids):
+            raise TransferMismatch("local prefix is longer than the prompt")
+        self._prefix_hashes = list(prefix_chunk_hashes)
         self.url = f"http://{host}:{port}/v1/kv/{self.transfer_id}"
+        if self.start_token:
+            self.url += f"?start={self.start_token}"
         self._expect = {"num_tokens": len(prompt_token_ids), "num_layers": num_layers,
                         "num_kv_heads": num_kv_heads, "head_dim": head_dim,
                         "dtype": dtype_name(dtype),
-                        "tokens_digest": tokens_digest(prompt_token_ids)}
+                        "tokens_digest": tokens_digest(prompt_token_ids),
+                        "start_token": self.start_token}
         self.num_layers = num_layers
         self.timeout_s = timeout_s
         self.header: dict[str, Any] | None = None
@@ -90,16 +108,29 @@ class RemoteKV:
 
     def _on_event(self, event: tuple) -> None:
         kind = event[0]
+        if kind == "layer":
+            k, v = event[2], event[3]
+            if self.prefix is not None:  # the local prefix, then the pulled suffix
+                pk, pv = self.prefix[event[1]]
+                k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+            with self._cond:
+                self._layers[event[1]] = (k, v)
+                self._cond.notify_all()
+            return
+        if kind == "header":
+            header = event[1]
+            got = {**header, "start_token": int(header.get("start_token") or 0)}
+            for field, want in self._expect.items():
+                if got.get(field) != want:
+                    raise TransferMismatch(f"hand-off {field} is {got.get(field)!r}, "
+                                           f"this request needs {want!r}")
+            theirs = list(header.get("chunk_hashes") or [])[: len(self._prefix_hashes)]
+            if theirs != self._prefix_hashes:
+                raise TransferMismatch("the prefill's chunk hashes differ from the local "
+                                       "prefix's")
         with self._cond:
             if kind == "header":
-                header = event[1]
-                for field, want in self._expect.items():
-                    if header.get(field) != want:
-                        raise TransferMismatch(f"hand-off {field} is {header.get(field)!r}, "
-                                               f"this request needs {want!r}")
-                self.header = header
-            elif kind == "layer":
-                self._layers[event[1]] = (event[2], event[3])
+                self.header = event[1]
             self._cond.notify_all()
 
     def _fail(self, exc: BaseException) -> None:
@@ -129,6 +160,11 @@ class RemoteKV:
     def header_ready(self) -> bool:
         with self._cond:
             return self.header is not None or self.error is not None or self._done
+
+    def done(self) -> bool:
+        """Every frame has arrived (or the pull failed): nothing left to wait for."""
+        with self._cond:
+            return self._done
 
     def wait_header(self) -> dict[str, Any]:
         return self._wait(lambda: self.header, "the header")

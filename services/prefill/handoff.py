@@ -4,8 +4,12 @@ After a prefill with ``kv_transfer_params: {"do_remote_decode": true}`` the engi
 the request's whole prompt KV (the trailing partial chunk included, which LMCache never
 stores) with the first sampled token, and answers with where to pull it from. A decode pod
 pulls it once with ``GET /v1/kv/{transfer_id}`` on this engine process's HTTP port (the
-stream format is ``engine.kv.handoff_wire``); the entry is released when the pull completes,
-or after ``timeout_s`` if nobody claims it. ``DELETE /v1/kv/{transfer_id}`` releases it early.
+stream format is ``engine.kv.handoff_wire``). A decode pod that already holds the prompt's
+first tokens (the chunks of the session's previous turn, in its own tiers) asks only for the
+rest with ``?start=N``: the stream then carries tokens ``[N, num_tokens)`` of every layer,
+each frame still checksummed, and its header says ``start_token: N``. The entry is released
+when the pull completes, or after ``timeout_s`` if nobody claims it.
+``DELETE /v1/kv/{transfer_id}`` releases it early.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from fastapi.responses import Response, StreamingResponse
 
 from agentserving.core.logging import get_logger
@@ -36,6 +40,14 @@ class HandoffEntry:
     created_at: float
     expires_at: float
 
+    def suffix(self, start: int) -> HandoffEntry:
+        """The same hand-off, from prompt token ``start`` on (views, no copy)."""
+        if start == 0:
+            return self
+        return dataclasses.replace(
+            self, header={**self.header, "start_token": start},
+            layers=[(k[:, :, start:], v[:, :, start:]) for k, v in self.layers])
+
     @property
     def nbytes(self) -> int:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size()
@@ -49,6 +61,7 @@ class HandoffStats:
     expired: int = 0
     released: int = 0
     bytes_sent: int = 0
+    tokens_skipped: int = 0  # prompt tokens the decode pods already held (not sent)
 
 
 class HandoffRegistry:
@@ -100,6 +113,10 @@ class HandoffRegistry:
             log.info("kv_handoff_expired", transfer_id=t)
         return gone
 
+    def note_skipped(self, tokens: int) -> None:
+        with self._lock:
+            self.stats.tokens_skipped += tokens
+
     def pending(self) -> int:
         with self._lock:
             return len(self._entries)
@@ -120,11 +137,19 @@ def handoff_router(registry: HandoffRegistry) -> APIRouter:
 
     @router.get("/{transfer_id}", summary="Pull (once) the KV a prefill kept for this transfer.",
                 response_class=StreamingResponse)
-    def pull(transfer_id: str) -> StreamingResponse:
+    def pull(transfer_id: str, start: int = Query(
+            0, ge=0, description="First prompt token to send (the puller holds the ones "
+                                 "before)")) -> StreamingResponse:
         entry = registry.claim(transfer_id)
         if entry is None:
             raise ApiError(404, f"unknown or expired transfer '{transfer_id}'",
                            param="transfer_id", type="not_found_error")
+        total = int(entry.header["num_tokens"])
+        if start > total:
+            raise ApiError(400, f"start {start} is past the prompt's {total} tokens",
+                           param="start")
+        entry = entry.suffix(start)
+        registry.note_skipped(start)
         return StreamingResponse(registry.stream(entry), media_type="application/octet-stream",
                                  headers={"x-kv-bytes": str(entry.nbytes)})
 

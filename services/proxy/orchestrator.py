@@ -128,7 +128,8 @@ class Orchestrator:
         prefill_order = self.policy.rank(RouteInput(turn.session_key, candidates, prefixes,
                                                     state.last_pod, index_ok))
         decode_order = self._decode_policy.rank(
-            RouteInput(turn.session_key, self.pool.decode_candidates()))
+            RouteInput(turn.session_key, self.pool.decode_candidates(),
+                       last_pod=state.last_decode_pod))
         turn.headers[H_ROUTING] = self.policy.name
         self.metrics.overhead.observe(time.perf_counter() - t0)
         return prefill_order, decode_order
@@ -163,7 +164,7 @@ class Orchestrator:
                 if decode is not None:
                     patch_cached_tokens(payload, prefill_cached)
                     outcome.cached_tokens = prefill_cached
-                self._finish(turn, state, prefill, outcome)
+                self._finish(turn, state, prefill, outcome, decode)
                 self.metrics.ttft.observe(time.perf_counter() - turn.started)
                 return JSONResponse(payload, status_code=resp.status_code, headers=turn.headers)
             self.metrics.failures.labels("rejected").inc()
@@ -201,15 +202,16 @@ class Orchestrator:
             pod_for_load = decode or prefill
             self.pool.acquire(pod_for_load.name)
             return StreamingResponse(
-                self._stream_body(turn, state, prefill, pod_for_load, resp, cached_override),
+                self._stream_body(turn, state, prefill, decode, resp, cached_override),
                 media_type="text/event-stream", headers=turn.headers)
         self.metrics.failures.labels("upstream").inc()
         raise ApiError(502, f"every worker failed this turn; last error: {last_error}",
                        type="upstream_error", code="all_pods_failed", headers=turn.headers)
 
     async def _stream_body(self, turn: Turn, state: SessionState, prefill: Candidate,
-                           serving: Candidate, resp: httpx.Response,
+                           decode: Candidate | None, resp: httpx.Response,
                            cached_override: int | None) -> AsyncIterator[bytes]:
+        serving = decode or prefill
         outcome = TurnOutcome()
         first = True
         try:
@@ -220,7 +222,7 @@ class Orchestrator:
                 yield chunk
             if cached_override is not None:
                 outcome.cached_tokens = cached_override
-            self._finish(turn, state, prefill, outcome)
+            self._finish(turn, state, prefill, outcome, decode)
         except httpx.HTTPError as exc:  # the pod died mid-stream: tell the caller, in-band
             self.pool.mark_failed(serving.name)
             self.metrics.failures.labels("mid_stream").inc()
@@ -285,7 +287,7 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ after the turn
     def _finish(self, turn: Turn, state: SessionState, prefill: Candidate,
-                outcome: TurnOutcome) -> None:
+                outcome: TurnOutcome, decode: Candidate | None = None) -> None:
         self.metrics.e2e.observe(time.perf_counter() - turn.started)
         if outcome.prompt_tokens:
             self.metrics.prompt_tokens.labels(prefill.name).inc(outcome.prompt_tokens)
@@ -293,6 +295,8 @@ class Orchestrator:
             self.metrics.cached_tokens.labels(prefill.name).inc(outcome.cached_tokens)
         state.turns += 1
         state.last_pod = prefill.name
+        if decode is not None:
+            state.last_decode_pod = decode.name
         if outcome.chunk_hashes is not None:
             state.chunk_hashes = outcome.chunk_hashes
         state.last_turn_end = time.monotonic()

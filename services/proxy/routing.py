@@ -111,12 +111,18 @@ class KvAware:
 
 
 class LeastLoaded:
-    """Decode pods: the one with the fewest turns in flight."""
+    """Decode pods: the one with the fewest turns in flight. Among equally loaded pods, the
+    session's previous decode pod first (it holds the session's chunks, so it pulls only the
+    new suffix from the prefill pod), then the session's rendezvous order (first turns spread
+    over the pool)."""
 
     name = "least-loaded"
 
     def rank(self, inp: RouteInput) -> list[Candidate]:
-        return _by_load(inp.candidates)
+        affinity = {c.name: i for i, c in enumerate(affinity_order(inp.session_key,
+                                                                   inp.candidates))}
+        return sorted(inp.candidates, key=lambda c: (c.inflight, c.name != inp.last_pod,
+                                                     affinity[c.name]))
 
 
 def make_policy(name: str, chunk_size: int = 256, load_penalty_tokens: int = 2048

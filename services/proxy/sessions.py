@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 class SessionState:
     chunk_hashes: list[str] = field(default_factory=list)
     last_pod: str | None = None
+    last_decode_pod: str | None = None  # P/D: it holds the session's chunks from last turn
     turns: int = 0
     last_turn_end: float | None = None
     pending_tool: str | None = None  # the tool the previous turn called

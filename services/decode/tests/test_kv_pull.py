@@ -117,3 +117,42 @@ def test_corrupted_layer_in_flight_raises_inside_the_forward_pass(tiny, server, 
     pulled = layerwise_cache(tiny.config, remote, len(ids))
     with pytest.raises(TransferError, match="checksum"):
         runner.forward([first], pulled, len(ids))
+
+
+def _remote_from(tiny, port, transfer_id, ids, prefix, hashes=()):
+    params = {"remote_host": "127.0.0.1", "remote_port": port, "transfer_id": transfer_id}
+    return RemoteKV(params, ids, num_layers=tiny.num_layers, num_kv_heads=tiny.num_kv_heads,
+                    head_dim=tiny.head_dim, dtype=tiny.dtype, timeout_s=10, prefix=prefix,
+                    prefix_chunk_hashes=hashes).start()
+
+
+def test_pull_with_a_local_prefix_asks_only_for_the_suffix(tiny, server):
+    reg, port = server
+    ids = list(range(300, 700))
+    runner, cache, header, first = _prefill(tiny, ids)
+    header = {**header, "chunk_hashes": ["c0"]}
+    full_bytes = sum(k.numel() * 4 * 2 for k, _ in runner.cache_layers(cache))
+    # what the decode pod kept of the previous turn: the first chunk, as separate tensors
+    prefix = [(k[:, :, :256].clone(), v[:, :, :256].clone())
+              for k, v in runner.cache_layers(cache)]
+    tid = reg.register(header, runner.cache_layers(cache))
+    remote = _remote_from(tiny, port, tid, ids, prefix, ["c0"])
+    assert remote.wait_header()["start_token"] == 256
+    pulled = layerwise_cache(tiny.config, remote, len(ids))
+    got = runner.forward([first], pulled, len(ids))
+    want = runner.forward([first], cache, len(ids))
+    assert torch.equal(got, want)
+    remote.wait_done()
+    assert remote.start_token == 256
+    assert full_bytes * 144 // 400 < remote.bytes_received < full_bytes * 160 // 400
+    assert reg.stats.tokens_skipped == 256 and reg.stats.bytes_sent == remote.bytes_received
+
+
+def test_pull_refuses_a_local_prefix_whose_chunks_differ(tiny, server):
+    reg, port = server
+    ids = list(range(300, 700))
+    runner, cache, header, _ = _prefill(tiny, ids)
+    tid = reg.register({**header, "chunk_hashes": ["c0"]}, runner.cache_layers(cache))
+    prefix = [(k[:, :, :256], v[:, :, :256]) for k, v in runner.cache_layers(cache)]
+    with pytest.raises(TransferError, match="chunk hashes"):
+        _remote_from(tiny, port, tid, ids, prefix, ["other"]).wait_header()

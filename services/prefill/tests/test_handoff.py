@@ -87,3 +87,32 @@ def test_wire_detects_a_short_stream():
     stream = b"".join(bytes(p) for p in handoff_wire.encode(HEADER, _layers()))
     with pytest.raises(handoff_wire.TransferCorrupt):
         _decode_all([stream[:-30]])
+
+
+def test_wire_carries_only_the_suffix_after_start_token():
+    layers = _layers(n_tokens=10)
+    clock = Clock()
+    reg = HandoffRegistry(timeout_s=5, clock=clock)
+    entry = reg.claim(reg.register(HEADER, layers))
+    part = entry.suffix(6)
+    assert part.header["start_token"] == 6 and "start_token" not in entry.header
+    assert part.nbytes == entry.nbytes * 4 // 10
+    full = b"".join(bytes(p) for p in reg.stream(entry))
+    suffix = b"".join(bytes(p) for p in reg.stream(part))
+    assert len(full) - len(suffix) == 3 * 2 * (2 * 6 * 4 * 4) - len(b', "start_token": 6')
+    events = _decode_all([suffix[i:i + 53] for i in range(0, len(suffix), 53)])
+    assert events[0][1]["start_token"] == 6 and events[0][1]["num_tokens"] == 10
+    got = [e for e in events if e[0] == "layer"]
+    for (_, _, k, v), (k0, v0) in zip(got, layers, strict=True):
+        assert k.shape == (1, 2, 4, 4)
+        assert torch.equal(k, k0[:, :, 6:]) and torch.equal(v, v0[:, :, 6:])
+    # a receiver that holds every token still gets the header and empty layers
+    events = _decode_all([b"".join(bytes(p) for p in reg.stream(entry.suffix(10)))])
+    assert [e[2].shape[2] for e in events if e[0] == "layer"] == [0, 0, 0]
+
+
+def test_wire_refuses_a_start_token_past_the_prompt():
+    bad = {**HEADER, "start_token": 11}
+    stream = b"".join(bytes(p) for p in handoff_wire.encode(bad, _layers(n_tokens=0)))
+    with pytest.raises(handoff_wire.TransferCorrupt, match="start_token"):
+        _decode_all([stream])

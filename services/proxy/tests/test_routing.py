@@ -13,6 +13,7 @@ from agentserving.proxy.auth import ApiKeys, KeyEntry
 from agentserving.proxy.routing import (
     Candidate,
     KvAware,
+    LeastLoaded,
     RoundRobin,
     RouteInput,
     SessionAffinity,
@@ -50,6 +51,18 @@ def test_kv_aware_degrades_to_session_affinity_without_the_index():
     down = RouteInput("sess-9", PODS, {"p2": prefix("p2", 99)}, index_available=False)
     assert policy.rank(down) == SessionAffinity().rank(RouteInput("sess-9", PODS))
     assert policy.rank(RouteInput("sess-9", PODS, last_pod="p2"))[0].name == "p2"
+
+
+def test_least_loaded_decode_sticks_to_the_sessions_pod_only_on_a_tie():
+    policy = LeastLoaded()
+    idle = [Candidate("d0", "u", 0), Candidate("d1", "u", 0)]
+    for last in ("d0", "d1"):
+        assert policy.rank(RouteInput("s", idle, last_pod=last))[0].name == last
+    busy = [Candidate("d0", "u", 2), Candidate("d1", "u", 1)]
+    assert policy.rank(RouteInput("s", busy, last_pod="d0"))[0].name == "d1"
+    # first turns (no previous pod) spread over the pool by session, not all to d0
+    firsts = {policy.rank(RouteInput(f"sess-{i}", idle))[0].name for i in range(20)}
+    assert firsts == {"d0", "d1"}
 
 
 def test_round_robin_rotates():

@@ -181,7 +181,7 @@ def draw_plots(out_dir: Path, records: Mapping[str, list[dict[str, Any]]],
         ax.set_title(title)
         ax.set_xlabel("seconds")
         ax.set_ylabel("fraction of turns" if title != "inter-token latency" else "fraction")
-        ax.set_xscale("log")
+        _log_x(ax)
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
@@ -242,7 +242,7 @@ def draw_plots(out_dir: Path, records: Mapping[str, list[dict[str, Any]]],
                   for k, v in zip(keys, vals, strict=True)]
         ax.barh(keys, vals, color=colors)
         ax.axvline(1.0, color="black", linewidth=0.8)
-        ax.set_xscale("log")
+        _log_x(ax)
         ax.set_title("agentserving / baseline (green: better)")
         ax.grid(alpha=0.3, axis="x")
         fig.tight_layout()
@@ -274,3 +274,18 @@ def redraw(run_dir: Path) -> tuple[dict[str, Any], list[Path]]:
     if not any(records.values()):
         raise FileNotFoundError(f"{run_dir}: no turn records (turns.jsonl) to draw")
     return report, draw_plots(run_dir / "plots", records, report)
+
+
+def _log_x(ax: Any) -> None:
+    """Log x axis with plain-number labels; 1-2-5 steps where the range is short enough."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_xscale("log")
+    plain = FuncFormatter(lambda x, _: f"{x:g}")
+    ax.xaxis.set_major_formatter(plain)
+    lo, hi = ax.get_xlim()
+    if hi / max(lo, 1e-12) <= 100:
+        ax.xaxis.set_minor_locator(LogLocator(subs=(2.0, 5.0)))
+        ax.xaxis.set_minor_formatter(plain)
+    else:
+        ax.xaxis.set_minor_formatter(NullFormatter())

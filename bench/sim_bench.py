@@ -36,6 +36,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--real", type=Path, default=None)
     p.add_argument("--parts", default="1,2,3")
+    p.add_argument("--scale", default=None,
+                   help="part 3's points as PODS:SESSIONS,... (default 4:1000,16:4000 with "
+                        "--quick, else those and 64:100000)")
     p.add_argument("--out", type=Path, default=Path("bench/results/sim.json"))
     return p.parse_args(argv)
 
@@ -95,13 +98,15 @@ def seed_table(quick: bool) -> dict[str, Any]:
     return out
 
 
-def scale(quick: bool) -> dict[str, Any]:
+def scale(quick: bool, points: str | None = None) -> dict[str, Any]:
     from agentserving.replay.synthetic import generate_preset
     from agentserving.sim import SimConfig, load_profile, simulate
     from agentserving.sim.workload import compile_trace
 
     prof = load_profile("h200-llama8b")
     plan = [(4, 1000), (16, 4000)] if quick else [(4, 1000), (16, 4000), (64, 100_000)]
+    if points:
+        plan = [(int(a), int(b)) for a, b in (x.split(":") for x in points.split(","))]
     rows = []
     for pods, sessions in plan:
         t0 = time.perf_counter()
@@ -114,11 +119,16 @@ def scale(quick: bool) -> dict[str, Any]:
         st = r.summary["sim"]
         rows.append({"pods": pods, "topology": topo, "sessions": sessions, "ips": ips,
                      "turns": r.summary["turns_completed"], "wall_s": st["wall_s"],
+                     "sessions_per_wall_s": sessions / st["wall_s"],
+                     "projected_100k_s": 100_000 / (sessions / st["wall_s"]),
                      "workload_s": gen_s, "events": st["events"],
                      "lookups": st["lookups"], "lookup_chunks_mean":
                          st["lookup_chunks"] / max(1, st["lookups"]),
                      "lookup_us_mean": 1e6 * st["lookup_s"] / max(1, st["lookups"]),
+                     "lookups_per_sim_s": st["lookups"] / r.summary["makespan_s"]
+                     if r.summary.get("makespan_s") else None,
                      "event_batches": st["event_batches"], "chunk_events": st["chunk_events"],
+                     "index_chunk_ops": st.get("index_chunk_ops"),
                      "index_apply_s": st["index_apply_s"],
                      "route_prefix_efficiency": st["route_prefix_efficiency"],
                      "hit_vs_ideal": r.summary["hit_vs_ideal"],
@@ -140,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if "2" in parts:
         out["seed_003"] = seed_table(args.quick)
     if "3" in parts:
-        out["scale"] = scale(args.quick)
+        out["scale"] = scale(args.quick, args.scale)
     out["wall_s"] = time.perf_counter() - t0
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=2) + "\n")

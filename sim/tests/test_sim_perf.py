@@ -1,0 +1,127 @@
+"""The simulator's speed-ups change no result: a golden fingerprint of small runs taken before
+them, the shadow's short look-ahead vs the full one, and netted index event batches vs the raw
+event sequence."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from agentserving.core.schemas import EventBatch, PodRegistration, PodRole, Tier
+from agentserving.kvindex.index.base import rank_prefixes
+from agentserving.kvindex.index.memory import InMemoryIndex
+from agentserving.replay.synthetic import generate_preset
+from agentserving.sim import SimConfig, load_profile, simulate
+from agentserving.sim.events import run_sync
+from agentserving.sim.tiers import PodTiers
+from agentserving.sim.workload import compile_trace
+
+TIMING = {"wall_s", "lookup_s", "index_apply_s"}   # wall-clock measurements
+ADDED = {"index_chunk_ops"}                         # stats added after the fingerprints
+
+# sha256 of `fingerprint` for generate_preset("agent", sessions=150), taken with the simulator
+# as it was before model_construct / netted flushes / the short shadow look-ahead / shallow
+# session copies. A deliberate change to what the simulator models changes these: re-take them
+# (print fingerprint(...) for each case) and say why in the commit.
+GOLDEN = {
+    ("910b3-qwen3-4b", "1P3D", 5.0, "agentserving"):
+        "03fe36adce54a25d4490c005b9ff382bdb0c2ef8f14d37837bab091dc1b54ae2",
+    ("h200-llama8b", "2P6D", 8.0, "agentserving"):
+        "2bf24a6b9df5e1917e245d148c96ffd52cfc7473e7fb75349b8b31070cdf9cc3",
+    ("h200-llama8b", "2P6D", 8.0, "baseline"):
+        "afcbe75c72c22a1ed3a3aad721dd172f2b8a72f178eab24dc311e255f8cdfc20",
+}
+
+
+def fingerprint(res) -> str:
+    sim = {k: v for k, v in res.summary["sim"].items() if k not in TIMING | ADDED}
+    doc = {"summary": {k: v for k, v in res.summary.items() if k != "sim"}, "sim": sim,
+           "records": res.records, "timeseries": res.timeseries, "pods": res.stats["pods"]}
+    # the same bytes as the reference script: json of the JSON-decoded document
+    doc = json.loads(json.dumps(doc, default=str))
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return generate_preset("agent", sessions=150)
+
+
+@pytest.mark.parametrize("case", sorted(GOLDEN))
+def test_results_match_pre_optimization_golden(trace, case):
+    prof, topo, rate, name = case
+    res = simulate(compile_trace(trace), load_profile(prof),
+                   SimConfig(config=name, topology=topo, rate=rate))
+    assert fingerprint(res) == GOLDEN[case]
+
+
+def test_short_shadow_lookahead_changes_nothing(trace):
+    prof = load_profile("h200-llama8b")
+    # a small DRAM tier, so that prefixes spill to disk and the N+1 prefetch runs
+    prof = prof.model_copy(update={"memory": prof.memory.model_copy(update={"dram_gib": 1.0})})
+    ss = compile_trace(trace)
+    short = simulate(ss, prof, SimConfig(topology="1P3D", rate=4.0))
+    full = simulate(ss, prof, SimConfig(topology="1P3D", rate=4.0, full_lookahead=True))
+    assert short.summary["sim"]["prefetch_chunks"] > 0   # the prefetch path is exercised
+    assert fingerprint(short) == fingerprint(full)
+
+
+def test_simulate_leaves_callers_sessions_alone(trace):
+    ss = compile_trace(trace)
+    starts = [s.start_s for s in ss]
+    a = simulate(ss, load_profile("h200-llama8b"), SimConfig(topology="1P1D", rate=3.0))
+    assert [s.start_s for s in ss] == starts
+    b = simulate(ss, load_profile("h200-llama8b"), SimConfig(topology="1P1D", rate=3.0))
+    assert fingerprint(a) == fingerprint(b)
+
+
+def _raw_replay(index: InMemoryIndex, pod: str, ops: list[tuple], first_seq: int) -> None:
+    """Apply each residency change as its own validated one-chunk event batch."""
+    for seq, (op, tier, h) in enumerate(ops, start=first_seq):
+        run_sync(index.apply_events(EventBatch.model_validate(
+            {"pod": pod, "seq": seq, "events": [{"op": op, "tier": tier,
+                                                  "chunk_hashes": [h]}]})))
+
+
+def test_netted_flush_leaves_index_as_raw_events_would():
+    caps = {Tier.DEVICE: 3, Tier.CPU: 4, Tier.DISK: 5}
+    ops: list[tuple] = []
+
+    class Recording(PodTiers):
+        def _note(self, op, tier, h):  # noqa: ANN001 - record the raw sequence too
+            ops.append((op, tier, h))
+            super()._note(op, tier, h)
+
+    t = Recording("p0", caps, 1024)
+    netted, raw = InMemoryIndex(), InMemoryIndex()
+    for ix in (netted, raw):
+        run_sync(ix.register_pod(PodRegistration(pod="p0", memory_api_url="http://p0:6999",
+                                                 role=PodRole.PREFILL, model="m"), ttl_s=1e9))
+    chains = [[f"{i:x}0{j:x}" for j in range(8)] for i in range(6)]
+    seq_raw = 0
+    for step in range(60):
+        chain = chains[step % len(chains)]
+        if step % 3 == 0:
+            t.store(chain[: 3 + step % 5])
+        elif step % 3 == 1:
+            t.use(chain[:4])
+        else:
+            t.prefetch(chain)
+        n_raw = len(ops)
+        batch = t.flush()
+        if batch is None:
+            continue
+        # the constructed batch is one validation would accept
+        assert EventBatch.model_validate(batch.model_dump()) == batch
+        run_sync(netted.apply_events(batch))
+        _raw_replay(raw, "p0", ops[seq_raw:n_raw], first_seq=seq_raw + 1)
+        seq_raw = n_raw
+        assert t.raw_events == len(ops)
+        for chain_q in chains:
+            a = rank_prefixes(run_sync(netted.lookup(chain_q)))
+            b = rank_prefixes(run_sync(raw.lookup(chain_q)))
+            assert a == b
+        assert netted._pods["p0"].chunks == raw._pods["p0"].chunks
+        assert netted._pods["p0"].counts == raw._pods["p0"].counts

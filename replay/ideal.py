@@ -17,12 +17,15 @@ about the serving system.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from agentserving.replay.trace import ResolvedSession, ResolvedTurn
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -36,25 +39,38 @@ class IdealResult:
         return self.reusable_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-def planned_order(sessions: list[ResolvedSession]) -> list[ResolvedTurn]:
-    """Turns sorted by planned start (zero service time), ties in file order."""
+def planned_schedule(sessions: Iterable[tuple[str, tuple[str, int, float] | None, float,
+                                                Sequence[T]]]) -> list[T]:
+    """Turns sorted by planned start (zero service time), ties in session then turn order.
+
+    Each session is ``(session_id, parent, start_s, turns)`` with ``parent`` as
+    ``(parent_session_id, parent_turn, gap_s)``; a turn needs ``index``, ``timestamp_s`` and
+    ``tool_gap_s``. Shared by the replay's ideal hit rate and the simulator's.
+    """
     planned: dict[tuple[str, int], float] = {}
-    keyed: list[tuple[float, int, int, ResolvedTurn]] = []
-    for order, rs in enumerate(sessions):
-        s = rs.session
-        if s.parent is not None:
-            t = planned[(s.parent.session_id, s.parent.turn)] + s.parent.gap_s
-            t = max(t, s.planned_start_s() or 0.0)
-        else:
-            t = s.planned_start_s() or 0.0
-        for turn in rs.turns:
+    keyed: list[tuple[float, int, int, T]] = []
+    for order, (session_id, parent, start_s, turns) in enumerate(sessions):
+        t = start_s
+        if parent is not None:
+            t = max(planned[(parent[0], parent[1])] + parent[2], start_s)
+        for turn in turns:
             if turn.timestamp_s is not None:
                 t = max(t, turn.timestamp_s)
-            planned[(turn.session_id, turn.index)] = t
+            planned[(session_id, turn.index)] = t
             keyed.append((t, order, turn.index, turn))
             t += turn.tool_gap_s
     keyed.sort(key=lambda x: (x[0], x[1], x[2]))
     return [k[3] for k in keyed]
+
+
+def planned_order(sessions: list[ResolvedSession]) -> list[ResolvedTurn]:
+    """A trace's turns sorted by planned start (zero service time), ties in file order."""
+    return planned_schedule(
+        (rs.session.session_id,
+         (rs.session.parent.session_id, rs.session.parent.turn, rs.session.parent.gap_s)
+         if rs.session.parent is not None else None,
+         rs.session.planned_start_s() or 0.0, rs.turns)
+        for rs in sessions)
 
 
 def _chain(tokens: list[int], chunk_size: int) -> list[bytes]:

@@ -18,6 +18,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from agentserving.replay.ideal import planned_schedule
 from agentserving.replay.trace import Trace
 
 Span = tuple[str, int, int]  # (source key, offset in source, length)
@@ -127,22 +128,10 @@ def hash_ids(ids: list[int] | None) -> str:
 
 
 def _ideal(sessions: list[SimSession], chunk: int) -> None:
-    planned: dict[tuple[str, int], float] = {}
-    keyed = []
-    for order, s in enumerate(sessions):
-        if s.parent is not None:
-            t = max(planned[(s.parent[0], s.parent[1])] + s.parent[2], s.start_s or 0.0)
-        else:
-            t = s.start_s or 0.0
-        for turn in s.turns:
-            if turn.timestamp_s is not None:
-                t = max(t, turn.timestamp_s)
-            planned[(s.session_id, turn.index)] = t
-            keyed.append((t, order, turn.index, turn))
-            t += turn.tool_gap_s
-    keyed.sort(key=lambda x: (x[0], x[1], x[2]))
+    keyed = planned_schedule((s.session_id, s.parent, s.start_s or 0.0, s.turns)
+                             for s in sessions)
     seen: set[str] = set()
-    for *_, turn in keyed:
+    for turn in keyed:
         limit = min(len(turn.chunks), (turn.prompt_len - 1) // chunk)
         hit = 0
         while hit < limit and turn.chunks[hit] in seen:

@@ -95,6 +95,16 @@ def redis_server() -> Iterator[RedisServer]:
         server.stop()
 
 
+def _tail(path: Path | None, lines: int = 40) -> str:
+    """The end of a service's log, so a failed start explains itself in the test report."""
+    if path is None:
+        return "(no log kept: pass log_path)"
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError as exc:
+        return f"(log unreadable: {exc})"
+
+
 @contextlib.contextmanager
 def service_process(args: list[str], ready_url: str, env: dict[str, str] | None = None,
                     log_path: Path | None = None, timeout_s: float = 60.0
@@ -104,7 +114,11 @@ def service_process(args: list[str], ready_url: str, env: dict[str, str] | None 
     proc = subprocess.Popen(args, env={**os.environ, **(env or {})}, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for_http(ready_url, timeout_s, proc)
+        try:
+            wait_for_http(ready_url, timeout_s, proc)
+        except (RuntimeError, TimeoutError) as exc:
+            raise RuntimeError(f"{exc}\n--- last lines of {log_path} ---\n{_tail(log_path)}"
+                               ) from exc
         yield proc
     finally:
         if proc.poll() is None:

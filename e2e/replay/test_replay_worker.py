@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from agentserving.core.testing import free_port, service_process
+from agentserving.core.testing import free_port, free_port_run, service_process
 from agentserving.replay.client import Replayer, ReplayOptions
 from agentserving.replay.testing import AGENTSERVING, has_subcommand
 from agentserving.replay.trace import sessions_from
@@ -28,7 +28,7 @@ def two_sessions():
 
 
 def test_two_runs_send_identical_tokens_and_reuse_kv(tmp_path):
-    port, mem = free_port(), free_port()
+    port, mem = free_port(), free_port_run(2)  # memory API: scheduler + engine
     url = f"http://127.0.0.1:{port}"
     args = [AGENTSERVING, "worker", "--role", "both", "--port", str(port),
             "--memory-port-start", str(mem), "--model", "tiny", "--pod-name", "w0",

@@ -10,6 +10,11 @@
    the Triton offset-causal kernel keeps no mask in memory at all.
 3. On a GPU (only where one is present): the Triton gather's achieved bandwidth as a fraction
    of the device's peak.
+4. The worker's path (``engine.kv.connector``): restoring a 16-chunk prefix (256-token LMCache
+   ``KV_2LTD`` chunks) into the engine's cache, as before (per-(chunk, layer, K/V) strided
+   copies into contiguous per-layer tensors), as one ``scatter_blocks`` launch per chunk into
+   the paged blocks (the synchronous load), and as one launch per (chunk, layer) (the
+   layer-wise load); and storing them back (``gather_blocks`` into the chunk objects).
 
     python -m bench kernels [--quick] [--out bench/results/kernels.json]
 """
@@ -101,6 +106,66 @@ def staged_vs_small(args: argparse.Namespace, device: str, impl: str) -> dict:
     }
 
 
+def worker_path(args: argparse.Namespace, chunks: int = 16, chunk: int = 256,
+                block: int = 64) -> dict:
+    """Restore/store a prefix between LMCache chunk objects and the engine's cache."""
+    import types
+
+    from agentserving.engine.kv.connector import CPUKVConnector
+    from agentserving.engine.kv.paged import KVBlockPool
+    from agentserving.kernels import scatter_blocks
+
+    dtype = getattr(torch, args.dtype)
+    L, H, D = args.layers, args.kv_heads, args.head_dim
+    conn = CPUKVConnector(L, H, D)
+    objs = [types.SimpleNamespace(tensor=torch.randn(2, L, chunk, H * D).to(dtype))
+            for _ in range(chunks)]
+    n = chunks * chunk
+    dense = [(torch.empty(1, H, n, D, dtype=dtype), torch.empty(1, H, n, D, dtype=dtype))
+             for _ in range(L)]
+    pool = KVBlockPool(L, 2 * n // block, block, H, D, dtype)
+    pool.reserve(block * 3).release()  # the prefix's table starts mid-pool
+    kv = pool.reserve(n)
+
+    def before() -> None:
+        for i, obj in enumerate(objs):
+            conn.to_gpu(obj, i * chunk, (i + 1) * chunk, layers=dense)
+
+    def paged_sync() -> None:
+        for i, obj in enumerate(objs):
+            conn.to_gpu(obj, i * chunk, (i + 1) * chunk, paged=kv)
+
+    staged = [o.tensor.view(2, L, chunk, H, D) for o in objs]
+    tables = [kv.chunk_table(i * chunk, (i + 1) * chunk) for i in range(chunks)]
+
+    def paged_layerwise() -> None:
+        for layer in range(L):
+            for src, table in zip(staged, tables, strict=True):
+                scatter_blocks(src[:, layer], pool.k[layer], pool.v[layer], table, tokens=chunk)
+
+    def store_paged() -> None:
+        for i, obj in enumerate(objs):
+            conn.from_gpu(obj, i * chunk, (i + 1) * chunk, paged=kv)
+
+    t_before = time_ms(before, args.repeats)
+    t_sync = time_ms(paged_sync, args.repeats)
+    got = kv.layers(n)
+    assert all(torch.equal(a, b) and torch.equal(c, d)
+               for (a, c), (b, d) in zip(got, dense, strict=True))  # same KV either way
+    t_layer = time_ms(paged_layerwise, args.repeats)
+    t_store = time_ms(store_paged, args.repeats)
+    nbytes = sum(o.tensor.numel() * o.tensor.element_size() for o in objs)
+    return {
+        "chunks": chunks, "chunk_tokens": chunk, "block_size": block, "bytes": nbytes,
+        "restore_before_strided_copies": {**t_before, "copies": chunks * L * 2},
+        "restore_paged_one_launch_per_chunk": {**t_sync, "launches": chunks},
+        "restore_paged_layerwise_launch_per_chunk_layer": {**t_layer, "launches": chunks * L},
+        "store_paged_gather_one_launch_per_chunk": {**t_store, "launches": chunks},
+        "ratio_before_over_paged": t_before["p50_ms"] / t_sync["p50_ms"],
+        "paged_restore_GBps": nbytes / (t_sync["p50_ms"] * 1e-3) / 1e9,
+    }
+
+
 def mask_memory(args: argparse.Namespace) -> dict:
     c, max_len = args.chunk, args.context
     per_chunk = []
@@ -140,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
                      "ratio": 12.81 / 0.91},
         "staging_cpu_reference": staged_vs_small(args, "cpu", "reference"),
         "mask_memory": mask_memory(args),
+        "worker_path_cpu": worker_path(args),
         "triton_interpreter": "correctness path only (tests); ~1 ms per program, not timed",
     }
     if torch.cuda.is_available() and triton_available():
@@ -169,6 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     w = m["whole_prefill"]
     print(f"  whole {m['context']} prefill: valid {w['valid_bytes_bool']:,} B vs full "
           f"{w['full_bytes_bool']:,} B (x{w['full_over_valid']:.2f})")
+    wp = report["worker_path_cpu"]
+    print(f"  worker restore of {wp['chunks']} chunks: before "
+          f"{wp['restore_before_strided_copies']['p50_ms']:.3f} ms "
+          f"({wp['restore_before_strided_copies']['copies']} copies), paged "
+          f"{wp['restore_paged_one_launch_per_chunk']['p50_ms']:.3f} ms "
+          f"({wp['chunks']} launches), layer-wise "
+          f"{wp['restore_paged_layerwise_launch_per_chunk_layer']['p50_ms']:.3f} ms; store "
+          f"{wp['store_paged_gather_one_launch_per_chunk']['p50_ms']:.3f} ms")
     if isinstance(report["staging_gpu_triton"], dict):
         g = report["staging_gpu_triton"]
         print(f"  gpu triton: {g['staged_one_copy']['p50_ms']:.3f} ms, fraction of peak "

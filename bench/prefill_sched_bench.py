@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import heapq
 import itertools
 import json
 import random
@@ -52,8 +53,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load", type=float, default=0.95, help="Offered load vs fcfs capacity.")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lookahead", type=int, default=5)
-    p.add_argument("--noise", type=float, default=0.1,
+    p.add_argument("--noise", type=float, default=0.2,
                    help="Sigma of the mean-one lognormal factor on simulated step times.")
+    p.add_argument("--stall-prob", type=float, default=0.02,
+                   help="Share of steps that stall (host contention, GC): x --stall-factor.")
+    p.add_argument("--stall-factor", type=float, default=3.0)
+    p.add_argument("--per-seq-s", type=float, default=0.002,
+                   help="Seconds per sequence in a step, a cost the shadow's step-time model "
+                        "does not have (its fit absorbs it only on average).")
+    p.add_argument("--dram-chunks", type=int, default=400,
+                   help="DRAM tier size in 256-token chunks (LRU); new KV is stored there too, "
+                        "so prefetched chunks can be evicted before their admission.")
     p.add_argument("--sweep", action="store_true", help="Also sweep longcap's parameters.")
     p.add_argument("--no-split-tail", dest="split_tail", action="store_false",
                    help="Executor without the reference engine's trailing-partial-chunk "
@@ -165,15 +175,28 @@ def make_trace(n: int, rate: float, seed: int) -> list[Turn]:
     return out
 
 
-def turn_work(x: Turn, model: StepTimeModel) -> float:
-    """Seconds of compute one turn needs, its step overhead ``a`` included (an upper bound:
-    fcfs batches short turns, sharing ``a``)."""
-    new = x.prompt - x.cached
-    return model.predict(new, x.cached, StepTimeModel.chunk_pairs(new, x.cached))
+def turn_work(x: Turn, model: StepTimeModel, split_tail: bool = False) -> float:
+    """Seconds of compute one turn needs under fcfs no-chunk, its step overhead ``a``
+    included (an upper bound: fcfs batches short turns, sharing ``a``). With ``split_tail``
+    the trailing partial chunk is a chunk of its own (the engine rule), which re-reads the
+    context once more."""
+    pieces, start = [], x.cached
+    full_end = x.prompt - x.prompt % CHUNK if split_tail else x.prompt
+    if start < full_end < x.prompt:
+        pieces.append((full_end - start, start))
+        start = full_end
+    pieces.append((x.prompt - start, start))
+    return sum(model.predict(n, s, StepTimeModel.chunk_pairs(n, s)) for n, s in pieces)
 
 
-def service_estimate(trace: list[Turn], model: StepTimeModel) -> float:
-    return float(np.mean([turn_work(x, model) for x in trace]))
+def service_estimate(trace: list[Turn], model: StepTimeModel, env: Env | None = None,
+                     split_tail: bool = False) -> float:
+    """Mean seconds of work per turn; with ``env``, its per-sequence cost and the mean stall
+    slow-down included (so ``--load`` stays the load the pod actually sees)."""
+    work = float(np.mean([turn_work(x, model, split_tail) for x in trace]))
+    if env is not None:
+        work = (work + env.per_seq_s) * (1 + env.stall_prob * (env.stall_factor - 1))
+    return work
 
 
 def trace_summary(trace: list[Turn], short_tokens: int) -> dict[str, Any]:
@@ -187,14 +210,17 @@ def trace_summary(trace: list[Turn], short_tokens: int) -> dict[str, Any]:
 
 
 class Tiers:
-    """DRAM (LRU, in chunks) over disk; a single disk queue serves prefetches."""
+    """DRAM (LRU, in chunks) over disk; a single disk queue serves prefetches. A prefetched
+    chunk enters DRAM (and the LRU order) when it lands, so it can be evicted between landing
+    and its turn's admission."""
 
     def __init__(self, dram_chunks: int, disk_s: float) -> None:
         self.cap = dram_chunks
         self.lru: dict[str, None] = {}
         self.disk_s = disk_s
         self.disk_free_at = 0.0
-        self.arrive: dict[str, float] = {}  # chunk -> time its prefetch lands in DRAM
+        self.arrive: dict[str, float] = {}  # chunk -> time its prefetch lands (in flight)
+        self._landing: list[tuple[float, str]] = []  # heap of (land time, chunk)
 
     def put(self, h: str) -> None:
         self.lru.pop(h, None)
@@ -202,35 +228,67 @@ class Tiers:
         while len(self.lru) > self.cap:
             self.lru.pop(next(iter(self.lru)))
 
+    def settle(self, now: float) -> None:
+        """Land every prefetch due by ``now``, in landing order."""
+        while self._landing and self._landing[0][0] <= now:
+            land, h = heapq.heappop(self._landing)
+            if self.arrive.get(h) == land:
+                del self.arrive[h]
+                self.put(h)
+
+    def in_flight(self, h: str, now: float) -> bool:
+        self.settle(now)
+        return h in self.arrive
+
     def in_dram(self, h: str, now: float) -> bool:
-        land = self.arrive.get(h)
-        if land is not None and land <= now:
-            del self.arrive[h]
-            self.put(h)
+        self.settle(now)
         return h in self.lru
 
     def prefetch(self, hashes: tuple[str, ...], now: float) -> None:
         start = max(now, self.disk_free_at)
         for i, h in enumerate(hashes):
-            self.arrive[h] = start + (i + 1) * self.disk_s
+            land = start + (i + 1) * self.disk_s
+            self.arrive[h] = land
+            heapq.heappush(self._landing, (land, h))
         self.disk_free_at = start + len(hashes) * self.disk_s
+
+
+@dataclasses.dataclass(frozen=True)
+class Env:
+    """What makes the shadow's prediction non-trivial (each a real source on a pod):
+    step times off the shadow's model (lognormal noise, occasional stalls, a per-sequence cost
+    the model lacks), arrivals during a step (Poisson: they may overtake waiting turns in the
+    short band), and DRAM pressure (LRU of ``dram_chunks``, filled by restored and newly
+    computed KV, so a prefetched chunk can be evicted before its turn is admitted)."""
+
+    noise: float = 0.0
+    stall_prob: float = 0.0
+    stall_factor: float = 3.0
+    per_seq_s: float = 0.0
+    dram_chunks: int = 1500
+    store_new_kv: bool = False
 
 
 def replay(policy: Any, trace: list[Turn], model: StepTimeModel, kv: dict[str, float],
            shadow: ShadowScheduler | None = None, noise: float = 0.0,
-           seed: int = 0, split_tail: bool = True) -> dict[str, Any]:
+           seed: int = 0, split_tail: bool = True, env: Env | None = None,
+           kv_capacity_tokens: int = 512 * 1024) -> dict[str, Any]:
     """Replay ``trace`` on one pod. A step's forward time is the fitted model's times a
-    seeded mean-one lognormal factor (sigma ``noise``): the shadow predicts from its own
-    model, fitted online from those noisy measured steps, as in the engine."""
+    seeded mean-one lognormal factor (sigma ``noise``), and ``env``'s stalls and per-sequence
+    cost: the shadow predicts from its own model, fitted online from those measured steps,
+    as in the engine."""
+    env = env or Env(noise=noise)
+    noise = env.noise
     noise_rng = np.random.default_rng(seed)
-    tiers = Tiers(dram_chunks=1500, disk_s=kv["disk"])
+    tiers = Tiers(dram_chunks=env.dram_chunks, disk_s=kv["disk"])
     views: dict[str, ReqView] = {}
     chunks = {x.rid: tuple(f"{x.rid}/{k}" for k in range(x.cached // CHUNK)) for x in trace}
     for x in trace:  # contexts start in DRAM or on disk
         if not x.on_disk:
             for h in chunks[x.rid][-8:]:
                 tiers.put(h)
-    s = SchedState((), (), max_running=32, kv_capacity_tokens=512 * 1024, block_size=CHUNK,
+    s = SchedState((), (), max_running=32, kv_capacity_tokens=kv_capacity_tokens,
+                   block_size=CHUNK,
                    quantum=CHUNK, split_tail=split_tail)
     now, i, done = 0.0, 0, {}
     arrival = {x.rid: x.arrival for x in trace}
@@ -240,7 +298,7 @@ def replay(policy: Any, trace: list[Turn], model: StepTimeModel, kv: dict[str, f
     made_at: dict[int, float] = {}
     eta_err: list[float] = []
     conf = {"tp": 0, "fp": 0, "fn": 0, "tn": 0, "fn_new_arrivals": 0}
-    pf_chunks = pf_used = pf_alive = pf_admitted_chunks = 0
+    pf_chunks = pf_used = pf_alive = pf_landed = 0
     prefetched: dict[str, tuple[str, ...]] = {}
     while len(done) < len(trace):
         while i < len(trace) and trace[i].arrival <= now:
@@ -282,21 +340,30 @@ def replay(policy: Any, trace: list[Turn], model: StepTimeModel, kv: dict[str, f
                 pf_chunks += len(hashes)
         else:
             d = policy.decide(s)
-        fwd = model.predict_step(d, s)
+        fwd = model.predict_step(d, s) + env.per_seq_s * len(d.prefill)
         if noise > 0:
             fwd *= float(noise_rng.lognormal(-noise * noise / 2, noise))
+        if env.stall_prob and noise_rng.random() < env.stall_prob:
+            fwd *= env.stall_factor
         if shadow is not None:
             shadow.observe_step(d, s, fwd)
         load = 0.0
         for rid in d.admit:
+            pf = set(prefetched.pop(rid, ()))
             for h in chunks[rid]:
+                landed = h in pf and not tiers.in_flight(h, now)
                 hit = tiers.in_dram(h, now)
                 load += kv["cpu"] if hit else kv["disk"]
-                if rid in prefetched and h in prefetched[rid]:
-                    pf_admitted_chunks += 1
-                    pf_alive += hit
-                    pf_used += hit
+                if h in pf:
+                    pf_used += hit          # the prefetch saved a disk read
+                    pf_landed += landed
+                    pf_alive += landed and hit  # landed, and not evicted since
                 tiers.put(h)
+        if env.store_new_kv:  # LMCache stores each newly computed full chunk in DRAM
+            comp = {r.req_id: r.computed for r in s.running + s.waiting}
+            for rid, n in d.prefill:
+                for k in range(comp[rid] // CHUNK, (comp[rid] + n) // CHUNK):
+                    tiers.put(f"{rid}/{k}")
         forward.append(fwd)
         exposed.append(load)  # no layer-wise overlap in the engine yet: all of it exposed
         full = advance(s, d, drop_finished=False)
@@ -339,16 +406,22 @@ def replay(policy: Any, trace: list[Turn], model: StepTimeModel, kv: dict[str, f
             "n1_eta_error_s": {"p50_abs": pct([abs(e) for e in eta_err], 50),
                                "p95_abs": pct([abs(e) for e in eta_err], 95),
                                "mean": float(np.mean(eta_err)) if eta_err else float("nan")}}
-        out["prefetch"] = {"chunks": pf_chunks,
+        # consumption precision: prefetched chunks read from DRAM at their turn's admission
+        # (lost when evicted first, or still in flight: then read from disk again);
+        # survival: of the prefetched chunks that had landed by admission, those still in
+        # DRAM (lost only to eviction)
+        out["prefetch"] = {"chunks": pf_chunks, "used": pf_used, "landed": pf_landed,
                            "consumption_precision": pf_used / max(1, pf_chunks),
-                           "survival": pf_alive / max(1, pf_admitted_chunks)}
+                           "survival": pf_alive / max(1, pf_landed)}
     return out
 
 
 STEP_TOKENS = 8192
 # Longcap + Dynamic Chunk settings, from the sweep (``--sweep``; see docs/scheduling.md).
-LONGCAP = {"step_tokens": STEP_TOKENS, "short_tokens": 4096, "long_cap": 0.25,
-           "min_chunk": 512, "max_long_running": 1, "long_chunk_max": 512}
+# ``context_cost`` is set from the calibration in ``main`` (c / b of the step-time model).
+LONGCAP = {"step_tokens": STEP_TOKENS, "short_tokens": 16384, "long_cap": 0.25,
+           "min_chunk": 256, "max_long_running": 1, "long_chunk_max": 2048,
+           "short_step": 512, "short_order": "shortest", "split_overhead": 0.5}
 
 
 def policies(lookahead: int, longcap: dict[str, Any]) -> dict[str, Any]:
@@ -359,6 +432,10 @@ def policies(lookahead: int, longcap: dict[str, Any]) -> dict[str, Any]:
         "longcap-dynamic+shadow": ShadowScheduler(LongcapDynamic(**longcap),
                                                   lookahead=lookahead,
                                                   model=StepTimeModel(attention=True)),
+        # the look-ahead expecting arrivals (``ShadowScheduler(arrivals=True)``)
+        "longcap-dynamic+shadow-arrivals": ShadowScheduler(
+            LongcapDynamic(**longcap), lookahead=lookahead,
+            model=StepTimeModel(attention=True), arrivals=True),
     }
 
 
@@ -369,22 +446,53 @@ def ratios(base: dict[str, float], lc: dict[str, float]) -> dict[str, float]:
             "p95_ratio": lc["p95"] / base["p95"]}
 
 
-SWEEP = {"short_tokens": [1024, 2048, 4096], "long_cap": [0.125, 0.25, 0.5],
-         "max_long_running": [1, 2], "long_chunk_max": [256, 512, 1024, 2048, 8192]}
+SWEEP = {"short_tokens": [4096, 16384], "short_step": [256, 512, 1024, 2048],
+         "short_order": ["shortest", "fcfs"], "split_overhead": [0.25, 0.5]}
 
 
 def sweep(trace: list[Turn], model: StepTimeModel, kv: dict[str, float],
-          base: dict[str, float], noise: float, seed: int,
-          split_tail: bool) -> list[dict[str, Any]]:
+          base: dict[str, float], env: Env, seed: int, split_tail: bool,
+          longcap: dict[str, Any]) -> list[dict[str, Any]]:
     """Longcap + Dynamic Chunk over the ``SWEEP`` grid against the same fcfs baseline."""
     rows = []
-    for short, cap, mlr, lcm in itertools.product(*SWEEP.values()):
-        cfg = {**LONGCAP, "short_tokens": short, "long_cap": cap, "max_long_running": mlr,
-               "long_chunk_max": lcm, "min_chunk": min(LONGCAP["min_chunk"], lcm)}
-        lat = replay(LongcapDynamic(**cfg), trace, model, kv, noise=noise, seed=seed,
+    for values in itertools.product(*SWEEP.values()):
+        cfg = {**longcap, **dict(zip(SWEEP, values, strict=True))}
+        cfg["min_chunk"] = min(cfg["min_chunk"], cfg["long_chunk_max"])
+        lat = replay(LongcapDynamic(**cfg), trace, model, kv, env=env, seed=seed,
                      split_tail=split_tail)["latency_s"]
         rows.append({"config": cfg, "latency_s": lat, **ratios(base, lat)})
     return rows
+
+
+def planner_speed(trace: list[Turn], model: StepTimeModel, kv: dict[str, float], env: Env,
+                  seed: int, split_tail: bool, longcap: dict[str, Any]) -> dict[str, Any]:
+    """Wall seconds of whole replays with the fast planner vs the straightforward reference
+    one (``prefill/tests/reference_planner.py``), and whether every latency came out the same
+    (the same decisions at every step). A small KV pod (64k tokens) makes the safety and
+    timeline checks work instead of taking their "everything fits" shortcut."""
+    from agentserving.prefill.policies import fcfs
+    from agentserving.prefill.tests.reference_planner import RefPlanner
+
+    out: dict[str, Any] = {}
+    for name, make in (("fcfs-chunk", lambda: FcfsChunk(chunk_tokens=2048)),
+                       ("longcap-dynamic", lambda: LongcapDynamic(**longcap))):
+        runs = {}
+        for which in ("fast", "reference"):
+            saved = fcfs.Planner
+            if which == "reference":
+                fcfs.Planner = RefPlanner
+            try:
+                t = time.perf_counter()
+                r = replay(make(), trace, model, kv, env=env, seed=seed, split_tail=split_tail,
+                           kv_capacity_tokens=64 * 1024)
+                runs[which] = (time.perf_counter() - t, r["latency_s"], r["steps"])
+            finally:
+                fcfs.Planner = saved
+        out[name] = {"fast_s": runs["fast"][0], "reference_s": runs["reference"][0],
+                     "speedup": runs["reference"][0] / runs["fast"][0],
+                     "steps": runs["fast"][2],
+                     "same_results": runs["fast"][1:] == runs["reference"][1:]}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -399,15 +507,20 @@ def main(argv: list[str] | None = None) -> int:
     model.coef = np.array([c["a_s"], c["b_s_per_new_token"], c["c_s_per_context_token"],
                            c["d_s_per_attention_pair"]])
     kv = cal["kv_load_s_per_chunk"]
+    env = Env(noise=args.noise, stall_prob=args.stall_prob, stall_factor=args.stall_factor,
+              per_seq_s=args.per_seq_s, dram_chunks=args.dram_chunks, store_new_kv=True)
     base_trace = make_trace(args.requests, 1.0, args.seed)
-    rate = args.load / service_estimate(base_trace, model)
+    rate = args.load / service_estimate(base_trace, model, env, args.split_tail)
     trace = make_trace(args.requests, rate, args.seed)
+    # the context re-read per chunk in new-token units (c / b): Dynamic Chunk's min_split
+    longcap = {**LONGCAP, "context_cost": float(model.coef[2] / model.coef[1])
+               if model.coef[1] > 0 else 0.0}
     results = {}
-    for name, pol in policies(args.lookahead, LONGCAP).items():
+    for name, pol in policies(args.lookahead, longcap).items():
         sh = pol if isinstance(pol, ShadowScheduler) else None
         if sh is not None:  # the shadow starts from the calibration, then fits online
             sh.model.coef = model.coef.copy()
-        results[name] = replay(pol, trace, model, kv, shadow=sh, noise=args.noise,
+        results[name] = replay(pol, trace, model, kv, shadow=sh, env=env,
                                seed=args.seed, split_tail=args.split_tail)
     b, lc = results["fcfs-nochunk"]["latency_s"], results["longcap-dynamic"]["latency_s"]
     out = {
@@ -420,32 +533,38 @@ def main(argv: list[str] | None = None) -> int:
                       "docs/scheduling.md)"],
         "calibration": cal,
         "trace": {"requests": args.requests, "rate_per_s": rate, "offered_load": args.load,
-                  "mean_turn_work_s": service_estimate(trace, model),
+                  "mean_turn_work_s": service_estimate(trace, model, env, args.split_tail),
                   "step_noise_sigma": args.noise, "seed": args.seed,
+                  "env": dataclasses.asdict(env),
                   "executor_split_tail": args.split_tail,
-                  **trace_summary(trace, LONGCAP["short_tokens"])},
-        "longcap_config": LONGCAP,
+                  **trace_summary(trace, longcap["short_tokens"])},
+        "longcap_config": longcap,
         "policies": results,
         "longcap_vs_fcfs_nochunk": ratios(b, lc),
         "seed_003": {"p50_speedup": 12.5, "p85_speedup": 11.1, "p95_ratio": 116.6 / 92.9,
                      "n1_accuracy": 0.9588, "n1_precision": 0.9124, "n1_recall": 0.9307,
                      "prefetch_consumption": 0.9919, "prefetch_survival": 0.9950},
     }
+    out["planner_speed"] = planner_speed(trace[: min(len(trace), 600)], model, kv, env,
+                                         args.seed, args.split_tail, longcap)
     if args.sweep:
-        out["sweep"] = sweep(trace, model, kv, b, args.noise, args.seed, args.split_tail)
+        out["sweep"] = sweep(trace, model, kv, b, env, args.seed, args.split_tail, longcap)
     out["wall_s"] = time.perf_counter() - t0
     write_result(args.out, out)
     print(json.dumps({"longcap_vs_fcfs_nochunk": out["longcap_vs_fcfs_nochunk"],
                       "utilization_fcfs": results["fcfs-nochunk"]["utilization"],
                       **{k: v["latency_s"] for k, v in results.items()},
-                      "shadow": {k: results["longcap-dynamic+shadow"].get(k) for k in
-                                 ("n_plus_1_prediction", "prefetch", "exposed_kv_s",
-                                  "forward_s")}}, indent=1))
+                      **{name: {k: results[name].get(k) for k in
+                                ("n_plus_1_prediction", "prefetch", "exposed_kv_s",
+                                 "forward_s")}
+                         for name in ("longcap-dynamic+shadow",
+                                      "longcap-dynamic+shadow-arrivals")},
+                      "planner_speed": out["planner_speed"]}, indent=1))
     if args.sweep:
         for r in sorted(out["sweep"], key=lambda r: -min(r["p50_speedup"], r["p85_speedup"])):
             cfg = r["config"]
-            print(f"short={cfg['short_tokens']:5d} cap={cfg['long_cap']:.3f} "
-                  f"mlr={cfg['max_long_running']} lcm={cfg['long_chunk_max']:4d}  "
+            print(f"short={cfg['short_tokens']:5d} step={cfg['short_step']:4d} "
+                  f"{cfg['short_order']:8s} split_overhead={cfg['split_overhead']:.2f}  "
                   f"p50 x{r['p50_speedup']:.2f} p85 x{r['p85_speedup']:.2f} "
                   f"p95 {r['p95_ratio']:.2f}")
     return 0

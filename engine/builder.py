@@ -10,6 +10,7 @@ import torch
 
 from agentserving.engine.core import EngineCore, HandoffSite
 from agentserving.engine.kv.keys import ChunkKeys
+from agentserving.engine.kv.paged import KVBlockPool
 from agentserving.engine.kv.store import KVStore, KVStoreConfig
 from agentserving.engine.model.loader import ModelBundle, load_model
 from agentserving.engine.model.runner import ModelRunner
@@ -27,6 +28,7 @@ class EngineParts:
     handoff: Any
 
     def close(self) -> None:
+        self.core.close()
         self.store.close()
 
 
@@ -47,6 +49,10 @@ def build_engine(settings: WorkerSettings, index: int = 0, *,
         cpu_gib=settings.cpu_cache_gib, disk_dir=settings.engine_disk_dir(index),
         disk_gib=settings.disk_cache_gib, verify_cpu=settings.verify_cpu_checksums,
         instance_id=f"{settings.pod_name}-engine-{index}"), keys)
+    pool = KVBlockPool.for_bytes(
+        int(settings.kv_cache_gib * 1024**3), num_layers=bundle.num_layers,
+        block_size=settings.kv_block_size, num_kv_heads=bundle.num_kv_heads,
+        head_dim=bundle.head_dim, dtype=bundle.dtype)
     handoff = HandoffRegistry(settings.kv_transfer_timeout_s)
     site = HandoffSite(settings.public_host, settings.engine_memory_port(index),
                        f"{settings.pod_name}/engine-{index}")
@@ -54,6 +60,9 @@ def build_engine(settings: WorkerSettings, index: int = 0, *,
         runner, store, keys, make_policy(settings.scheduler_policy,
                                          settings.prefill_chunk_tokens),
         chunk_size=settings.chunk_size, max_running=settings.max_running_requests,
-        max_model_len=bundle.max_model_len, handoff=handoff, handoff_site=site,
-        pull_timeout_s=settings.kv_pull_timeout_s)
+        # a request can never hold more KV than the pool: that is this engine's context limit
+        max_model_len=min(bundle.max_model_len, pool.num_blocks * pool.block_size),
+        handoff=handoff, handoff_site=site,
+        pull_timeout_s=settings.kv_pull_timeout_s, pool=pool,
+        layerwise_load=settings.kv_layerwise_load)
     return EngineParts(bundle, runner, keys, store, core, handoff)

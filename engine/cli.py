@@ -48,6 +48,14 @@ from agentserving.core.schemas import PodRole
         help="Disk tier size per engine process, GiB.")
 @option("--verify-cpu-checksums/--no-verify-cpu-checksums", default=False,
         help="Also verify chunk checksums on DRAM hits (disk hits are always verified).")
+@option("--kv-cache-gib", type=click.FloatRange(min=0.001), default=2.0,
+        help="Paged KV pool per engine process (K and V of every layer), GiB; a request "
+        "waits for blocks for its prompt plus output budget.")
+@option("--kv-block-size", type=click.IntRange(min=1), default=64,
+        help="Tokens per paged KV block (divides --chunk-size).")
+@option("--kv-layerwise-load/--no-kv-layerwise-load", default=True,
+        help="Copy a reused prefix into the KV blocks layer by layer while the forward pass "
+        "runs (off: all layers before it).")
 @option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE,
         help="Tokens per KV chunk: the unit of storage, hashing and reuse.")
 @option("--hash-scheme", type=click.Choice([s.value for s in HashScheme]), default="blake3",
@@ -59,6 +67,10 @@ from agentserving.core.schemas import PodRole
         "policies (fcfs-chunk, fcfs-nochunk, longcap-dynamic, shadow), or module:Class.")
 @option("--prefill-chunk-tokens", type=click.IntRange(min=1), default=512,
         help="Prompt tokens prefilled per engine step (a multiple of --chunk-size).")
+@option("--chunk-align", type=click.IntRange(min=0), default=0,
+        help="Every non-final prefill chunk keeps (cached + new) tokens a multiple of this "
+        "(128: Ascend Prefix-v2 attention); 0: off. Passed to the prefill policies as "
+        "chunk_align.")
 @option("--max-running-requests", type=click.IntRange(min=1), default=16,
         help="Requests holding KV at once per engine process; the rest queue.")
 @option("--kv-transfer-timeout", "kv_transfer_timeout_s", type=click.FloatRange(min=0.01),

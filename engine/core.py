@@ -3,15 +3,21 @@
 ``EngineCore`` owns the queue of requests; each ``step()`` asks the scheduling policy for a
 ``StepPlan`` and executes it:
 
-- the first time a request is scheduled, its prompt's chunk hashes are computed and the
-  longest cached prefix is fetched from whichever LMCache tier holds it (``KVStore``);
-  only the rest of the prompt is computed, in steps split at chunk boundaries;
+- the first time a request is scheduled, blocks for its whole timeline (prompt + output
+  budget) are reserved in the paged KV pool (``kv.paged``; it waits in the queue while they
+  are not free), its prompt's chunk hashes are computed and the longest cached prefix is
+  fetched from whichever LMCache tier holds it (``KVStore.fetch_prefix``: verified, not yet
+  copied); the copy into the paged blocks runs layer by layer on a background thread while
+  the forward pass starts (``kv.layerwise``: layer i waits only for its own KV); only the
+  rest of the prompt is computed, in steps split at chunk boundaries;
 - when the prompt is done, the first token is sampled (or taken from
   ``forced_output_token_ids``), and every full chunk not reused is stored (deferred to
   ``run_deferred()``, after the first token has been sent);
 - ``do_remote_decode`` requests stop there and pin their KV in the hand-off registry;
-  ``do_remote_prefill`` requests pull it instead (``services.decode.kv_pull``), decode their
-  first step while later layers still arrive, and recompute locally if the pull fails;
+  ``do_remote_prefill`` requests pull it instead (``services.decode.kv_pull``): reading the
+  local prefix, the pull and the copy into paged blocks all run off the step loop, so the
+  requests already decoding keep stepping; the first step overlaps the last layers' arrival
+  on an idle engine; a failed pull is recomputed locally;
 - decoding requests advance one token per step.
 
 It runs in-process too (tests drive ``step()`` directly); ``engine_process`` wraps it with
@@ -21,6 +27,7 @@ ZMQ and the HTTP memory API.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable
@@ -32,6 +39,8 @@ from agentserving.core.logging import get_logger
 from agentserving.core.schemas import Tier
 from agentserving.engine.kv.handoff_wire import TransferError, dtype_name, tokens_digest
 from agentserving.engine.kv.keys import ChunkKeys
+from agentserving.engine.kv.layerwise import LayerLoad, LoadFailed, chunk_copier, tensor_copier
+from agentserving.engine.kv.paged import KVBlockPool, PagedKV, all_materialized
 from agentserving.engine.kv.store import KVStore
 from agentserving.engine.model.runner import ModelRunner, logprobs_of, sample
 from agentserving.engine.scheduler.policy import SchedulerContext, SchedulerPolicy
@@ -67,6 +76,19 @@ class EngineCoreStats:
     transfer_failures: int = 0
     transfer_tokens_local: int = 0  # P/D: prompt tokens found here instead of pulled
     requests_finished: int = 0
+    kv_load_exposed_seconds: float = 0.0  # KV load time the step loop waited for
+    kv_load_seconds: float = 0.0  # all KV load time (exposed or hidden behind compute)
+    kv_pool_full_waits: int = 0  # admissions deferred: not enough free KV blocks
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One step's time split (benchmarks read ``EngineCore.step_records``)."""
+
+    forward_s: float  # model compute, waits excluded
+    exposed_kv_s: float  # KV load time on the step's critical path
+    prefill_tokens: int
+    decode_tokens: int
 
 
 @dataclasses.dataclass
@@ -83,7 +105,8 @@ class EngineCore:
                  policy: SchedulerPolicy, *, chunk_size: int, max_running: int,
                  max_model_len: int, handoff: Any = None, handoff_site: HandoffSite | None = None,
                  pull_timeout_s: float = 30.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, pool: KVBlockPool | None = None,
+                 layerwise_load: bool = True) -> None:
         self.runner = runner
         self.store = store
         self.keys = keys
@@ -96,6 +119,19 @@ class EngineCore:
         self.pull_timeout_s = pull_timeout_s
         self.clock = clock
         bundle = runner.bundle
+        block = 64 if chunk_size % 64 == 0 else chunk_size
+        self.pool = pool or KVBlockPool.for_bytes(
+            1 << 30, num_layers=bundle.num_layers, block_size=block,
+            num_kv_heads=bundle.num_kv_heads, head_dim=bundle.head_dim, dtype=bundle.dtype)
+        if chunk_size % self.pool.block_size:
+            raise ValueError(f"KV block size {self.pool.block_size} must divide the chunk "
+                             f"size {chunk_size}")
+        self.layerwise_load = layerwise_load
+        self._pull_opener = concurrent.futures.ThreadPoolExecutor(2, "kv-pull-open")
+        self._loads: list[LayerLoad] = []  # layer-wise copies that may still be running
+        self._step_exposed = 0.0
+        self.record_steps = False  # benchmarks: keep a StepRecord per step
+        self.step_records: list[StepRecord] = []
         self.eos_token_id = bundle.tokenizer.eos_token_id
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self.running: list[EngineRequest] = []
@@ -106,6 +142,13 @@ class EngineCore:
         # Tests: keep every request's sampled-from logits (req_id -> list of fp32 tensors).
         self.capture_logits = False
         self.captured_logits: dict[str, list[torch.Tensor]] = {}
+
+    def close(self) -> None:
+        """Let background KV work stop before the tiers it reads from are closed."""
+        self._pull_opener.shutdown(wait=True, cancel_futures=True)
+        for load in self._loads:  # a pull's copy may wait on the network: not forever
+            load.join(5.0)
+        self._loads = []
 
     # ------------------------------------------------------------------ queue
     def add(self, req: EngineRequest) -> None:
@@ -125,7 +168,10 @@ class EngineCore:
         for queue in (self.waiting, self.running, self.pulling):
             if req in queue:
                 queue.remove(req)
-        req.cache = None
+        self._drop_cache(req)
+        if req.prepared is not None:
+            req.prepared[0].release()
+            req.prepared = None
         return True
 
     def has_work(self) -> bool:
@@ -135,7 +181,7 @@ class EngineCore:
         """A step would do something now (not just wait for a pull still on the wire): the
         engine process spins on this and only polls slowly while a pull is in flight."""
         return bool(self.waiting or self.running or self._deferred) or any(
-            r.remote.header_ready() for r in self.pulling)
+            self._pull_ready(r) for r in self.pulling)
 
     @property
     def num_waiting(self) -> int:
@@ -148,21 +194,33 @@ class EngineCore:
     # ------------------------------------------------------------------ step
     def step(self) -> list[EngineOutput]:
         outputs: list[EngineOutput] = []
-        self._promote_pulls()
+        self._promote_pulls(outputs)
         ctx = SchedulerContext(chunk_size=self.chunk_size, max_running=self.max_running,
                                now=self.clock(), lookup_tiers=self._lookup_tiers,
                                prefetch=self._prefetch_hint)
         plan = self.policy.schedule(list(self.waiting), list(self.running), ctx)
         t0 = time.perf_counter()
+        self._step_exposed = 0.0
+        prefill_tokens = 0
         for work in plan.prefill:
             if not work.request.aborted:
+                before = work.request.num_computed
                 self._prefill(work.request, work.num_tokens, outputs)
+                prefill_tokens += max(0, work.request.num_computed - before)
+        decoded = 0
         for req in plan.decode:
             if not req.aborted and req.state is RequestState.DECODING:
                 self._decode(req, outputs)
+                decoded += 1
+        self._prepare_head()
+        seconds = time.perf_counter() - t0
+        self.stats.kv_load_exposed_seconds += self._step_exposed
+        if self.record_steps and not plan.empty:
+            self.step_records.append(StepRecord(seconds - self._step_exposed,
+                                                self._step_exposed, prefill_tokens, decoded))
         observe = getattr(self.policy, "observe_step", None)
         if observe is not None and not plan.empty:  # e.g. a step-time model fitted online
-            observe(plan, time.perf_counter() - t0)
+            observe(plan, seconds)
         return outputs
 
     def run_deferred(self) -> None:
@@ -181,35 +239,146 @@ class EngineCore:
         req.chunk_ints = [self.keys.to_int(h) for h in raw]
         req.chunk_hashes = [self.keys.wire_of_int(v) for v in req.chunk_ints]
 
-    def _admit(self, req: EngineRequest) -> None:
-        """First scheduling: hash the prompt, fetch the longest cached prefix."""
+    def _timeline_tokens(self, req: EngineRequest) -> int:
+        """KV slots a request can ever fill: its prompt plus its output budget."""
+        n = req.num_prompt_tokens
+        return min(n + req.output_budget, max(self.max_model_len, n))
+
+    def _reserve(self, req: EngineRequest, outputs: list[EngineOutput]) -> PagedKV | None:
+        """Blocks for the request's whole timeline, or None (it waits; or, if it could never
+        fit the pool, it is failed with an error naming the setting)."""
+        need = self._timeline_tokens(req)
+        kv = self.pool.reserve(need)
+        if kv is None:
+            self.stats.kv_pool_full_waits += 1
+            if self.pool.blocks_for(need) > self.pool.num_blocks:
+                msg = (f"the request needs {need} KV slots; this engine's KV pool holds "
+                       f"{self.pool.num_blocks * self.pool.block_size} (raise --kv-cache-gib)")
+                for queue in (self.waiting, self.pulling):
+                    if req in queue:
+                        queue.remove(req)
+                self._by_id.pop(req.req_id, None)
+                req.state = RequestState.FINISHED
+                outputs.append(EngineOutput(req.req_id, finished=True, finish_reason="error",
+                                            error=msg))
+        return kv
+
+    def _admit(self, req: EngineRequest, outputs: list[EngineOutput]) -> bool:
+        """First scheduling: reserve KV blocks, hash the prompt, start loading the longest
+        cached prefix (layer by layer, behind the forward pass) — unless that was done
+        already while the request waited at the head of the queue (``_prepare_head``)."""
+        prepared, req.prepared = req.prepared, None
+        if prepared is None:
+            kv = self._reserve(req, outputs)
+            if kv is None:
+                return False
+            length, source = self._load_prefix(req, kv)
+        else:
+            kv, length, source = prepared
         self.waiting.remove(req)
         self.running.append(req)
         req.scheduled_time = self.clock()
         req.state = RequestState.PREFILLING
+        req.num_computed = length
+        req.cache = self.runner.paged_cache(kv, length, source)
+        return True
+
+    def _load_prefix(self, req: EngineRequest, kv: PagedKV) -> tuple[int, Any]:
+        """Hash the prompt, fetch its longest cached prefix and start copying it into ``kv``;
+        returns (tokens reused, the per-layer wait for the forward pass or None)."""
         self._hashes(req)
+        req.reused_tokens = 0
+        req.tokens_by_tier = {}
         # Reuse at most the chunks before the one holding the last prompt token: that token's
         # logits are needed, so at least one token is always computed.
         max_chunks = (req.num_prompt_tokens - 1) // self.chunk_size
-        req.cache = None
-        if self.store is not None and max_chunks > 0:
-            res = self.store.load_prefix(req.chunk_ints[:max_chunks])
-            req.load_seconds = res.seconds
-            if res.num_tokens and res.layers is not None:
-                req.cache = self.runner.cache_from_layers(res.layers)
-                req.num_computed = res.num_tokens
-                req.reused_tokens = res.num_tokens
-                for tier, n in res.tokens_by_tier.items():
-                    req.add_tier_tokens(tier, n)
-        if req.cache is None:
-            req.cache = self.runner.new_cache()
-            req.num_computed = 0
+        if self.store is None or max_chunks <= 0:
+            return 0, None
+        ints = req.chunk_ints[:max_chunks]
+        source = None
+        if self.layerwise_load:
+            fetched = self.store.fetch_prefix(ints)
+            if fetched.num_tokens:
+                load = self._start_layer_load(
+                    kv, chunk_copier(fetched.objs, kv, self.chunk_size), fetched.release)
+                source = load.wait
+            else:
+                fetched.release()
+        else:  # the non-overlapped path: every layer is copied before the forward
+            fetched = self.store.fetch_prefix(ints, paged=kv)
+            self.stats.kv_load_seconds += fetched.seconds
+        req.load_seconds = fetched.seconds
+        self._step_exposed += fetched.seconds  # on the step loop's critical path
+        req.reused_tokens = fetched.num_tokens
+        for tier, n in fetched.tokens_by_tier.items():
+            req.add_tier_tokens(tier, n)
+        return fetched.num_tokens, source
+
+    def _prepare_head(self) -> None:
+        """Start the head of the queue's prefix load now, when it is next in line (a slot is
+        free and its blocks are): its layers then copy behind this step's end and the next
+        step's compute instead of in front of its own forward pass."""
+        if not (self.layerwise_load and self.store is not None and self.waiting):
+            return
+        req = self.waiting[0]
+        if req.prepared is not None or len(self.running) >= self.max_running \
+                or req.num_prompt_tokens <= self.chunk_size:
+            return
+        kv = self.pool.reserve(self._timeline_tokens(req))
+        if kv is None:
+            return
+        length, source = self._load_prefix(req, kv)
+        req.prepared = (kv, length, source)
+
+    def _start_layer_load(self, kv: PagedKV, copy_layer: Callable[[int], None],
+                          release: Callable[[], None] | None = None) -> LayerLoad:
+        """Copy KV into ``kv`` layer by layer on a thread; the blocks stay reserved until the
+        copy has stopped, even if the request ends first."""
+        kv.retain()
+        stats = self.stats
+
+        def on_exit() -> None:
+            if release is not None:
+                release()
+            kv.release()
+
+        load = LayerLoad(self.runner.bundle.num_layers, copy_layer, on_exit=on_exit)
+        self._loads = [x for x in self._loads if not x.done()] + [load]
+        orig_wait = load.wait
+
+        def wait(layer: int) -> float:
+            waited = orig_wait(layer)
+            self._step_exposed += waited
+            if layer == load.num_layers - 1:
+                stats.kv_load_seconds += load.seconds
+            return waited
+
+        load.wait = wait  # type: ignore[method-assign]
+        return load
+
+    def _drop_cache(self, req: EngineRequest) -> None:
+        """Give the request's KV blocks back (a pending store or hand-off may still hold
+        them; they are freed when the last holder lets go)."""
+        cache, req.cache = req.cache, None
+        kv = getattr(cache, "paged_kv", None)
+        if kv is not None and kv.alive:
+            kv.release()
+
+    def _recompute(self, req: EngineRequest, exc: Exception) -> None:
+        """A layer-wise load failed mid-forward: start the prompt over, computing all of it."""
+        log.warning("kv_load_failed_recomputing", req_id=req.req_id, error=str(exc))
+        kv = req.cache.paged_kv
+        req.cache = self.runner.paged_cache(kv, 0, None)
+        req.num_computed = 0
+        req.reused_tokens = 0
+        req.tokens_by_tier = {}
 
     def _prefill(self, req: EngineRequest, budget: int, outputs: list[EngineOutput]) -> None:
         if req.state is RequestState.WAITING:
             if len(self.running) >= self.max_running:
                 return
-            self._admit(req)
+            if not self._admit(req, outputs):
+                return
         size = self.chunk_size
         total = req.num_prompt_tokens
         full_end = total - total % size
@@ -217,7 +386,11 @@ class EngineCore:
         budget = max(size, budget - budget % size)
         end = min(start + budget, full_end) if start < full_end else total
         t0 = time.perf_counter()
-        logits = self.runner.forward(req.prompt_token_ids[start:end], req.cache, start)
+        try:
+            logits = self.runner.forward(req.prompt_token_ids[start:end], req.cache, start)
+        except LoadFailed as exc:
+            self._recompute(req, exc)
+            return
         req.prefill_seconds += time.perf_counter() - t0
         req.num_computed = end
         self.stats.prefill_tokens_computed += end - start
@@ -245,13 +418,16 @@ class EngineCore:
         skip = req.reused_tokens // self.chunk_size
         if len(req.chunk_ints) <= skip:
             return
-        layers = [(k, v) for k, v in self.runner.cache_layers(req.cache)]
+        kv = req.cache.paged_kv.retain()  # the blocks outlive the request until stored
         tokens = list(req.prompt_token_ids)
         salt = req.cache_salt
         store = self.store
 
         def _store() -> None:
-            req.stored_chunks = store.store(tokens, layers, skip, salt)
+            try:
+                req.stored_chunks = store.store(tokens, None, skip, salt, paged=kv)
+            finally:
+                kv.release()
 
         self._deferred.append(_store)
 
@@ -329,17 +505,19 @@ class EngineCore:
         self._by_id.pop(req.req_id, None)
         self.stats.requests_finished += 1
         cache = req.cache
-        req.cache = None
         if cache is not None and req.remote is not None and self.store is not None:
             self._store_remote(req, cache)
+        self._drop_cache(req)
 
     # ------------------------------------------------------------------ P/D: prefill side
     def _pin_for_decode(self, req: EngineRequest, first: TokenOut) -> dict[str, Any]:
         if self.handoff is None or self.handoff_site is None:
             raise RuntimeError("this engine cannot serve KV hand-offs")
         total = req.num_prompt_tokens
-        layers = [(k[:, :, :total], v[:, :, :total])
-                  for k, v in self.runner.cache_layers(req.cache)]
+        # Copies (one gather launch per layer), not views of the blocks: the registry hands
+        # out slices of what it holds and cannot say when a stream is done, so views could
+        # outlive the blocks' reservation and stream another request's KV.
+        layers = req.cache.paged_kv.layers(total, copy=True)
         b = self.runner.bundle
         header = {
             "model": b.name, "num_tokens": total, "num_layers": b.num_layers,
@@ -357,24 +535,25 @@ class EngineCore:
 
     # ------------------------------------------------------------------ P/D: decode side
     def _start_pull(self, req: EngineRequest) -> None:
+        """Queue a ``do_remote_prefill`` request; its local prefix is read and its pull opened
+        on a worker thread (``_open_pull``), never on the step loop."""
+        req.arrival_time = req.arrival_time or self.clock()
+        self._hashes(req)
+        req.state = RequestState.PULLING
+        self.pulling.append(req)
+        req.pull_open = self._pull_opener.submit(self._open_pull, req)
+
+    def _open_pull(self, req: EngineRequest) -> Any:
+        """(worker thread) Read the local prefix, then start pulling the rest."""
         from agentserving.decode.kv_pull import RemoteKV
 
         b = self.runner.bundle
-        req.arrival_time = req.arrival_time or self.clock()
-        self._hashes(req)
         prefix = self._local_prefix(req)
         n_local = req.reused_tokens // self.chunk_size
-        try:
-            req.remote = RemoteKV(req.kv_transfer_params or {}, req.prompt_token_ids,
-                                  num_layers=b.num_layers, num_kv_heads=b.num_kv_heads,
-                                  head_dim=b.head_dim, dtype=b.dtype,
-                                  timeout_s=self.pull_timeout_s, prefix=prefix,
-                                  prefix_chunk_hashes=req.chunk_hashes[:n_local]).start()
-        except TransferError as exc:
-            self._fall_back(req, exc, queued=False)
-            return
-        req.state = RequestState.PULLING
-        self.pulling.append(req)
+        return RemoteKV(req.kv_transfer_params or {}, req.prompt_token_ids,
+                        num_layers=b.num_layers, num_kv_heads=b.num_kv_heads,
+                        head_dim=b.head_dim, dtype=b.dtype, timeout_s=self.pull_timeout_s,
+                        prefix=prefix, prefix_chunk_hashes=req.chunk_hashes[:n_local]).start()
 
     def _local_prefix(self, req: EngineRequest) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """The prompt's leading full chunks this engine already holds (a session's previous
@@ -394,29 +573,53 @@ class EngineCore:
             req.add_tier_tokens(tier, n)
         return list(res.layers)
 
-    def _promote_pulls(self) -> None:
-        """Requests whose hand-off header arrived start decoding. On an idle engine layers may
-        still stream (the first forward pass waits for each layer as it needs it); while
-        other requests are decoding, a pull joins them only once all of it is here, so their
-        tokens never wait on the network."""
-        from agentserving.decode.kv_pull import layerwise_cache
+    def _pull_ready(self, req: EngineRequest) -> bool:
+        """Something for the step loop to do about this pull now."""
+        opening = req.pull_open
+        if opening is not None:
+            return opening.done()
+        return req.remote is not None and req.remote.header_ready()
 
+    def _promote_pulls(self, outputs: list[EngineOutput] | None = None) -> None:
+        """Pulls whose hand-off header arrived get KV blocks and a thread copying each layer
+        into them as it arrives, then start decoding. On an idle engine that is at once (the
+        first forward pass waits for each layer as it needs it); while other requests are
+        decoding, a pull joins them only once all of it is in its blocks, so their tokens
+        never wait on the network or on the copy."""
         for req in list(self.pulling):
+            opening = req.pull_open
+            if opening is not None:
+                if not opening.done():
+                    continue
+                req.pull_open = None
+                try:
+                    req.remote = opening.result()
+                except Exception as exc:  # noqa: BLE001 - TransferError, or a failed prefix read
+                    self.pulling.remove(req)
+                    self._fall_back(req, exc if isinstance(exc, TransferError)
+                                    else TransferError(repr(exc)))
+                    continue
             if not req.remote.header_ready():
                 continue
-            if self.running and not req.remote.done():
-                continue
-            self.pulling.remove(req)
-            try:
-                req.remote.wait_header()
-            except TransferError as exc:
-                self._fall_back(req, exc)
+            if req.kv_load is None:
+                try:
+                    req.remote.wait_header()
+                except TransferError as exc:
+                    self.pulling.remove(req)
+                    self._fall_back(req, exc)
+                    continue
+                kv = self._reserve(req, outputs if outputs is not None else [])
+                if kv is None:
+                    continue
+                remote = req.remote
+                req.kv_load = self._start_layer_load(kv, tensor_copier(remote.layer, kv))
+                req.cache = self.runner.paged_cache(kv, req.num_prompt_tokens, req.kv_load.wait)
+            if self.running and not req.kv_load.done():
                 continue
             if len(self.running) >= self.max_running:
-                self.pulling.insert(0, req)
                 break
+            self.pulling.remove(req)
             req.scheduled_time = self.clock()
-            req.cache = layerwise_cache(self.runner.config, req.remote, req.num_prompt_tokens)
             req.num_computed = req.num_prompt_tokens
             req.state = RequestState.DECODING
             self.running.append(req)
@@ -441,7 +644,7 @@ class EngineCore:
                 logits = self.runner.forward([first_id], req.cache, req.num_prompt_tokens)
                 second = self._choose(req, logits, 1)
             req.decode_seconds += time.perf_counter() - t0
-        except TransferError as exc:
+        except (TransferError, LoadFailed) as exc:
             req.output_token_ids.clear()
             self.running.remove(req)
             self._fall_back(req, exc)
@@ -468,9 +671,11 @@ class EngineCore:
         if req.remote is not None:
             self.stats.transfer_bytes_received += req.remote.bytes_received
         req.remote = None
+        req.kv_load = None
+        req.pull_open = None
         req.kv_transfer_params = {k: v for k, v in (req.kv_transfer_params or {}).items()
                                   if k != "do_remote_prefill"}
-        req.cache = None
+        self._drop_cache(req)
         req.num_computed = 0
         req.tokens_by_tier = {}
         req.reused_tokens = 0
@@ -483,14 +688,21 @@ class EngineCore:
         chunks that were found here already are not stored again)."""
         store = self.store
         assert store is not None
-        layers = [(k, v) for k, v in self.runner.cache_layers(cache)]
-        if any(k is None for k, _ in layers):  # never materialized (finished on token one)
+        if not all_materialized(cache):  # never copied in (finished on token one)
             return
         tokens, salt = list(req.prompt_token_ids), req.cache_salt
         skip = req.reused_tokens // self.chunk_size
         if len(tokens) // self.chunk_size <= skip:
             return
-        self._deferred.append(lambda: store.store(tokens, layers, skip, salt))
+        kv = cache.paged_kv.retain()
+
+        def _store() -> None:
+            try:
+                store.store(tokens, None, skip, salt, paged=kv)
+            finally:
+                kv.release()
+
+        self._deferred.append(_store)
 
     # ------------------------------------------------------------------ policy helpers
     def _lookup_tiers(self, req: EngineRequest) -> list[Tier]:

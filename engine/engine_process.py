@@ -115,7 +115,7 @@ def _serve(settings, index, in_addr, out_addr, parent_pid, zctx, out, log) -> in
     reporter.start()
     out.send(ipc.encode(ipc.Ready(
         engine=index, memory_port=port, weights_digest=parts.bundle.weights_digest(),
-        max_model_len=parts.bundle.max_model_len, chunk_bytes=store.chunk_bytes,
+        max_model_len=core.max_model_len, chunk_bytes=store.chunk_bytes,
         capacity_bytes={t.value: n for t, n in store.capacity_bytes().items()},
         backends=store.backends)))
     log.info("engine_ready", memory_port=port, model=parts.bundle.name)

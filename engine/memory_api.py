@@ -11,6 +11,12 @@
 Locations may be LMCache backend names (``LocalCPUBackend``, ``LocalDiskBackend``) or tier
 names (``cpu``, ``disk``); an unknown one is a 400 naming ``locations[i]``. Unknown chunk
 hashes are counted as missing, never errors.
+
+The HTTP layer is shared; the KV tiers behind it are pluggable (``MemoryBackend``): the
+reference engine passes its ``KVStore`` (engine/kv/store.py), the vLLM connector passes
+``LMCacheStorageBackend`` (engine/vllm/storage.py) over the LMCache storage manager that vLLM's
+worker process owns. Both are served by ``engine_memory_app``; the scheduler-side process of
+either serves ``forwarding_memory_app``.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from fastapi import APIRouter, FastAPI
@@ -54,11 +60,68 @@ def check_locations(locations: Sequence[str] | None, available: Sequence[str]) -
                            f"{sorted(avail)}", param=f"locations[{i}]")
 
 
+def backend_names(locations: Sequence[str] | None, available: Sequence[str]) -> list[str]:
+    """Backend names for the memory API's ``locations`` (backend or tier names; None: all).
+    Raises KeyError for one ``available`` lacks (``check_locations`` reports it first)."""
+    if locations is None:
+        return list(available)
+    tier_names = {t.value: b for t, b in TIER_BACKENDS.items()}
+    out = []
+    for loc in locations:
+        name = tier_names.get(loc, loc)
+        if name not in available:
+            raise KeyError(loc)
+        out.append(name)
+    return out
+
+
+class ChunkKeysLike(Protocol):
+    def key_of(self, wire: str) -> Any | None: ...  # None: not a hash of this scheme
+
+    def wire_of_int(self, value: int) -> str: ...
+
+
+class PrefetchProgress(Protocol):
+    lookup_id: str
+    requested: int
+    in_cpu: int
+    to_load: int
+    missing: int
+    state: str  # running | done | failed
+    loaded: int
+    corrupt: int
+    error: str | None
+
+
+class MemoryBackend(Protocol):
+    """The KV tiers of one engine process, as the memory API acts on them."""
+
+    keys: ChunkKeysLike
+    chunk_bytes: int
+
+    @property
+    def backends(self) -> list[str]: ...  # LMCache backend names this process has
+
+    def tier_of(self, key: Any) -> Tier | None: ...  # fastest tier holding the key
+
+    def prefetch(self, wire_hashes: Sequence[str],
+                 lookup_id: str | None) -> PrefetchProgress: ...  # returns at once
+
+    def prefetch_status(self, lookup_id: str) -> PrefetchProgress | None: ...
+
+    def resolve_locations(self, locations: Sequence[str] | None) -> list[str]: ...
+
+    def evict(self, wire_hashes: Sequence[str],
+              backends: Sequence[str]) -> tuple[list[str], list[str]]: ...  # evicted, missing
+
+    def residency(self) -> dict[Tier, set[int]]: ...  # chunk ints per tier, right now
+
+
 # ---------------------------------------------------------------- engine process
 
 
-def engine_memory_app(store: Any, extra_routers: Sequence[APIRouter] = ()) -> FastAPI:
-    """The memory API of one engine process, acting on its ``KVStore``."""
+def engine_memory_app(store: MemoryBackend, extra_routers: Sequence[APIRouter] = ()) -> FastAPI:
+    """The memory API of one engine process, acting on its KV tiers (any ``MemoryBackend``)."""
     app = FastAPI(title="AgentServing engine memory API", version="v1")
     install_error_handlers(app, max_body_bytes=64 * 1024 * 1024)
     install_health_route(app)
@@ -101,7 +164,7 @@ def engine_memory_app(store: Any, extra_routers: Sequence[APIRouter] = ()) -> Fa
     return app
 
 
-def _tier_of(store: Any, wire: str) -> Tier | None:
+def _tier_of(store: MemoryBackend, wire: str) -> Tier | None:
     key = store.keys.key_of(wire)
     return None if key is None else store.tier_of(key)
 

@@ -42,10 +42,20 @@ class WorkerSettings(BaseModel):
     disk_cache_dir: Path | None = None
     disk_cache_gib: float = Field(default=8.0, ge=0)
     verify_cpu_checksums: bool = False
+    # -- the engine's paged KV cache (engine/kv/paged.py)
+    kv_cache_gib: float = Field(default=2.0, gt=0, description="Paged KV pool per engine "
+                                "process (K and V of every layer), GiB.")
+    kv_block_size: int = Field(default=64, gt=0, description="Tokens per KV block; divides "
+                               "chunk_size.")
+    kv_layerwise_load: bool = Field(default=True, description="Copy a reused prefix into the "
+                                    "KV blocks layer by layer behind the forward pass.")
     # -- scheduling
     engine_processes: int = Field(default=1, ge=1, le=32)
     scheduler_policy: str = "fcfs"
     prefill_chunk_tokens: int = Field(default=512, gt=0)
+    chunk_align: int = Field(default=0, ge=0, description="Non-final prefill chunks keep "
+                             "cached + new tokens a multiple of this (0: off); folded into "
+                             "scheduler_policy as its chunk_align option.")
     max_running_requests: int = Field(default=16, gt=0)
     # -- P/D hand-off
     kv_transfer_timeout_s: float = Field(default=60.0, gt=0)
@@ -69,6 +79,11 @@ class WorkerSettings(BaseModel):
             raise ValueError(
                 f"prefill_chunk_tokens ({self.prefill_chunk_tokens}) must be a multiple of "
                 f"chunk_size ({self.chunk_size}): prefill steps split at chunk boundaries")
+        if self.chunk_size % self.kv_block_size:
+            raise ValueError(f"kv_block_size ({self.kv_block_size}) must divide chunk_size "
+                             f"({self.chunk_size})")
+        if self.chunk_align:
+            self.scheduler_policy = _with_chunk_align(self.scheduler_policy, self.chunk_align)
         if self.disk_cache_dir is not None and self.disk_cache_gib <= 0:
             raise ValueError("disk_cache_gib must be > 0 when disk_cache_dir is set")
         return self
@@ -94,3 +109,18 @@ class WorkerSettings(BaseModel):
         if self.served_model_name:
             return self.served_model_name
         return Path(self.model).name if "/" in self.model else self.model
+
+
+def _with_chunk_align(spec: str, align: int) -> str:
+    """``--chunk-align N`` as the policy's ``chunk_align=N`` option (the prefill policies
+    apply it; the engine's own ``fcfs`` ignores options). A different value already in the
+    spec is a conflict."""
+    import urllib.parse
+
+    name, _, query = spec.partition("?")
+    opts = dict(urllib.parse.parse_qsl(query, keep_blank_values=True))
+    if "chunk_align" in opts and opts["chunk_align"] != str(align):
+        raise ValueError(f"chunk_align: --chunk-align {align} conflicts with "
+                         f"scheduler_policy option chunk_align={opts['chunk_align']}")
+    opts["chunk_align"] = str(align)
+    return f"{name}?{urllib.parse.urlencode(opts)}"

@@ -106,11 +106,13 @@ def gather_blocks(k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor, *
 
 def scatter_blocks(staging: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    block_table: torch.Tensor, *, tokens: int | None = None,
-                   impl: str | None = None) -> None:
+                   impl: str | None = None, unique: bool = False) -> None:
     """The inverse of :func:`gather_blocks`: write ``staging`` into the listed blocks in place
-    (holes skipped; a block id listed twice is refused)."""
+    (holes skipped; a block id listed twice is refused). ``unique=True``: the caller
+    guarantees distinct ids (an allocator's table), skipping that check on a hot path."""
     k5, v5, table, tokens, single = _prepare(k, v, block_table, tokens)
-    layout.check_unique(table)
+    if not unique:
+        layout.check_unique(table)
     staging5 = staging.unsqueeze(0) if single else staging
     shape = (k5.shape[0], 2, tokens, *k5.shape[3:])
     if tuple(staging5.shape) != shape or staging.dtype != k.dtype:

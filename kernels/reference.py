@@ -45,13 +45,23 @@ def scatter_blocks(staging: torch.Tensor, k: torch.Tensor, v: torch.Tensor, tabl
     n = table.numel()
     full = tokens // bs  # blocks written whole; a remainder lands in block ``full``
     table = table.to(torch.int64)
+    ids = table[:full]
+    keep = ids >= 0
+    # no hole (the engine's case): one index_copy_ per K/V, no masked intermediate copy; a
+    # run of consecutive ids (an allocator's usual table) is one plain slice copy
+    whole = bool(keep.all()) if full else False
+    run = whole and (full == 1 or bool((ids[1:] - ids[:-1] == 1).all()))
+    first = int(ids[0]) if run else 0
     for kv, dst in enumerate((k, v)):
         src = staging[:, kv]
         if full:
-            ids = table[:full]
-            keep = ids >= 0
             blocks = src[:, :full * bs].unflatten(1, (full, bs))
-            dst[:, ids[keep]] = blocks[:, keep]
+            if run:
+                dst[:, first:first + full].copy_(blocks)
+            elif whole:
+                dst.index_copy_(1, ids, blocks)
+            else:
+                dst[:, ids[keep]] = blocks[:, keep]
         rest = tokens - full * bs
         if rest and full < n and int(table[full]) >= 0:
             dst[:, int(table[full]), :rest] = src[:, full * bs:]

@@ -18,7 +18,7 @@ class OperatorSettings:
     image_registry: str = DEFAULT_IMAGE_REGISTRY
     image_tag: str = DEFAULT_IMAGE_TAG
     # Default worker images for the vLLM engines (a resource's spec.engine.image overrides).
-    vllm_image: str = "vllm/vllm-openai:v0.11.0"
+    vllm_image: str = "agentserving/vllm:0.33.0"  # docker/vllm.Dockerfile
     vllm_ascend_image: str = "quay.io/ascend/vllm-ascend:v0.11.0"
     redis_image: str = "redis:7.4-alpine"
     # How the finalizer reaches a resource's kvindex ({name}, {namespace} are filled in).

@@ -7,8 +7,8 @@ Modules:
   reference) and its resolution into the exact token ids every turn sends;
 - ``tokens`` — deterministic token ids for named blocks and per-turn content;
 - ``mooncake`` — the Mooncake FAST'25 trace as sessions (the grouping rule is documented there);
-- ``synthetic`` — seeded generator of agent sessions, with the ``agent`` and ``bench-small``
-  presets; ``loader`` opens any of these (``bundled:NAME`` for a preset);
+- ``synthetic`` — seeded generator of agent sessions, with the ``agent``, ``bench-agent`` (the
+  main job's) and ``bench-small`` presets; ``loader`` opens any of these (``bundled:NAME``);
 - ``ideal`` — the ideal prefix hit rate of a trace (an unbounded cache);
 - ``client`` — the asynchronous replay client (``agentserving replay``); ``metrics`` — the run
   metrics; ``report`` — report.json, the side-by-side table and plots (``agentserving report``);

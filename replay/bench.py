@@ -31,7 +31,7 @@ import click
 
 from agentserving.core.cli import option
 
-CONFIGS = ("baseline", "agentserving")
+CONFIGS = ("baseline", "agentserving", "baseline-apc")
 
 
 def fleet_spec(config: str, *, prefill: int, decode: int, model: str, cpu_cache_gib: float,
@@ -45,6 +45,11 @@ def fleet_spec(config: str, *, prefill: int, decode: int, model: str, cpu_cache_
         # 1 MiB of CPU tier holds no 256-token chunk of even the tiny model: no reuse.
         return FleetSpec(prefill=0, decode=0, both=prefill + decode, routing="round-robin",
                          cpu_cache_gib=0.001, disk_cache_gib=0.0, **common)
+    if config == "baseline-apc":
+        # vLLM's own automatic prefix caching, and nothing else: each worker reuses what it
+        # computed itself (a CPU tier as large as agentserving's, no disk), round-robin, no P/D.
+        return FleetSpec(prefill=0, decode=0, both=prefill + decode, routing="round-robin",
+                         cpu_cache_gib=cpu_cache_gib, disk_cache_gib=0.0, **common)
     if config == "agentserving":
         return FleetSpec(prefill=prefill, decode=decode, routing="kv-aware",
                          cpu_cache_gib=cpu_cache_gib, disk_cache_gib=disk_cache_gib, **common)
@@ -54,6 +59,12 @@ def fleet_spec(config: str, *, prefill: int, decode: int, model: str, cpu_cache_
 def scrape_worker_metrics(url: str) -> dict[str, float]:
     """A worker's Prometheus counters and histogram sums/counts (``agentserving_worker_*``),
     labels folded into the name: where its time went during the run."""
+    return scrape_metrics(url, "agentserving_worker_")
+
+
+def scrape_metrics(url: str, prefix: str) -> dict[str, float]:
+    """Counters and histogram sums/counts named ``prefix*`` (prefix dropped), labels folded
+    into the name."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -68,11 +79,10 @@ def scrape_worker_metrics(url: str) -> dict[str, float]:
         for family in text_string_to_metric_families(resp.text):
             for sample in family.samples:
                 name = sample.name
-                if not name.startswith("agentserving_worker_") or name.endswith(
-                        ("_bucket", "_created")):
+                if not name.startswith(prefix) or name.endswith(("_bucket", "_created")):
                     continue
                 labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-                key = name.removeprefix("agentserving_worker_") + (
+                key = name.removeprefix(prefix) + (
                     f"{{{labels}}}" if labels else "")
                 out[key] = round(float(sample.value), 4)
     except ValueError:  # not Prometheus text: no breakdown for this worker
@@ -95,6 +105,32 @@ def time_breakdown(workers: dict[str, dict[str, float]]) -> list[str]:
     return lines
 
 
+def per_turn_breakdown(workers: dict[str, dict[str, float]], proxy: dict[str, float],
+                       turns: int) -> dict[str, float]:
+    """Where a turn's time went, per completed turn (summed over pods): the proxy's routing
+    decision in ms (kvindex lookup included), then seconds inside the pods that prefilled (queue +
+    compute), their prefill compute, and on pods that decoded: KV loaded or pulled, decode
+    compute, and decode compute per output token."""
+    def total(key: str, roles: tuple[str, ...]) -> float:
+        return sum(m.get(key, 0.0) for pod, m in workers.items() if pod.startswith(roles))
+
+    n = max(1, turns)
+    decoders = ("decode",) if any(p.startswith("decode") for p in workers) else ("worker",)
+    prefillers = ("prefill", "worker")
+    tokens = total("completion_tokens_total", decoders)
+    out = {
+        "proxy_routing_ms": 1e3 * proxy.get("routing_seconds_sum", 0.0) / max(
+            1.0, proxy.get("routing_seconds_count", 0.0)),
+        "prefill_pod_s": total("request_seconds_sum", prefillers) / n if decoders[0] ==
+        "decode" else total("ttft_seconds_sum", prefillers) / n,
+        "prefill_compute_s": total("prefill_seconds_sum", prefillers) / n,
+        "kv_load_s": total("kv_load_seconds_sum", tuple({*prefillers, *decoders})) / n,
+        "decode_compute_s": total("decode_seconds_sum", decoders) / n,
+        "decode_per_token_s": total("decode_seconds_sum", decoders) / max(1.0, tokens),
+    }
+    return {k: round(v, 4) for k, v in out.items()}
+
+
 def run_config(config: str, spec: Any, trace: Any, run_dir: Path, replay_opts: dict[str, Any],
                echo: Any) -> dict[str, Any]:
     """One configuration: fresh fleet, replay, stop. Returns the replay summary."""
@@ -115,19 +151,25 @@ def run_config(config: str, spec: Any, trace: Any, run_dir: Path, replay_opts: d
         workers = {mp.spec.name: scrape_worker_metrics(mp.spec.url)
                    for mp in fleet.procs
                    if mp.spec.role in ("prefill", "decode", "both") and mp.spec.url}
+        proxy_url = fleet.url("proxy")
+        proxy = scrape_metrics(proxy_url, "proxy_") if proxy_url else {}
     summary = dict(result.summary)
     summary["fleet"] = {"processes": [{"name": s.name, "role": s.role} for s in specs],
                         "died_during_replay": died}
     summary["workers"] = workers
+    summary["proxy"] = proxy
+    summary["per_turn"] = per_turn_breakdown(workers, proxy, summary.get("turns_completed") or 0)
     for line in time_breakdown(workers):
         echo(f"[{config}] {line}")
+    echo(f"[{config}] per turn: " + ", ".join(f"{k} {v}" for k, v in summary["per_turn"].items()))
     (run_dir / config / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
 @click.command("bench")
-@option("--workload", default="bundled:bench-small",
-        help="The trace to replay: bundled:bench-small, a session trace, or a Mooncake trace.")
+@option("--workload", default="bundled:bench-agent",
+        help="The trace to replay: bundled:bench-agent, bundled:bench-small, a session trace "
+             "or a Mooncake trace.")
 @option("--limit", type=click.IntRange(min=1), default=None, help="First N sessions only.")
 @option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
         help="Sessions/s (Poisson) instead of the workload's own start times.")
@@ -137,7 +179,9 @@ def run_config(config: str, spec: Any, trace: Any, run_dir: Path, replay_opts: d
         help="agentserving: prefill workers.")
 @option("--decode", type=click.IntRange(min=0), default=2,
         help="agentserving: decode workers. The baseline gets prefill + decode workers.")
-@option("--configs", default=",".join(CONFIGS), help="Comma-separated configurations to run.")
+@option("--configs", default="baseline,agentserving",
+        help="Comma-separated configurations to run: baseline, agentserving, and baseline-apc "
+             "(round-robin workers that reuse only their own prefix cache, like vLLM's APC).")
 @option("--model", default="tiny", help="Model every worker serves.")
 @option("--cpu-cache-gib", type=click.FloatRange(min=0, min_open=True), default=2.0,
         help="agentserving: CPU DRAM KV tier per worker.")
@@ -226,6 +270,13 @@ def command(workload: str, limit: int | None, rate: float | None, time_scale: fl
     if "baseline" in summaries and "agentserving" in summaries:
         print_table(report, title=f"{workload}: baseline ({prefill + decode} workers, "
                                   f"round-robin) vs agentserving ({prefill}P{decode}D, kv-aware)")
+        for name in names:
+            if name not in ("baseline", "agentserving"):
+                m = summaries[name]
+                click.echo(f"{name}: {m.get('req_per_s') or 0:.3f} req/s, prefix hit "
+                           f"{100 * (m.get('prefix_hit_rate') or 0):.2f}%, E2E P95 "
+                           f"{m.get('e2e_p95_s') or 0:.3f}s, ITL P99 "
+                           f"{m.get('itl_p99_s') or 0:.3f}s")
     else:
         click.echo(json.dumps({n: {k: s.get(k) for k in ("success_rate", "turns_completed",
                                                           "req_per_s", "prefix_hit_rate",

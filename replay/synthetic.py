@@ -15,8 +15,10 @@ stream, so generating more sessions never changes the first ones.
 
 Where the numbers come from is in docs/replay.md ("Synthetic sessions"): the mean turns per
 session and output tokens per turn of the ``agent`` preset match seed 003's evaluation; the
-per-tool sizes and run times are stated assumptions. ``bench-small`` scales the same shape down
-so that a replay on the tiny CPU model fits the main job's time budget.
+per-tool sizes and run times are stated assumptions. ``bench-agent``, the main job's workload,
+keeps the prefix/append/output split of real coding-agent traffic (TraceLab) at token counts the
+tiny CPU model can replay in the main job's budget; ``bench-small`` is an earlier, smaller-context
+scaling that the simulator's tests use.
 """
 
 from __future__ import annotations
@@ -97,6 +99,8 @@ class SyntheticConfig(_Model):
     agents: list[AgentKind] = Field(min_length=1)
     turns: LogNormal
     task_tokens: LogNormal
+    history_tokens: LogNormal | None = Field(
+        default=None, description="Tokens of the run before the replayed window (first turn).")
     output_tokens: LogNormal
     tools: list[ToolSpec] = Field(min_length=1)
     branch_probability: float = Field(default=0.0, ge=0, le=1)
@@ -136,6 +140,8 @@ def _session(cfg: SyntheticConfig, i: int) -> list[Session]:
     agent = _weighted(rng, cfg.agents, [a.weight for a in cfg.agents])
     n = max(1, cfg.turns.sample_int(rng))
     task = max(1, cfg.task_tokens.sample_int(rng))
+    if cfg.history_tokens is not None:  # drawn only when set: other presets keep their streams
+        task += max(0, cfg.history_tokens.sample_int(rng))
     system = [f"sys/{agent.name}/{j}" for j in range(agent.system_blocks)]
     first = TurnInput(length=len(system) * cfg.block_size + task, block_ids=system)
     sid = f"s{i}"
@@ -252,7 +258,37 @@ def bench_small_preset(sessions: int = 14, seed: int = 2) -> SyntheticConfig:
     )
 
 
-PRESETS = {"agent": agent_preset, "bench-small": bench_small_preset}
+def bench_agent_preset(sessions: int = 8, seed: int = 1) -> SyntheticConfig:
+    """The main job's workload: windows of long coding-agent runs, token counts scaled 1/25.
+
+    TraceLab's public pool of real Claude Code / Codex sessions (357k agent steps) averages,
+    per step, 147k cached-prefix tokens, 6.6k appended and 523 output tokens: contexts ~23x the
+    append and ~290x the output. Divided by 25 that is ~5.9k / ~260 / ~21, what the tiny CPU
+    model can replay in the main job's budget. Each session is a window of 6-10 turns of such
+    a run: its first turn carries the shared system prompt + tool schemas, the task and the
+    run so far (~2.5k tokens of history, which no system has cached), every later turn appends
+    one tool result and emits a short tool call. docs/replay.md lists every number's source.
+    """
+    return SyntheticConfig(
+        name="bench-agent", sessions=sessions, seed=seed, block_size=256, arrival_rate=0.5,
+        agents=[AgentKind(name="coder", weight=0.6, system_blocks=8),
+                AgentKind(name="assistant", weight=0.4, system_blocks=6)],
+        turns=LogNormal(median=7, sigma=0.2, lo=6, hi=10),
+        task_tokens=LogNormal(median=200, sigma=0.4, lo=64, hi=400),
+        history_tokens=LogNormal(median=2500, sigma=0.3, lo=1200, hi=4000),
+        # TraceLab's 523 output tokens per step / 40 (not / 25): on this CPU a decode token
+        # costs ~100 prefill tokens' time, on a GPU fleet ~5 (docs/replay.md), so even this
+        # leaves decode a larger share of a turn than in production
+        output_tokens=LogNormal(median=12, sigma=0.4, lo=6, hi=32),
+        # append: TraceLab 6.6k per step / 25 = 260 (tool results at 0.3x the agent preset's)
+        tools=_scaled_tools(size=0.3, time=0.2, size_cap=900), branch_probability=0.15,
+        branch_turns=LogNormal(median=2, sigma=0.3, lo=1, hi=3),
+        max_context_tokens=8192,
+    )
+
+
+PRESETS = {"agent": agent_preset, "bench-small": bench_small_preset,
+           "bench-agent": bench_agent_preset}
 
 
 def generate_preset(name: str, **overrides: Any) -> Trace:

@@ -17,7 +17,8 @@ def command() -> None:
 
 
 @command.command("generate")
-@option("--preset", type=click.Choice(["bench-small", "agent"]), default="bench-small",
+@option("--preset", type=click.Choice(["bench-agent", "bench-small", "agent"]),
+        default="bench-small",
         help="Distribution preset (docs/replay.md lists their numbers and sources).")
 @option("--sessions", type=click.IntRange(min=1), default=None,
         help="Number of root sessions [default: the preset's].")

@@ -1,16 +1,18 @@
 """`agentserving sim calibrate`: fit a profile to the reference engine on this machine.
 
-Measured in-process, briefly (the same approach as bench/prefill_sched_bench.py, part 1): the
-reference engine's model runner (``--model tiny`` by default) over prefill chunks of several
-sizes and contexts -> ``a + b*new + c*context`` by least squares (the ShadowScheduler's own
-``StepTimeModel``); one-token decode forwards over contexts -> per-sequence ``b + c*context``
-(the reference engine decodes a batch one request after another, so ``a`` = 0); LMCache load
-seconds per chunk from DRAM and from disk -> the DRAM->device and disk->DRAM bandwidths.
-
-Optionally (``--from-run DIR/report.json``) two engine-level costs the runner alone does not
-show are taken from a real ``agentserving bench`` run's worker metrics: the P/D hand-off
-bandwidth (bytes received / decode-side TTFT seconds) and the per-token decode overhead
-(time_per_output_token minus the runner's forward). The profile records which is which.
+Measured in-process, briefly (the same approach as bench/prefill_sched_bench.py, part 1), each
+piece of work the engine's step loop does:
+- prefill forwards of the model runner (``--model tiny`` by default) over chunks of several
+  sizes and starts -> ``a + b*new + c*start + d*pairs`` (the ShadowScheduler's own
+  ``StepTimeModel`` with its attention term: a chunk's cost grows with new x context);
+- one-token decode forwards over contexts -> per-sequence ``b + c*context`` (the reference
+  engine decodes a batch one request after another, so ``a`` = 0);
+- LMCache loads per chunk from DRAM and from disk, and stores of new chunks -> the
+  DRAM->device, disk->DRAM and device->DRAM bandwidths (loads and stores run on the loop);
+- the P/D hand-off wire (encode + framed, checksummed decode) -> the pod-to-pod bandwidth.
+The profile also states the host's cores (all pods of a local fleet share them) and the
+worker's default scheduler. ``--from-run DIR/report.json`` takes the host's cores from a real
+bench run and records its worker figures beside the measurements.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ import numpy as np
 
 from agentserving.prefill.shadow import StepTimeModel
 from agentserving.sim.profile import Profile
+
+
+def cpu_clock() -> float:
+    """This thread's CPU seconds. Every forward, store and wire pass runs on the calling thread
+    (one torch thread), so its CPU time is what it takes standalone, however busy the machine
+    is while calibrating; sharing the cores is the simulator's job (``Profile.host_cores``).
+    (Disk loads wait on I/O and are timed by the store itself, on the wall clock.)"""
+    return time.thread_time()
 
 
 def measure(model_name: str = "tiny", quick: bool = True) -> dict[str, Any]:
@@ -49,16 +59,18 @@ def measure(model_name: str = "tiny", quick: bool = True) -> dict[str, Any]:
     kv_bytes = 2 * cfg.num_hidden_layers * kv_heads * head_dim * dtype_bytes
     ids = prompt(4096, seed=1)
     runner.forward(ids[:256], runner.new_cache(), 0)  # warm
-    pre = StepTimeModel(min_samples=3)
+    # prefill cost has an attention term: a chunk of n tokens at start reads start tokens of
+    # KV per query (n * (start + (n + 1) / 2) pairs); fitted with the shadow's own model
+    pre = StepTimeModel(min_samples=3, attention=True)
     rows = []
-    for start in ([0, 1024] if quick else [0, 1024, 2048]):
-        for n in ([256, 1024, 2048] if quick else [256, 512, 1024, 2048]):
+    for start in ([0, 1024, 2048] if quick else [0, 1024, 2048, 3072]):
+        for n in [256, 512, 1024, 2048]:
             cache = runner.new_cache()
             if start:
                 runner.forward(ids[:start], cache, 0)
-            t0 = time.perf_counter()
+            t0 = cpu_clock()
             runner.forward(ids[start:start + n], cache, start)
-            sec = time.perf_counter() - t0
+            sec = cpu_clock() - t0
             rows.append({"new_tokens": n, "context_tokens": start, "seconds": sec})
             pre.observe(n, start, sec)
     pre.fit()
@@ -68,9 +80,9 @@ def measure(model_name: str = "tiny", quick: bool = True) -> dict[str, Any]:
         runner.forward(ids[:ctx], cache, 0)
         secs = []
         for j in range(5):
-            t0 = time.perf_counter()
+            t0 = cpu_clock()
             runner.forward(ids[ctx + j:ctx + j + 1], cache, ctx + j)
-            secs.append(time.perf_counter() - t0)
+            secs.append(cpu_clock() - t0)
         dec_rows.append({"context_tokens": ctx, "seconds": float(np.median(secs))})
     x = np.column_stack([np.ones(len(dec_rows)), [r["context_tokens"] for r in dec_rows]])
     dcoef, *_ = np.linalg.lstsq(x, [r["seconds"] for r in dec_rows], rcond=None)
@@ -89,15 +101,56 @@ def measure(model_name: str = "tiny", quick: bool = True) -> dict[str, Any]:
     for _ in range(3):
         store.evict(wires, store.resolve_locations(["cpu"]))
         disk.append(store.load_prefix(ints).seconds / 4)
+    # storing newly computed chunks (the engine's deferred store after a prefill, and a decode
+    # pod keeping a pulled prompt): seconds per chunk, fresh tokens each time
+    store_s = []
+    for seed in (3, 4, 5):
+        toks = prompt(1024 + 1, seed=seed)
+        cache = runner.new_cache()
+        runner.forward(toks[:1024], cache, 0)
+        layers = runner.cache_layers(cache)
+        t0 = cpu_clock()
+        store.store(toks, layers, 0, None)
+        store_s.append((cpu_clock() - t0) / 4)
+    store.wait_disk_writes()
+    wire = _wire_seconds(runner.cache_layers(cache), cfg, kv_heads, head_dim)
     parts.close()
     return {"model": model_name, "kv_bytes_per_token": kv_bytes, "prefill_rows": rows,
             "prefill_coef": [float(v) for v in pre.coef], "decode_rows": dec_rows,
             "decode_coef": [float(v) for v in dcoef],
-            "kv_load_s_per_chunk": {"cpu": cpu_s, "disk": min(disk)}}
+            "kv_load_s_per_chunk": {"cpu": cpu_s, "disk": min(disk)},
+            "kv_store_s_per_chunk": float(np.median(store_s)),
+            "handoff_wire": wire, "host_cores": os.cpu_count() or 1}
+
+
+def _wire_seconds(layers: Any, cfg: Any, kv_heads: int, head_dim: int) -> dict[str, float]:
+    """The P/D hand-off's own CPU cost: a 1024-token prompt's KV encoded as the prefill pod
+    streams it and decoded (framing, blake3 per frame, tensors) as the decode pod does, in
+    64 KiB reads: bytes per second of both ends together (the loopback socket not included)."""
+    from agentserving.engine.kv.handoff_wire import Decoder, dtype_name, encode
+
+    k0 = layers[0][0]
+    header = {"model": "calibrate", "num_tokens": int(k0.shape[2]),
+              "num_layers": len(layers), "num_kv_heads": kv_heads, "head_dim": head_dim,
+              "dtype": dtype_name(k0.dtype)}
+    best = float("inf")
+    nbytes = 0
+    for _ in range(3):
+        t0 = cpu_clock()
+        stream = b"".join(bytes(p) for p in encode(header, list(layers)))
+        dec = Decoder()
+        for i in range(0, len(stream), 1 << 16):
+            dec.feed(stream[i:i + (1 << 16)])
+        best = min(best, cpu_clock() - t0)
+        nbytes = len(stream)
+    return {"bytes": nbytes, "seconds": best}
 
 
 def from_run(report_path: Path) -> dict[str, float]:
-    """P/D hand-off bandwidth and per-token decode time from a real bench run's workers."""
+    """What a real bench run says about its host and workers: the cores every process shared
+    (``machine.cpus``), and for reference the hand-off bytes over decode-side TTFT and the
+    decode pods' time per output token (these include queueing and the host's contention,
+    which the simulator models itself, so they are recorded, not folded into the profile)."""
     report = json.loads(Path(report_path).read_text())
     recv = ttft = tpot = tpot_n = 0.0
     for m in report["configs"].get("agentserving", {}).get("workers", {}).values():
@@ -108,8 +161,10 @@ def from_run(report_path: Path) -> dict[str, float]:
             tpot += m.get("time_per_output_token_seconds_sum", 0.0)
             tpot_n += m.get("time_per_output_token_seconds_count", 0.0)
     out: dict[str, float] = {}
+    if report.get("machine", {}).get("cpus"):
+        out["cpus"] = int(report["machine"]["cpus"])
     if recv and ttft:
-        out["pod_to_pod_gbps"] = recv / ttft / 1e9
+        out["handoff_bytes_per_decode_ttft_gbps"] = recv / ttft / 1e9
     if tpot_n:
         out["time_per_output_token_s"] = tpot / tpot_n
     return out
@@ -117,37 +172,47 @@ def from_run(report_path: Path) -> dict[str, float]:
 
 def build_profile(m: dict[str, Any], run: dict[str, float] | None = None,
                   name: str = "reference-cpu", chunk: int = 256) -> Profile:
-    a, b, c = m["prefill_coef"]
+    from agentserving.engine.settings import WorkerSettings
+
+    a, b, c, d = m["prefill_coef"]
     d0, dc = m["decode_coef"]
     chunk_bytes = chunk * m["kv_bytes_per_token"]
     cpu_gbps = chunk_bytes / max(m["kv_load_s_per_chunk"]["cpu"], 1e-9) / 1e9
     disk_extra = max(m["kv_load_s_per_chunk"]["disk"] - m["kv_load_s_per_chunk"]["cpu"], 1e-9)
+    store_gbps = chunk_bytes / max(m["kv_store_s_per_chunk"], 1e-9) / 1e9
+    wire = m["handoff_wire"]
+    run = run or {}
+    cores = int(run.get("cpus") or m["host_cores"])
+    fields = WorkerSettings.model_fields
+    engine = {"scheduler": fields["scheduler_policy"].default,
+              "prefill_chunk_tokens": fields["prefill_chunk_tokens"].default,
+              "max_running": fields["max_running_requests"].default}
     assumptions = ["hbm_kv_gib: the reference engine keeps running KV in process memory; "
                    "4 GiB is an assumed bound (not reached by the bundled workload)",
                    "device_cache_fraction 0: the reference engine reuses KV through LMCache's "
                    "CPU tier only (no device prefix cache)",
-                   "dram 2 GiB, ssd 4 GiB: agentserving bench's default tier sizes"]
-    measured = {"runner": m}
-    run = run or {}
-    p2p = run.get("pod_to_pod_gbps")
-    if p2p is None:
-        p2p = 0.05
-        assumptions.append("pod_to_pod 0.05 GB/s: assumed (HTTP hand-off on loopback); "
-                           "pass --from-run to fit it")
-    d_b = d0
-    if run.get("time_per_output_token_s"):
-        d_b = max(d0, run["time_per_output_token_s"] - dc * 2048)
+                   "dram 2 GiB, ssd 4 GiB: agentserving bench's default tier sizes",
+                   f"host_cores {cores}: every pod of a local fleet is a process on this "
+                   "machine; busy engine loops share its cores (the proxy, kvindex, API "
+                   "processes and the client are not charged)",
+                   "pod_to_pod: the hand-off wire's encode + decode CPU throughput (loopback "
+                   "socket not included)",
+                   "engine: the worker's default scheduler flags (what agentserving bench runs)"]
+    measured: dict[str, Any] = {"runner": m}
+    if run:
         measured["from_run"] = run
     return Profile(
-        name=name, accelerator="CPU (this machine, 1 torch thread per worker)",
+        name=name, accelerator=f"CPU (this machine, {cores} cores, 1 torch thread per worker)",
         model=m["model"], kv_bytes_per_token=m["kv_bytes_per_token"],
-        prefill={"a_s": a, "b_s": b, "c_s": c},
-        decode={"a_s": 0.0, "b_s": d_b, "c_s": dc},
+        prefill={"a_s": a, "b_s": b, "c_s": c, "d_s": d},
+        decode={"a_s": 0.0, "b_s": d0, "c_s": dc},
         memory={"hbm_kv_gib": 4.0, "dram_gib": 2.0, "ssd_gib": 4.0,
                 "device_cache_fraction": 0.0},
         bandwidth={"disk_to_dram_gbps": chunk_bytes / disk_extra / 1e9,
-                   "dram_to_device_gbps": cpu_gbps, "pod_to_pod_gbps": p2p},
-        max_running=64, step_tokens=8192,
+                   "dram_to_device_gbps": cpu_gbps,
+                   "pod_to_pod_gbps": wire["bytes"] / wire["seconds"] / 1e9,
+                   "device_to_dram_gbps": store_gbps},
+        max_running=engine["max_running"], step_tokens=8192, host_cores=cores, engine=engine,
         source="measured by `agentserving sim calibrate` on this machine"
-               + (" + worker metrics of a real bench run" if run else ""),
+               + (" (+ the host of a real bench run)" if run else ""),
         assumptions=assumptions, measured=measured)

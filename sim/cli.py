@@ -14,7 +14,9 @@ from agentserving.core.cli import option
 
 def run_pair(trace_spec: str, profile_spec: str, topology: str, policy: str, shadow: bool,
              configs: list[str], rate: float | None, time_scale: float, limit: int | None,
-             seed: int, sample_s: float) -> tuple[dict[str, Any], dict[str, Any], Any]:
+             seed: int, sample_s: float, engine_scheduler: bool = False,
+             env: dict[str, dict[str, float]] | None = None
+             ) -> tuple[dict[str, Any], dict[str, Any], Any]:
     from agentserving.replay.loader import load_trace
     from agentserving.sim.cluster import SimConfig, simulate
     from agentserving.sim.profile import load_profile
@@ -24,12 +26,17 @@ def run_pair(trace_spec: str, profile_spec: str, topology: str, policy: str, sha
     profile = load_profile(profile_spec)
     results = {}
     for name in configs:
+        e = dict((env or {}).get(name, {}))
+        latency = e.pop("handoff_latency_s", 0.0)
         cfg = SimConfig(config=name, topology=topology, policy=policy, shadow=shadow,
-                        rate=rate, time_scale=time_scale, seed=seed, sample_s=sample_s)
+                        rate=rate, time_scale=time_scale, seed=seed, sample_s=sample_s,
+                        engine_scheduler=engine_scheduler, host_background_roles=e or None,
+                        handoff_latency_s=latency)
         results[name] = simulate(compile_trace(trace), profile, cfg)
     settings = {"trace": trace_spec, "profile": profile.name, "topology": topology,
                 "policy": policy, "shadow": shadow, "rate": rate, "time_scale": time_scale,
-                "limit": limit, "seed": seed}
+                "limit": limit, "seed": seed, "engine_scheduler": engine_scheduler,
+                "environment": env}
     return results, settings, profile
 
 
@@ -50,8 +57,13 @@ def run_pair(trace_spec: str, profile_spec: str, topology: str, policy: str, sha
 @option("--sweep", default=None,
         help="Comma-separated IPS values: sweep load x --sweep-topologies instead of one run.")
 @option("--sweep-topologies", default="1P3D", help="Topologies for --sweep.")
+@option("--engine-scheduler/--pure-policies", default=False,
+        help="Every pod runs the profile's engine scheduler (the reference engine's own FCFS, "
+             "as `agentserving bench` runs it) instead of the prefill policies.")
 @option("--validate", "validate_path", type=click.Path(exists=True, path_type=Path),
-        default=None, help="A real bench report.json: report the simulator's errors vs it.")
+        default=None, help="A real bench report.json of the same workload: simulate its fleet "
+             "(engine scheduler, its topology and rate, the host load measured from its "
+             "engines' metrics) and report the errors vs it.")
 @option("--out", type=click.Path(file_okay=False, path_type=Path), default=None,
         help="Output folder [default: runs/sim-<time>].")
 @option("--plots/--no-plots", default=True)
@@ -59,13 +71,13 @@ def run_pair(trace_spec: str, profile_spec: str, topology: str, policy: str, sha
 def command(ctx: click.Context, trace_spec: str, profile_spec: str, topology: str, policy: str,
             shadow: bool, configs: str, rate: float | None, time_scale: float,
             limit: int | None, seed: int, sample_s: float, sweep: str | None,
-            sweep_topologies: str, validate_path: Path | None, out: Path | None,
-            plots: bool) -> None:
+            sweep_topologies: str, engine_scheduler: bool, validate_path: Path | None,
+            out: Path | None, plots: bool) -> None:
     """Simulate a cluster running the real routing/scheduling/index code; write report.json."""
     if ctx.invoked_subcommand is not None:
         return
     from agentserving.replay.report import print_table
-    from agentserving.sim.report import draw, draw_sweep, validation, write_run
+    from agentserving.sim.report import draw, draw_sweep, write_run
 
     out = out or Path("runs") / time.strftime("sim-%Y%m%d-%H%M%S")
     names = [c.strip() for c in configs.split(",") if c.strip()]
@@ -74,7 +86,8 @@ def command(ctx: click.Context, trace_spec: str, profile_spec: str, topology: st
         for topo in [t.strip() for t in sweep_topologies.split(",")]:
             for ips in [float(x) for x in sweep.split(",")]:
                 results, _, _ = run_pair(trace_spec, profile_spec, topo, policy, shadow, names,
-                                         ips, time_scale, limit, seed, sample_s)
+                                         ips, time_scale, limit, seed, sample_s,
+                                         engine_scheduler)
                 for name, r in results.items():
                     rows.append({"config": name, "topology": topo, "ips": ips,
                                  **{k: r.summary.get(k) for k in
@@ -87,26 +100,44 @@ def command(ctx: click.Context, trace_spec: str, profile_spec: str, topology: st
             click.echo(f"plot:   {draw_sweep(out / 'plots' / 'sweep.png', rows)}")
         click.echo(f"sweep:  {out / 'sweep.json'}")
         return
+    check = None
+    env = None
+    if validate_path is not None:
+        from agentserving.replay.loader import load_trace
+        from agentserving.sim.profile import load_profile
+        from agentserving.sim.validate import validate
+        from agentserving.sim.workload import compile_trace
+
+        real = json.loads(validate_path.read_text())
+        rs = real.get("settings", {})
+        topology = f"{rs.get('prefill', 1)}P{rs.get('decode', 2)}D"
+        rate, engine_scheduler = rs.get("rate"), True
+        trace_spec = real.get("workload", {}).get("spec", trace_spec)
+        check = validate(real, compile_trace(load_trace(trace_spec, limit=limit)),
+                         load_profile(profile_spec))
+        env = {k: row["environment"] for k, row in check["configs"].items()}
     results, settings, profile = run_pair(trace_spec, profile_spec, topology, policy, shadow,
-                                          names, rate, time_scale, limit, seed, sample_s)
+                                          names, rate, time_scale, limit, seed, sample_s,
+                                          engine_scheduler, env)
     extra: dict[str, Any] = {"settings": settings, "simulated": True,
                              "profile": profile.model_dump(mode="json", exclude={"measured"})}
-    if validate_path is not None:
-        real = json.loads(validate_path.read_text())
-        report_probe = {"configs": {k: r.summary for k, r in results.items()}}
-        extra["validation"] = {"real_report": str(validate_path),
-                               "errors": validation(report_probe, real)}
+    if check is not None:
+        extra["validation"] = {"real_report": str(validate_path), **check}
     report = write_run(out, results, **extra)
     if "baseline" in results and "agentserving" in results:
         print_table(report, title=f"simulated {trace_spec} on {profile.name}: baseline vs "
                                   f"agentserving {topology}")
-    if "validation" in report:
-        for cfgname, row in report["validation"]["errors"].items():
-            for key in ("req_per_s", "e2e_p95_s"):
-                e = row[key]["error"]
-                click.echo(f"validation {cfgname} {key}: real {row[key]['real']:.3f} sim "
-                           f"{row[key]['sim']:.3f} error {100 * e:+.1f}%" if e is not None
-                           else f"validation {cfgname} {key}: n/a")
+    if check is not None:
+        for cfgname, row in check["configs"].items():
+            click.echo(f"validation {cfgname}: host environment measured from the run "
+                       f"{row['environment']}")
+            for key in ("req_per_s", "e2e_p95_s", "e2e_p50_s", "ttft_p50_s"):
+                fit, idle = row["fitted"][key], row["idle_host"][key]
+                if fit["error"] is None:
+                    continue
+                click.echo(f"validation {cfgname} {key}: real {fit['real']:.3f} sim "
+                           f"{fit['sim']:.3f} error {100 * fit['error']:+.1f}% "
+                           f"(idle host: {100 * idle['error']:+.1f}%)")
     if plots:
         for path in draw(out, results, report):
             click.echo(f"plot:   {path}")

@@ -9,15 +9,20 @@ What runs for real (the objects the services run, called with the same inputs):
   with ``rank_prefixes``) and its session store (``InMemorySessionStore``: each turn's chunk
   hashes written after the turn, read before the next);
 - the prefill policy (``agentserving.prefill.policies.build_policy``), wrapped in the
-  ``ShadowScheduler`` whose N+1 prefetch moves disk chunks to DRAM.
+  ``ShadowScheduler`` whose N+1 prefetch moves disk chunks to DRAM; or, with
+  ``engine_scheduler``, the reference engine's own scheduler (``engine.scheduler.policy``)
+  under the engine's executor rules, as `agentserving bench` runs every worker.
 
-What is modelled: step times (``Profile``), the KV tiers (``PodTiers``), KV transfers, and decode
-as steps of the whole running batch (mixed with a prefill chunk on ``both`` pods). See docs/sim.md.
+What is modelled: step times (``Profile``), the KV tiers (``PodTiers``) on prefill and decode
+pods, KV transfers, decode as steps of the whole running batch (mixed with a prefill chunk on
+``both`` pods), and, for a profile with ``host_cores``, pods sharing one host's cores
+(``Host``). See docs/sim.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import time
 from dataclasses import dataclass, field
@@ -26,6 +31,9 @@ from typing import Any
 import numpy as np
 
 from agentserving.core.schemas import PodRegistration, PodRole, Tier
+from agentserving.engine.scheduler.policy import SchedulerContext
+from agentserving.engine.scheduler.policy import make_policy as make_engine_policy
+from agentserving.engine.scheduler.request import RequestState
 from agentserving.kvindex.index.base import rank_prefixes
 from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStore
 from agentserving.prefill.policies import ReqView, SchedState, build_policy
@@ -33,6 +41,7 @@ from agentserving.prefill.shadow import ShadowScheduler, StepTimeModel
 from agentserving.proxy.routing import Candidate, LeastLoaded, RouteInput, make_policy
 from agentserving.replay.metrics import summarize
 from agentserving.sim.events import EventLoop, run_sync
+from agentserving.sim.host import Host
 from agentserving.sim.profile import Profile
 from agentserving.sim.tiers import PodTiers
 from agentserving.sim.workload import SimSession, SimTurn, with_poisson_starts
@@ -61,6 +70,35 @@ class SimConfig:
     # by default it runs with lookahead=prefetch_window (same decisions and prefetches; the
     # other lookahead-prefetch_window decide calls per step were ~45% of a run). True: run them.
     full_lookahead: bool = False
+    # Every pod runs the profile's engine scheduler (``Profile.engine``: the reference engine's
+    # own FcfsPolicy, what `agentserving bench` runs on every worker) instead of the pure
+    # prefill policies; the validation against a real bench run needs this.
+    engine_scheduler: bool = False
+    # Pods share the profile's host_cores (processor sharing) when it names any, with
+    # host_background other runnable processes competing for them (see sim/host.py).
+    host_sharing: bool = True
+    host_background: float = 0.0
+    host_background_roles: dict[str, float] | None = None   # per pod role ("prefill", ...)
+    # A fixed wait per P/D hand-off besides its bytes (request to the decode pod, connection,
+    # the pull's header round trip); 0 unless measured (sim/validate.py fits it to a run).
+    handoff_latency_s: float = 0.0
+
+
+class RefitEvery(StepTimeModel):
+    """The shadow's step-time model, refitted every ``every`` observed steps instead of every
+    step (a least-squares fit per step was ~5% of a large run). Its predictions only set the
+    shadow's ETAs, which the simulator does not use (prefetch triggers on the predicted step
+    offset), so no simulated result depends on how often it refits."""
+
+    def __init__(self, *args: Any, every: int = 64, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.every = every
+        self._seen = 0
+
+    def fit(self) -> None:
+        self._seen += 1
+        if self._seen == 1 or self._seen % self.every == 0:
+            super().fit()
 
 
 def parse_topology(spec: str) -> tuple[int, int, int]:
@@ -77,7 +115,8 @@ def parse_topology(spec: str) -> tuple[int, int, int]:
 class Req:
     __slots__ = ("rid", "turn", "send", "prompt", "out", "cached", "computed", "disk",
                  "view", "prefill_pod", "decode_pod", "first", "left", "ctx", "end",
-                 "cached_actual")
+                 "cached_actual", "state", "arrival_time", "handoff_at",
+                 "decode_local")
 
     def __init__(self, rid: str, turn: SimTurn, send: float) -> None:
         self.rid, self.turn, self.send = rid, turn, send
@@ -90,6 +129,11 @@ class Req:
         self.end: float | None = None
         self.left = 0            # decode tokens still to produce on this pod
         self.ctx = 0
+        # what the reference engine's own scheduler reads (engine.scheduler.policy)
+        self.state = RequestState.WAITING
+        self.arrival_time = send
+        self.handoff_at: float | None = None   # P/D: when the decode pod got the request
+        self.decode_local = 0    # P/D: leading chunks the decode pod already held
 
 
 class Pod:
@@ -108,6 +152,7 @@ class Pod:
                 Tier.DISK: int(p.memory.ssd_gib * 2**30 // cb) if reuse else 0}
         self.tiers = PodTiers(name, caps, cb)
         self.policy = policy
+        self.engine_policy = cluster.engine_policy   # the reference engine's own scheduler
         self.waiting: list[Req] = []
         self.prefilling: dict[str, Req] = {}
         self.decode_wait: list[Req] = []
@@ -119,8 +164,15 @@ class Pod:
         self.run_dt = 0.0
         self.run_k = 0
         self.disk_free_at = 0.0
+        self.extra_s = 0.0           # step-loop work owed by the next step (KV loads/stores)
         self.steps = 0
         self.busy_s = 0.0
+        # forward passes' share of the current job, and their elapsed seconds so far (what the
+        # engine's prefill_seconds + decode_seconds metrics add up; loads/stores excluded)
+        self.fwd_share = 1.0
+        self.fwd_s = 0.0
+        roles = cluster.cfg.host_background_roles or {}
+        self.background = roles.get(role.value, cluster.cfg.host_background)
 
     @property
     def inflight(self) -> int:
@@ -153,11 +205,28 @@ class Pod:
         self._kick(self.c.loop.now)
 
     # ------------------------------------------------------------------ stepping
+    def _start_work(self, work: float, fn: Any, *args: Any) -> None:
+        """Occupy the pod's step loop for ``work`` standalone seconds, then call ``fn``."""
+        self.busy = True
+        self.run_start = self.c.loop.now
+        host = self.c.host
+        if host is None:
+            self.pending = self.c.loop.after(work, fn, *args)
+        else:
+            self.pending = None
+            host.start(self, work, fn, *args, background=self.background)
+
     def _kick(self, now: float) -> None:
         if not self.busy:
             self._step()
-        elif self.pending is not None and self.run_k > 1:
-            # interrupt a decode-only run at the next step boundary
+            return
+        if self.run_k <= 1:
+            return
+        # interrupt a decode-only run at the next step boundary
+        host = self.c.host
+        if host is None:
+            if self.pending is None:
+                return
             done = int((now - self.run_start) / self.run_dt)
             k = min(self.run_k, done + 1)
             if k < self.run_k:
@@ -165,15 +234,26 @@ class Pod:
                 self.run_k = k
                 self.pending = self.c.loop.at(self.run_start + k * self.run_dt,
                                               self._end_run)
+            return
+        left = host.left(self)
+        done = int((self.run_k * self.run_dt - left) / self.run_dt)
+        k = min(self.run_k, done + 1)
+        if k < self.run_k:
+            host.set_left(self, left - (self.run_k - k) * self.run_dt)
+            self.run_k = k
 
     def _admit_decodes(self) -> None:
+        cap = self.engine_policy.max_running if self.engine_policy is not None else None
         while self.decode_wait:
             r = self.decode_wait[0]
             need = r.prompt + r.out
             if self.decoding and self.decode_kv + need > self.kv_tokens:
                 break
+            if cap is not None and len(self.decoding) >= cap:
+                break
             self.decode_wait.pop(0)
             self.decode_kv += need
+            r.state = RequestState.DECODING
             self.decoding[r.rid] = r
 
     def _state(self) -> SchedState:
@@ -190,22 +270,44 @@ class Pod:
         if self.role == PodRole.DECODE:
             self._admit_decodes()
         if self.waiting or self.prefilling:
-            state = self._state()
-            if isinstance(self.policy, ShadowScheduler):
-                res = self.policy.step(state)
-                d = res.decision
-                for _rid, hashes in res.prefetch:
-                    self._prefetch(hashes, now)
+            if self.engine_policy is not None:
+                if self._engine_step(now):
+                    return
             else:
-                d = self.policy.decide(state)
-            if d.prefill:
-                self._prefill_step(d, state, now)
-                return
+                state = self._state()
+                pol = self.policy
+                if isinstance(pol, ShadowScheduler) and (
+                        self.c.cfg.full_lookahead or any(w.disk_chunks for w in state.waiting)):
+                    res = pol.step(state)
+                    d = res.decision
+                    for _rid, hashes in res.prefetch:
+                        self._prefetch(hashes, now)
+                elif isinstance(pol, ShadowScheduler):
+                    # no waiting request has a chunk on disk: the shadow's look-ahead can ask
+                    # for no prefetch (its one modelled effect) and its decision is the wrapped
+                    # policy's, so only that runs (same decision, same prefetches)
+                    d = pol.policy.decide(state)
+                    pol.prefetched.difference_update(d.admit)
+                else:
+                    d = self.policy.decide(state)
+                if d.prefill:
+                    self._prefill_step(d, state, now)
+                    return
         if self.decoding:
             self._decode_run(now)
             return
+        if self.extra_s:   # deferred KV stores still run on an otherwise idle loop
+            extra, self.extra_s = self.extra_s, 0.0
+            self.run_k = 1
+            self.fwd_share = 0.0
+            self._start_work(extra, self._end_idle_work, extra)
+            return
         self.busy = False
         self.pending = None
+
+    def _end_idle_work(self, work: float) -> None:
+        self.busy_s += work
+        self._step()
 
     def _prefetch(self, hashes: tuple[str, ...], now: float) -> None:
         p = self.c.profile
@@ -215,6 +317,23 @@ class Pod:
         self.c.loop.at(self.disk_free_at, self.tiers.prefetch, hashes)
         self.c.stats["prefetch_chunks"] += len(hashes)
 
+    def _load(self, r: Req) -> float:
+        """Admission: read the cached prefix (still resident) from its tiers; seconds it takes
+        (a prefix evicted since arrival is recomputed)."""
+        p = self.c.profile
+        n, _ = self.tiers.prefix(r.turn.chunks, r.cached // self.c.cfg.chunk)
+        src = self.tiers.use(r.turn.chunks[:n])
+        r.cached_actual = n * self.c.cfg.chunk
+        return self._load_s(src) + p.prefill.b_s * (r.cached - r.cached_actual)
+
+    def _load_s(self, src: dict[Tier, int]) -> float:
+        p = self.c.profile
+        cb = self.tiers.chunk_bytes
+        disk = src.get(Tier.DISK, 0) * cb
+        return (p.transfer_s(src.get(Tier.CPU, 0) * cb, p.bandwidth.dram_to_device_gbps)
+                + p.transfer_s(disk, p.bandwidth.disk_to_dram_gbps)
+                + p.transfer_s(disk, p.bandwidth.dram_to_device_gbps))
+
     def _prefill_step(self, d: Any, state: SchedState, now: float) -> None:
         p = self.c.profile
         load_s = 0.0
@@ -223,66 +342,132 @@ class Pod:
             self.waiting.remove(r)
             r.prefill_pod = self.name
             if r.cached:
-                n, _ = self.tiers.prefix(r.turn.chunks, r.cached // self.c.cfg.chunk)
-                chunks = r.turn.chunks[:n]
-                src = self.tiers.use(chunks)
-                cb = self.tiers.chunk_bytes
-                load_s += p.transfer_s(src.get(Tier.CPU, 0) * cb, p.bandwidth.dram_to_device_gbps)
-                load_s += p.transfer_s(src.get(Tier.DISK, 0) * cb,
-                                       p.bandwidth.disk_to_dram_gbps) + p.transfer_s(
-                    src.get(Tier.DISK, 0) * cb, p.bandwidth.dram_to_device_gbps)
-                r.cached_actual = n * self.c.cfg.chunk
-                # a prefix evicted since arrival is recomputed
-                load_s += p.prefill.b_s * (r.cached - r.cached_actual)
+                load_s += self._load(r)
             self.prefilling[rid] = r
         new = ctx = 0
+        pairs = 0.0
         for rid, n in d.prefill:
             r = self.prefilling[rid]
             ctx += r.computed
             new += n
+            pairs += n * (r.computed + (n + 1) / 2)
         dt = p.prefill_s(new, ctx) + load_s
+        if p.prefill.d_s:
+            dt += p.prefill.d_s * pairs
         if self.decoding:
             dt += p.decode_s(len(self.decoding), sum(r.ctx for r in self.decoding.values()))
         if isinstance(self.policy, ShadowScheduler):
             self.policy.observe(*StepTimeModel.features(d, state), dt)
-        self.busy = True
+        fwd = dt - load_s
+        dt += self._take_extra()
+        self.fwd_share = fwd / dt if dt else 1.0
         self.run_k = 1
-        self.pending = self.c.loop.after(dt, self._end_prefill_step, d.prefill, dt)
+        self._start_work(dt, self._end_prefill_step, d.prefill, dt)
+
+    def _take_extra(self) -> float:
+        extra, self.extra_s = self.extra_s, 0.0
+        return extra
+
+    def _engine_step(self, now: float) -> bool:
+        """One step of the reference engine (``engine.core.EngineCore.step``): its own policy
+        plans on the queue; the engine's executor rules apply (admission while fewer than
+        ``max_running`` hold KV, budgets rounded to whole chunks, the trailing partial chunk
+        a pass of its own); every decoding request decodes one token in the same step."""
+        p = self.c.profile
+        eng = self.engine_policy
+        chunk = self.c.cfg.chunk
+        running = [*self.prefilling.values(), *self.decoding.values()]
+        plan = self.policy.schedule(list(self.waiting), running, SchedulerContext(
+            chunk_size=chunk, max_running=eng.max_running, now=now))
+        work = load_s = 0.0
+        grants = []
+        for w in plan.prefill:
+            r = w.request
+            if r.state is RequestState.WAITING:
+                if len(self.prefilling) + len(self.decoding) >= eng.max_running:
+                    continue
+                self.waiting.remove(r)
+                r.state = RequestState.PREFILLING
+                r.prefill_pod = self.name
+                if r.cached:
+                    load = self._load(r)
+                    work += load
+                    load_s += load
+                r.computed = r.cached_actual
+                self.prefilling[r.rid] = r
+            total = r.prompt
+            full_end = total - total % chunk
+            start = r.computed
+            budget = max(chunk, w.num_tokens - w.num_tokens % chunk)
+            end = min(start + budget, full_end) if start < full_end else total
+            work += p.chunk_s(end - start, start)
+            grants.append((r.rid, end - start))
+        if not grants:
+            return False
+        work += p.prefill.a_s
+        if self.decoding:
+            work += p.decode_s(len(self.decoding), sum(r.ctx for r in self.decoding.values()))
+        fwd = work - load_s
+        work += self._take_extra()
+        self.fwd_share = fwd / work if work else 1.0
+        self.run_k = 1
+        self._start_work(work, self._end_prefill_step, tuple(grants), work)
+        return True
 
     def _end_prefill_step(self, grants: tuple[tuple[str, int], ...], dt: float) -> None:
         now = self.c.loop.now
         self.steps += 1
         self.busy_s += dt
+        self.fwd_s += self.fwd_share * (dt if self.c.host is None else now - self.run_start)
         if self.decoding:
-            self._advance_decodes(1, dt, now)
+            self._advance_decodes(1, dt if self.c.host is None else now - self.run_start, now)
         for rid, n in grants:
             r = self.prefilling[rid]
             r.computed += n
-            r.view = ReqView(r.rid, r.send, r.prompt, computed=r.computed, running=True,
-                             decode_left=r.view.decode_left)  # type: ignore[union-attr]
+            if r.view is not None:
+                r.view = ReqView(r.rid, r.send, r.prompt, computed=r.computed, running=True,
+                                 decode_left=r.view.decode_left)
             if r.computed >= r.prompt:
                 del self.prefilling[rid]
                 if self.reuse:
-                    self.tiers.store(r.turn.chunks)
+                    new_chunks = self.tiers.store_new(r.turn.chunks)
+                    self.extra_s += self.c.store_s(new_chunks)
                     self.c.flush(self)
                 self.c.prefill_done(self, r, now)
         self._step()
 
     def _decode_run(self, now: float) -> None:
         p = self.c.profile
-        k = min(r.left for r in self.decoding.values())
         b = len(self.decoding)
-        dt = p.decode_s(b, sum(r.ctx for r in self.decoding.values()) + b * k // 2)
-        self.busy = True
-        self.run_start, self.run_dt, self.run_k = now, dt, k
-        self.pending = self.c.loop.at(now + k * dt, self._end_run)
+        if self.extra_s:   # owed loads/stores: one step that carries them
+            k = 1
+            fwd = p.decode_s(b, sum(r.ctx for r in self.decoding.values()))
+            dt = fwd + self._take_extra()
+            self.fwd_share = fwd / dt
+        else:
+            k = min(r.left for r in self.decoding.values())
+            dt = p.decode_s(b, sum(r.ctx for r in self.decoding.values()) + b * k // 2)
+            self.fwd_share = 1.0
+        self.run_dt, self.run_k = dt, k
+        if self.c.host is None:
+            self.busy = True
+            self.run_start = now
+            self.pending = self.c.loop.at(now + k * dt, self._end_run)
+        else:
+            self._start_work(k * dt, self._end_run)
 
     def _end_run(self) -> None:
         now = self.c.loop.now
         k, dt = self.run_k, self.run_dt
         self.steps += k
-        self.busy_s += k * dt
-        self._advance_decodes(k, dt, now)
+        if self.c.host is None:
+            self.busy_s += k * dt
+            self.fwd_s += self.fwd_share * k * dt
+            self._advance_decodes(k, dt, now)
+        else:
+            self.busy_s += now - self.run_start
+            self.fwd_s += self.fwd_share * (now - self.run_start)
+            self._advance_decodes(k, (now - self.run_start) / k, now)
         self._step()
 
     def _advance_decodes(self, k: int, dt: float, now: float) -> None:
@@ -290,11 +475,20 @@ class Pod:
         for r in list(self.decoding.values()):
             r.left -= k
             r.ctx += k
+            if r.first is None:   # P/D: the decode pod's first step answers the first token
+                r.first = now - (k - 1) * dt
             if r.left <= 0:
                 del self.decoding[r.rid]
                 self.decode_kv -= r.prompt + r.out
                 if self.reuse and self.role == PodRole.BOTH:
                     self.tiers.store(r.turn.stored_chunks)
+                    self.c.flush(self)
+                elif self.reuse and self.role == PodRole.DECODE:
+                    # the pulled prompt's full chunks stay here for the session's next turn;
+                    # like the engine (_store_remote skips the reused prefix), only the chunks
+                    # after the prefix found here at the hand-off are written
+                    self.extra_s += self.c.store_s(self.tiers.store_new(
+                        r.turn.chunks[r.decode_local:]))
                     self.c.flush(self)
                 self.c.finish(r, now)
 
@@ -320,6 +514,16 @@ class Cluster:
         n_p, n_d, n_b = parse_topology(cfg.topology)
         if not reuse:  # the baseline: the same number of independent pods
             n_p, n_d, n_b = 0, 0, n_p + n_d + n_b
+        self.host = Host(self.loop, profile.host_cores, cfg.host_background) if (
+            profile.host_cores and cfg.host_sharing) else None
+        self.engine_policy = None
+        if cfg.engine_scheduler:
+            if profile.engine is None:
+                raise ValueError(f"profile {profile.name!r} has no engine section")
+            if profile.engine.scheduler.partition("?")[0] != "fcfs":
+                raise ValueError(f"engine scheduler {profile.engine.scheduler!r}: simulate "
+                                 "the prefill policies with --policy (the same pure policy)")
+            self.engine_policy = profile.engine
         self.routing = make_policy(cfg.routing or ("kv-aware" if reuse else "round-robin"),
                                    cfg.chunk, cfg.load_penalty_tokens)
         self.decode_routing = LeastLoaded()
@@ -338,6 +542,7 @@ class Cluster:
         self.records: list[dict[str, Any]] = []
         self.itl: list[tuple[float, int]] = []
         self.last_pod: dict[str, str] = {}
+        self.last_decode: dict[str, str] = {}
         self.turn_end: dict[tuple[str, int], float] = {}
         self.children: dict[tuple[str, int], list[SimSession]] = {}
         self.remaining = sum(len(s.turns) for s in sessions)
@@ -345,10 +550,14 @@ class Cluster:
                                       "event_batches": 0, "chunk_events": 0, "index_chunk_ops": 0,
                                       "index_apply_s": 0.0,
                                       "route_best_tokens": 0, "route_chosen_tokens": 0,
-                                      "prefetch_chunks": 0, "pod_to_pod_bytes": 0}
+                                      "prefetch_chunks": 0, "pod_to_pod_bytes": 0,
+                                      "decode_ttft_s": 0.0}
         self.ts: dict[str, list[float]] = {"t": []}
 
     def _policy(self, reuse: bool) -> Any:
+        if self.engine_policy is not None:
+            return make_engine_policy(self.engine_policy.scheduler,
+                                      self.engine_policy.prefill_chunk_tokens)
         if not reuse:
             return build_policy(self.cfg.baseline_policy,
                                 **({"chunk_tokens": 2048} if self.cfg.baseline_policy ==
@@ -357,9 +566,11 @@ class Cluster:
         if self.cfg.shadow:
             p = self.profile.prefill
             cfg = self.cfg
+            model = (StepTimeModel if cfg.full_lookahead else RefitEvery)(
+                prior=(p.a_s, p.b_s, p.c_s))
             return ShadowScheduler(pol, lookahead=cfg.lookahead if cfg.full_lookahead
                                    else cfg.prefetch_window, prefetch_window=cfg.prefetch_window,
-                                   model=StepTimeModel(prior=(p.a_s, p.b_s, p.c_s)))
+                                   model=model)
         return pol
 
     # ------------------------------------------------------------------ driving
@@ -438,19 +649,56 @@ class Cluster:
             if r.left <= 0:
                 self.finish(r, now)
             else:
+                r.state = RequestState.DECODING
                 pod.decoding[r.rid] = r
             return
-        cands = [Candidate(p.name, p.name, p.inflight) for p in self.decode_pods]
-        dec = self.pods[self.decode_routing.rank(RouteInput(None, cands))[0].name]
-        nbytes = r.prompt * self.profile.kv_bytes_per_token
+        # the proxy's decode choice (orchestrator: LeastLoaded, the session's last decode pod
+        # first among equally loaded ones)
+        sid = r.turn.session_id
+        # LeastLoaded sorts by (in flight, not the session's last pod, rendezvous rank), each
+        # key a candidate's own, so its first choice is among the least loaded: rank only those
+        # (the same choice, without hashing the session with every pod of a large pool)
+        loads = [(p, p.inflight) for p in self.decode_pods]
+        least = min(n for _, n in loads)
+        cands = [Candidate(p.name, p.name, n) for p, n in loads if n == least]
+        dec = self.pods[self.decode_routing.rank(RouteInput(
+            sid, cands, last_pod=self.last_decode.get(sid)))[0].name]
+        self.last_decode[sid] = dec.name
+        local = 0
+        if dec.reuse:
+            # the decode pod pulls only what it does not hold from the session's last turn
+            n, _ = dec.tiers.prefix(r.turn.chunks, len(r.turn.chunks))
+            if n:
+                dec.extra_s += dec._load_s(dec.tiers.use(r.turn.chunks[:n]))
+                self.flush(dec)
+            local = n * self.cfg.chunk
+            r.decode_local = n
+        nbytes = (r.prompt - local) * self.profile.kv_bytes_per_token
         self.stats["pod_to_pod_bytes"] += nbytes
         dt = self.profile.transfer_s(nbytes, self.profile.bandwidth.pod_to_pod_gbps)
         r.decode_pod = dec.name
-        r.first = now + dt
-        self.loop.at(now + dt, dec.submit_decode, r)
+        r.handoff_at = now
+        wait = self.cfg.handoff_latency_s
+        if self.host is None:
+            self.loop.at(now + wait + dt, dec.submit_decode, r)
+        else:
+            # on a shared host the pull is CPU work too (framing, checksums, copies at both
+            # ends), slowed like the loops and slowing them
+            self.loop.at(now + wait, functools.partial(
+                self.host.start, ("pull", r.rid), dt, dec.submit_decode, r,
+                background=dec.background))
+
+    def store_s(self, chunks: int) -> float:
+        """Step-loop seconds to write ``chunks`` newly computed chunks into the KV tiers."""
+        bw = self.profile.bandwidth.device_to_dram_gbps
+        if not bw or not chunks:
+            return 0.0
+        return self.profile.transfer_s(chunks * self.profile.chunk_bytes(self.cfg.chunk), bw)
 
     def finish(self, r: Req, now: float) -> None:
         r.end = now
+        if r.handoff_at is not None:   # what a decode worker's ttft_seconds metric measures
+            self.stats["decode_ttft_s"] += (r.first or now) - r.handoff_at
         t = r.turn
         self.remaining -= 1
         self.records.append({
@@ -515,6 +763,13 @@ class Cluster:
                                          if st["route_best_tokens"] else None)
         st["pods"] = {p.name: {"role": p.role.value, "steps": p.steps,
                                "busy_s": round(p.busy_s, 3)} for p in self.pods.values()}
+        st["forward_s"] = sum(p.fwd_s for p in self.pods.values())
+        st["forward_s_by_role"] = {}
+        for p in self.pods.values():
+            by = st["forward_s_by_role"]
+            by[p.role.value] = by.get(p.role.value, 0.0) + p.fwd_s
+        if self.host is not None:
+            st["host_busy_core_s"] = self.host.busy_core_s
         summary["sim"] = {k: v for k, v in st.items() if k != "pods"}
         return SimResult(summary, self.records, self.ts, st)
 

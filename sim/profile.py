@@ -33,6 +33,8 @@ class Linear3(_Model):
     a_s: float = Field(ge=0)
     b_s: float = Field(ge=0, description="per new token (prefill) / per sequence (decode)")
     c_s: float = Field(ge=0, description="per context token")
+    d_s: float = Field(default=0.0, ge=0, description="prefill: per attention (query, key) "
+                       "pair, n * (start + (n + 1) / 2) for a chunk of n tokens at start")
 
 
 class Memory(_Model):
@@ -48,6 +50,18 @@ class Bandwidth(_Model):
     disk_to_dram_gbps: float = Field(gt=0)
     dram_to_device_gbps: float = Field(gt=0)
     pod_to_pod_gbps: float = Field(gt=0)
+    device_to_dram_gbps: float | None = Field(
+        default=None, gt=0, description="storing newly computed chunks into the KV tiers, when "
+        "it runs on the step loop (the reference engine); None: off the critical path")
+
+
+class Engine(_Model):
+    """How the serving engine itself schedules, when the simulator should copy it exactly
+    (the reference engine: its own ``FcfsPolicy`` unless a worker flag names another)."""
+
+    scheduler: str = Field(default="fcfs", description="the worker's --scheduler-policy")
+    prefill_chunk_tokens: int = Field(default=512, ge=1)
+    max_running: int = Field(default=16, ge=1)
 
 
 class Profile(_Model):
@@ -61,6 +75,11 @@ class Profile(_Model):
     bandwidth: Bandwidth
     max_running: int = Field(default=256, ge=1)
     step_tokens: int = Field(default=8192, ge=256, description="prefill tokens per step")
+    host_cores: int | None = Field(
+        default=None, ge=1, description="all pods are processes sharing this many CPU cores "
+        "(processor sharing: n busy engine loops each run at min(1, cores / n) speed); "
+        "None: every pod has its own accelerator")
+    engine: Engine | None = Field(default=None, description="the engine's own scheduler")
     source: str = ""
     assumptions: list[str] = Field(default_factory=list)
     measured: dict[str, Any] = Field(default_factory=dict)
@@ -69,6 +88,15 @@ class Profile(_Model):
     def prefill_s(self, new_tokens: int, context_tokens: int) -> float:
         p = self.prefill
         return p.a_s + p.b_s * new_tokens + p.c_s * context_tokens
+
+    def chunk_s(self, new_tokens: int, start: int) -> float:
+        """One prompt chunk of ``new_tokens`` starting at token ``start``, without the per-step
+        ``a`` (a step may run several chunks)."""
+        p = self.prefill
+        t = p.b_s * new_tokens + p.c_s * start
+        if p.d_s:
+            t += p.d_s * new_tokens * (start + (new_tokens + 1) / 2)
+        return t
 
     def decode_s(self, batch: int, context_tokens: int) -> float:
         d = self.decode

@@ -89,19 +89,3 @@ def draw_sweep(path: Path, rows: list[dict[str, Any]]) -> Path:
     plt.close(fig)
     return path
 
-
-def validation(sim_report: dict[str, Any], real_report: dict[str, Any]) -> dict[str, Any]:
-    """Relative errors of the simulator vs a real bench run, per config, throughput and P95."""
-    out: dict[str, Any] = {}
-    for name, real in real_report["configs"].items():
-        sim = sim_report["configs"].get(name)
-        if not sim:
-            continue
-        row = {}
-        for key in ("req_per_s", "e2e_p95_s", "prefix_hit_rate", "ttft_p50_s", "e2e_p50_s"):
-            r, s = real.get(key), sim.get(key)
-            row[key] = {"real": r, "sim": s,
-                        "error": (s - r) / r if isinstance(r, float) and r and s is not None
-                        else None}
-        out[name] = row
-    return out

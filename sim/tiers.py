@@ -34,6 +34,12 @@ class PodTiers:
         self.raw_events = 0
         self.flushed_raw = 0                   # raw_events at the last flush
         self.seq = 0
+        # where a new or promoted chunk lands: the device tier, else the first tier below it
+        # that exists (a decode pod, or a pod without a device prefix cache: DRAM)
+        top: Tier | None = Tier.DEVICE
+        while top is not None and caps.get(top, 0) <= 0:
+            top = _DEMOTE.get(top)
+        self.top = top
 
     # -- queries
     def prefix(self, chunks: list[str], limit: int) -> tuple[int, list[Tier]]:
@@ -83,14 +89,32 @@ class PodTiers:
 
     def store(self, chunks: list[str]) -> None:
         """Newly computed KV for ``chunks`` (on the device): keep it, most recent first."""
+        top = self.top
         for h in chunks:
             t = self.where.get(h)
             if t is Tier.DEVICE:
                 self.lru[t].move_to_end(h)
+            elif t is not None and t is top:
+                self._refresh(h, t)
             else:
                 if t is not None:
                     self._remove(h)
                 self._place(h, Tier.DEVICE)
+
+    def _refresh(self, h: str, t: Tier) -> None:
+        """A chunk stored or reused in the tier it would land in anyway (a decode pod's DRAM):
+        it becomes the most recently used, as on the device tier, and nothing else changes —
+        no eviction (the tier's size is the same) and no residency event (the engine's tiers
+        report none for a hit; the index would have applied a STORED on a bit already set)."""
+        self.lru[t].move_to_end(h)
+
+    def store_new(self, chunks: list[str]) -> int:
+        """``store``, returning how many of ``chunks`` were not held in any tier (what an
+        engine actually writes)."""
+        where = self.where
+        n = sum(1 for h in chunks if h not in where)
+        self.store(chunks)
+        return n
 
     def use(self, chunks: list[str]) -> dict[Tier, int]:
         """A request reuses ``chunks``: promote them to the device; returns chunks per source."""
@@ -103,8 +127,11 @@ class PodTiers:
             if t is Tier.DEVICE:
                 self.lru[t].move_to_end(h)
                 continue
-            self._remove(h)
             self._count(t, Tier.DEVICE)
+            if t is self.top:
+                self._refresh(h, t)
+                continue
+            self._remove(h)
             self._place(h, Tier.DEVICE)
         return src
 

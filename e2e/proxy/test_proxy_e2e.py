@@ -1,7 +1,8 @@
 """The proxy with the official `openai` SDK, in front of real workers and a real kvindex.
 
 One module-scoped fleet (kvindex, two workers that do both roles, one decode worker); the
-tests that break things (a killed worker, the kvindex stopped) run last.
+tests that break things run last: the kvindex stopped (while both prefill pods live: with one,
+the proxy has nothing to look up), then a killed worker.
 """
 
 from __future__ import annotations
@@ -205,6 +206,17 @@ def test_bad_requests_name_the_field(fleet):
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
 
 
+def test_kvindex_stopped_turns_still_answer_degraded(fleet):
+    c = client(fleet.proxy_kv)
+    prompt = prompt_for(16, 600)
+    turn(c, "degraded", prompt)
+    fleet.kvindex.kill()
+    resp, headers = turn(c, "degraded", prompt + list(range(100, 104)))
+    assert resp.usage.completion_tokens == 4
+    assert "kvindex-unavailable" in headers["x-agentserving-degraded"]
+    assert "proxy_degraded_total 1.0" in httpx.get(fleet.proxy_kv.url + "/metrics").text
+
+
 def test_a_killed_worker_mid_session_still_answers(fleet):
     c = client(fleet.proxy_kv)
     prompt = prompt_for(14, 600)
@@ -215,14 +227,3 @@ def test_a_killed_worker_mid_session_still_answers(fleet):
     assert headers["x-agentserving-prefill-pod"] != victim
     assert resp.usage.completion_tokens == 4
     assert "proxy_retries_total" in httpx.get(fleet.proxy_kv.url + "/metrics").text
-
-
-def test_kvindex_stopped_turns_still_answer_degraded(fleet):
-    c = client(fleet.proxy_kv)
-    prompt = prompt_for(16, 600)
-    turn(c, "degraded", prompt)
-    fleet.kvindex.kill()
-    resp, headers = turn(c, "degraded", prompt + list(range(100, 104)))
-    assert resp.usage.completion_tokens == 4
-    assert "kvindex-unavailable" in headers["x-agentserving-degraded"]
-    assert "proxy_degraded_total 1.0" in httpx.get(fleet.proxy_kv.url + "/metrics").text

@@ -18,7 +18,9 @@ from agentserving.replay.testing import AGENTSERVING, has_subcommand, pid_alive
                     reason="`agentserving worker` / `agentserving proxy` are not available yet")
 def test_bench_writes_report_and_plots(tmp_path):
     run_dir = tmp_path / "run"
-    out = subprocess.run([AGENTSERVING, "bench", "--limit", "3", "--decode", "1",
+    # the smaller-context workload: this checks the wiring and the reuse, not the speed-up
+    out = subprocess.run([AGENTSERVING, "bench", "--workload", "bundled:bench-small",
+                          "--limit", "3", "--decode", "1",
                           "--no-progress", "--run-dir", str(run_dir)],
                          capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

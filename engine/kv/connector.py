@@ -8,7 +8,10 @@ kv_heads*head_dim]``), and fingerprints every object it fills (``on_digest`` kwa
 store can later tell a good chunk from a corrupt one.
 
 Call kwargs (LMCache passes them through ``store``):
-- ``layers``: list of (keys, values) per layer, source on store / destination on retrieve.
+- ``layers``: list of (keys, values) per layer, source on store / destination on retrieve;
+- or ``paged``: an ``engine.kv.paged.PagedKV`` (the engine's paged cache): one chunk moves in
+  one ``kernels.gather_blocks`` / ``scatter_blocks`` launch for all layers, the memory object
+  viewed as the kernels' staging buffer ``[layers, 2, tokens, heads, dim]`` (no extra copy).
 - ``on_digest``: called as ``on_digest(start, digest, nbytes)`` for every object filled on store,
   before LMCache hands the object to any tier.
 """
@@ -20,6 +23,8 @@ from typing import Any
 
 import blake3
 import torch
+
+from agentserving.kernels import dispatch
 
 DIGEST_BYTES = 16
 
@@ -48,11 +53,21 @@ class CPUKVConnector(_base()):  # type: ignore[misc]
     def get_shape(self, num_tokens: int) -> torch.Size:
         return torch.Size([2, self.num_layers, num_tokens, self.num_kv_heads * self.head_dim])
 
+    def staging(self, memory_obj: Any, n: int) -> torch.Tensor:
+        """A ``KV_2LTD`` object as the kernels' staging layout ``[layers, 2, n, heads, dim]``."""
+        return memory_obj.tensor.view(2, self.num_layers, n, self.num_kv_heads,
+                                      self.head_dim).transpose(0, 1)
+
     # -- engine cache -> memory object (store)
     def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
-        layers: Sequence[tuple[torch.Tensor, torch.Tensor]] = kwargs["layers"]
         dst = memory_obj.tensor
         n = end - start
+        paged = kwargs.get("paged")
+        layers: Sequence[tuple[torch.Tensor, torch.Tensor]] = () if paged else kwargs["layers"]
+        if paged is not None:
+            pool = paged.pool
+            dispatch.gather_blocks(pool.k, pool.v, paged.chunk_table(start, end), tokens=n,
+                                   out=self.staging(memory_obj, n), impl=pool.impl)
         for idx, (k, v) in enumerate(layers):
             dst[0, idx].view(n, self.num_kv_heads, self.head_dim).copy_(
                 k[0, :, start:end, :].transpose(0, 1))
@@ -70,9 +85,16 @@ class CPUKVConnector(_base()):  # type: ignore[misc]
 
     # -- memory object -> engine cache (retrieve)
     def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
-        layers: Sequence[tuple[torch.Tensor, torch.Tensor]] = kwargs["layers"]
         src = memory_obj.tensor
         n = end - start
+        paged = kwargs.get("paged")
+        if paged is not None:
+            pool = paged.pool
+            dispatch.scatter_blocks(self.staging(memory_obj, n), pool.k, pool.v,
+                                    paged.chunk_table(start, end), tokens=n, impl=pool.impl,
+                                    unique=True)
+            return
+        layers: Sequence[tuple[torch.Tensor, torch.Tensor]] = kwargs["layers"]
         for idx, (k, v) in enumerate(layers):
             k[0, :, start:end, :].copy_(
                 src[0, idx].view(n, self.num_kv_heads, self.head_dim).transpose(0, 1))

@@ -8,7 +8,10 @@ Contract (what the engine and the memory API rely on):
   (``connector.digest``).
 - ``lookup(ints)`` is the leading run of chunks present in some tier, each with the fastest
   tier holding it (CPU before disk), without reading anything.
-- ``load_prefix(ints)`` reads that run into fresh per-layer tensors. A chunk read from disk
+- ``fetch_prefix(ints)`` reads and verifies that run and hands back the LMCache memory objects
+  themselves (references held until ``release()``), so the engine can copy them into its
+  paged cache layer by layer while the forward pass runs (``engine.kv.layerwise``);
+  ``load_prefix(ints)`` copies them into fresh per-layer tensors at once. A chunk read from disk
   is served only if its bytes match the fingerprint taken at store time; a missing file, a
   short file or flipped bits end the prefix there, and the bad chunk is dropped from every
   tier (the engine recomputes it and stores it again). Verified disk chunks are written back
@@ -81,6 +84,24 @@ class LoadResult:
     corrupt: list[str] = dataclasses.field(default_factory=list)
     missing: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
+
+
+@dataclasses.dataclass
+class FetchedPrefix:
+    """Verified memory objects of a prefix, in chunk order; references held until
+    ``release()`` (LMCache cannot free or reuse them meanwhile)."""
+
+    objs: list[Any]
+    num_tokens: int
+    tokens_by_tier: dict[Tier, int]
+    corrupt: list[str] = dataclasses.field(default_factory=list)
+    missing: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+    def release(self) -> None:
+        objs, self.objs = self.objs, []
+        for obj in objs:
+            obj.ref_count_down()
 
 
 @dataclasses.dataclass
@@ -167,10 +188,12 @@ class KVStore:
         return list(self.storage.storage_backends)
 
     # ------------------------------------------------------------------ store
-    def store(self, tokens: Sequence[int], layers: Sequence[LayerKV], skip_chunks: int = 0,
-              cache_salt: str | None = None) -> int:
-        """Store the full chunks of ``tokens`` after the first ``skip_chunks``; returns how many
-        chunks were handed to LMCache."""
+    def store(self, tokens: Sequence[int], layers: Sequence[LayerKV] | None,
+              skip_chunks: int = 0, cache_salt: str | None = None, *,
+              paged: Any = None) -> int:
+        """Store the full chunks of ``tokens`` after the first ``skip_chunks`` from per-layer
+        tensors (``layers``) or the engine's paged cache (``paged``, a ``PagedKV``); returns
+        how many chunks were handed to LMCache."""
         size = self.chunk_size
         n_full = len(tokens) // size
         if n_full <= skip_chunks:
@@ -192,8 +215,9 @@ class KVStore:
         with self._digest_lock:
             self._storing.update(ints[skip_chunks:])
         try:
-            self.engine.store(toks, mask=mask, layers=list(layers), on_digest=on_digest,
-                              request_configs=request_configs)
+            source = {"paged": paged} if paged is not None else {"layers": list(layers or [])}
+            self.engine.store(toks, mask=mask, on_digest=on_digest,
+                              request_configs=request_configs, **source)
         finally:
             with self._digest_lock:
                 self._storing.difference_update(ints[skip_chunks:])
@@ -225,46 +249,65 @@ class KVStore:
     def load_prefix(self, ints: Sequence[int]) -> LoadResult:
         """Read the leading cached run of ``ints`` into new per-layer tensors, verified."""
         t0 = time.perf_counter()
-        tiers = self.lookup(ints)
-        n = len(tiers)
-        by_tier: dict[Tier, int] = collections.Counter()
-        if n == 0:
-            return LoadResult(None, 0, {}, seconds=time.perf_counter() - t0)
-        cfg, size = self.config, self.chunk_size
-        layers = [(torch.empty(1, cfg.num_kv_heads, n * size, cfg.head_dim, dtype=cfg.dtype),
-                   torch.empty(1, cfg.num_kv_heads, n * size, cfg.head_dim, dtype=cfg.dtype))
-                  for _ in range(cfg.num_layers)]
-        keys = self.keys.keys(ints[:n])
-        good = 0
-        result = LoadResult(None, 0, {})
-        i = 0
-        while i < n:
-            j = i
-            while j < n and tiers[j] == tiers[i]:
-                j += 1
-            ok = self._load_run(keys[i:j], tiers[i], i, layers, result)
-            good += ok
-            by_tier[tiers[i]] += ok * size
-            if ok < j - i:
-                break
-            i = j
-        result.num_tokens = good * size
-        result.tokens_by_tier = dict(by_tier)
-        if good:
-            result.layers = [(k[:, :, : good * size], v[:, :, : good * size]) for k, v in layers]
+        fetched = self.fetch_prefix(ints)
+        result = LoadResult(None, fetched.num_tokens, fetched.tokens_by_tier,
+                            fetched.corrupt, fetched.missing)
+        try:
+            if fetched.num_tokens:
+                cfg, size, n = self.config, self.chunk_size, fetched.num_tokens
+                layers = [(torch.empty(1, cfg.num_kv_heads, n, cfg.head_dim, dtype=cfg.dtype),
+                           torch.empty(1, cfg.num_kv_heads, n, cfg.head_dim, dtype=cfg.dtype))
+                          for _ in range(cfg.num_layers)]
+                for i, obj in enumerate(fetched.objs):
+                    self.connector.to_gpu(obj, i * size, (i + 1) * size, layers=layers)
+                result.layers = layers
+        finally:
+            fetched.release()
         result.seconds = time.perf_counter() - t0
         return result
 
-    def _load_run(self, keys: list[Any], tier: Tier, first: int, layers: list[LayerKV],
-                  result: LoadResult) -> int:
-        """Copy a run of chunks from one tier into ``layers``; returns how many were good.
-        Disk runs are read in batches that fit LMCache's DRAM pool (the read buffers come
-        from it, and a read that cannot get a buffer would wait forever)."""
+    def fetch_prefix(self, ints: Sequence[int], *, paged: Any = None) -> FetchedPrefix:
+        """The leading cached run of ``ints`` as verified memory objects (see
+        ``FetchedPrefix``). With ``paged`` (a ``PagedKV``), they are also copied into its
+        blocks (all layers per chunk, one kernel launch) and released at once."""
+        t0 = time.perf_counter()
+        tiers = self.lookup(ints)
+        n = len(tiers)
+        result = FetchedPrefix([], 0, {})
+        by_tier: dict[Tier, int] = collections.Counter()
+        keys = self.keys.keys(ints[:n])
+        i = 0
+        try:
+            while i < n:
+                j = i
+                while j < n and tiers[j] == tiers[i]:
+                    j += 1
+                ok = self._fetch_run(keys[i:j], tiers[i], result)
+                by_tier[tiers[i]] += ok * self.chunk_size
+                if ok < j - i:
+                    break
+                i = j
+            result.num_tokens = len(result.objs) * self.chunk_size
+            result.tokens_by_tier = dict(by_tier)
+            if paged is not None:
+                size = self.chunk_size
+                for c, obj in enumerate(result.objs):
+                    self.connector.to_gpu(obj, c * size, (c + 1) * size, paged=paged)
+        finally:
+            if paged is not None:
+                result.release()
+        result.seconds = time.perf_counter() - t0
+        return result
+
+    def _fetch_run(self, keys: list[Any], tier: Tier, result: FetchedPrefix) -> int:
+        """Fetch a run of chunks from one tier into ``result.objs``; returns how many were
+        good. Disk runs are read in batches that fit LMCache's DRAM pool (the read buffers
+        come from it, and a read that cannot get a buffer would wait forever)."""
         step = len(keys) if tier is Tier.CPU else self._disk_batch
         good = 0
         for lo in range(0, len(keys), step):
             part = keys[lo: lo + step]
-            ok = self._load_batch(part, tier, first + lo, layers, result)
+            ok = self._fetch_batch(part, tier, result)
             good += ok
             if ok < len(part):
                 break
@@ -274,17 +317,14 @@ class KVStore:
     def _disk_batch(self) -> int:
         return max(1, int(self.config.cpu_gib * 1024**3) // self.chunk_bytes // 4)
 
-    def _load_batch(self, keys: list[Any], tier: Tier, first: int, layers: list[LayerKV],
-                    result: LoadResult) -> int:
-        size = self.chunk_size
+    def _fetch_batch(self, keys: list[Any], tier: Tier, result: FetchedPrefix) -> int:
         if tier is Tier.CPU:
             objs = [self.cpu.get_blocking(k) for k in keys]
         else:
             objs = self._disk_read(keys)
-        good = 0
         verified: list[tuple[Any, Any]] = []
         try:
-            for idx, (key, obj) in enumerate(zip(keys, objs, strict=True)):
+            for key, obj in zip(keys, objs, strict=True):
                 wire = self.keys.wire_of(key)
                 if obj is SHORT_FILE:
                     result.corrupt.append(wire)
@@ -308,19 +348,18 @@ class KVStore:
                             self._drop_bad(key)
                             log.warning("kv_chunk_corrupt", chunk=wire, tier=tier.value)
                         break
-                start = (first + idx) * size
-                self.connector.to_gpu(obj, start, start + size, layers=layers)
                 verified.append((key, obj))
-                good += 1
             if tier is Tier.DISK and verified:
                 # LMCache's write-back to DRAM, after verification.
                 self.cpu.batched_submit_put_task([k for k, _ in verified],
                                                  [o for _, o in verified])
         finally:
+            kept = {id(o) for _, o in verified}
             for obj in objs:
-                if obj is not None and obj is not SHORT_FILE:
+                if obj is not None and obj is not SHORT_FILE and id(obj) not in kept:
                     obj.ref_count_down()
-        return good
+        result.objs += [o for _, o in verified]
+        return len(verified)
 
     def _disk_read(self, keys: list[Any]) -> list[Any]:
         """LMCache's disk read of ``keys``, aligned with them: a memory object, ``None`` for a

@@ -39,12 +39,24 @@ class ModelRunner:
             cache.update(k, v, idx)
         return cache
 
+    def paged_cache(self, kv: Any, length: int = 0, source: Any = None) -> Any:
+        """A cache over the engine's paged KV (``engine.kv.paged``): ``length`` tokens are in
+        ``kv`` already, or arriving layer by layer (``source(layer)`` waits for one)."""
+        from agentserving.engine.kv.paged import paged_cache
+
+        return paged_cache(self.config, kv, length, source)
+
     @staticmethod
     def cache_len(cache: Any) -> int:
         return int(cache.get_seq_length())
 
     @staticmethod
     def cache_layers(cache: Any) -> list[LayerKV]:
+        """Per-layer ``[1, kv_heads, tokens, head_dim]`` K and V (for a paged cache: views of
+        its blocks when they are consecutive, else gathered copies)."""
+        kv = getattr(cache, "paged_kv", None)
+        if kv is not None:
+            return kv.layers(cache.layers[0].length)
         return [(layer.keys, layer.values) for layer in cache.layers]
 
     @torch.inference_mode()

@@ -56,6 +56,9 @@ class EngineRequest:
     load_seconds: float = 0.0
     decode_seconds: float = 0.0
     remote: Any = None  # decode role: the KV hand-off in flight
+    pull_open: Any = None  # decode role: Future of the local-prefix read + pull start
+    kv_load: Any = None  # decode role: the layer-wise copy of the pulled KV into blocks
+    prepared: Any = None  # (PagedKV, reused tokens, layer wait) started while queued
     aborted: bool = False
 
     @property

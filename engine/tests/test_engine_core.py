@@ -5,6 +5,8 @@ chunks are recomputed; teacher forcing; chunk hashes; salts; FCFS scheduling."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 
 import torch
 
@@ -137,10 +139,19 @@ def test_seeded_sampling_is_reproducible_with_reuse(engine_factory):
 
 
 class _Pull:
-    """A hand-off in flight, as the step loop sees it."""
+    """A hand-off in flight, as the step loop sees it: its layers arrive when ``arrive()``."""
 
-    def __init__(self, header: bool, done: bool) -> None:
+    def __init__(self, header: bool, done: bool, num_layers: int = 4, tokens: int = 300
+                 ) -> None:
         self.header, self.finished = header, done
+        self._arrived = threading.Event()
+        if done:
+            self._arrived.set()
+        self.kv = torch.randn(num_layers, 2, 1, 4, tokens, 64)
+
+    def arrive(self) -> None:
+        self.finished = True
+        self._arrived.set()
 
     def header_ready(self) -> bool:
         return self.header
@@ -150,6 +161,18 @@ class _Pull:
 
     def wait_header(self) -> dict:
         return {}
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._arrived.wait(60)
+        return self.kv[i, 0], self.kv[i, 1]
+
+
+def _promote_until(core, req, deadline_s: float = 60.0) -> None:
+    """Step the promotion until ``req`` runs (its layer copy finishes on a thread)."""
+    deadline = time.monotonic() + deadline_s
+    while req not in core.running and time.monotonic() < deadline:
+        core._promote_pulls()
+        time.sleep(0.01)
 
 
 def test_a_pull_joins_busy_decoding_only_once_it_has_fully_arrived(engine_factory):
@@ -164,9 +187,11 @@ def test_a_pull_joins_busy_decoding_only_once_it_has_fully_arrived(engine_factor
     core.running.append(busy)  # another request is decoding
     core._promote_pulls()
     assert core.pulling == [pulled] and core.running == [busy]  # layers still on the wire
-    pulled.remote.finished = True
-    core._promote_pulls()
+    pulled.remote.arrive()
+    _promote_until(core, pulled)  # copied into its KV blocks off the step loop, then joins
     assert core.pulling == [] and core.running == [busy, pulled]
+    k, v = core.runner.cache_layers(pulled.cache)[3]
+    assert torch.equal(k, pulled.remote.kv[3, 0]) and torch.equal(v, pulled.remote.kv[3, 1])
     # an idle engine starts at once, overlapping the first forward pass with the layers
     core.running.clear()
     early = request("early", prompt(300, seed=10))
@@ -174,3 +199,4 @@ def test_a_pull_joins_busy_decoding_only_once_it_has_fully_arrived(engine_factor
     core.pulling.append(early)
     core._promote_pulls()
     assert core.running == [early]
+    early.remote.arrive()

@@ -210,3 +210,38 @@ def test_validation() -> None:
         gather_blocks(k, v, torch.tensor([0.0]))
     with pytest.raises(ValueError, match="does not fit"):
         gather_blocks(k, v, torch.tensor([0]), out=torch.zeros(1, 2, 3, 1, 2))
+
+
+def test_scatter_unique_flag_skips_only_the_repeat_check():
+    """``unique=True`` (allocator-built tables) writes the same bytes; the default still
+    refuses a repeated id."""
+    from agentserving.kernels import scatter_blocks
+
+    k = torch.zeros(3, 6, 4, 2, 8)
+    v = torch.zeros_like(k)
+    staging = torch.randn(3, 2, 12, 2, 8)
+    table = torch.tensor([4, 1, 5])
+    k2, v2 = k.clone(), v.clone()
+    scatter_blocks(staging, k, v, table)
+    scatter_blocks(staging, k2, v2, table, unique=True)
+    assert torch.equal(k, k2) and torch.equal(v, v2) and k.abs().sum() > 0
+    with pytest.raises(ValueError):
+        scatter_blocks(staging, k, v, torch.tensor([4, 4, 5]))
+
+
+def test_scatter_of_a_consecutive_table_matches_per_block_writes():
+    """The reference's slice-copy fast path (consecutive ids, no hole) writes what per-block
+    indexing writes, and leaves every other block alone."""
+    from agentserving.kernels import scatter_blocks
+
+    k = torch.randn(2, 9, 4, 3, 8)
+    v = torch.randn_like(k)
+    staging = torch.randn(2, 2, 14, 3, 8)  # 3 full blocks + 2 tokens of a fourth
+    table = torch.tensor([3, 4, 5, 6])
+    want_k, want_v = k.clone(), v.clone()
+    for i, b in enumerate(table.tolist()):
+        n = min(4, 14 - 4 * i)
+        want_k[:, b, :n] = staging[:, 0, 4 * i:4 * i + n]
+        want_v[:, b, :n] = staging[:, 1, 4 * i:4 * i + n]
+    scatter_blocks(staging, k, v, table, tokens=14, unique=True)
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)

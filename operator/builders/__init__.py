@@ -22,8 +22,8 @@ from .common import (
     selector_string,
 )
 from .config import build_config
-from .engines import ENGINES, WorkerContext
-from .pools import build_pool, build_pool_service
+from .engines import ENGINES, WorkerContext, validate_engine
+from .pools import build_pool, build_pool_service, validate_pool
 from .services import build_kvindex, build_proxy, build_redis, wants_redis
 
 __all__ = [
@@ -74,9 +74,13 @@ def build_children(inst: Instance, settings: OperatorSettings) -> list[dict[str,
     config = build_config(inst, kvindex_url)
     config_hash = content_hash(config["data"])
     image = worker_image(inst, settings)
+    for role in POOLS:  # every pool's own rules first, then the engine's cross-field ones
+        validate_pool(inst, role)
+    validate_engine(inst.spec)
     children: list[dict[str, Any]] = [config]
     for role in POOLS:
-        children.append(build_pool(inst, role, image, kvindex_url, config_hash))
+        children.append(build_pool(inst, role, image, kvindex_url, config_hash,
+                                   settings.image("worker")))
         children.append(build_pool_service(inst, role))
     children += build_kvindex(inst, settings.image("kvindex"))
     children += build_proxy(inst, settings.image("proxy"), kvindex_url)

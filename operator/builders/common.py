@@ -23,6 +23,9 @@ WORKER_PORT = 8000
 MEMORY_PORT_START = 6999  # the API process; engine process k listens on MEMORY_PORT_START + 1 + k
 PROXY_PORT = 8080
 KVINDEX_PORT = 8300
+# The kvindex as LMCache's controller (vLLM-Ascend pods): workers PUSH to 8301, ask on 8302.
+LMCACHE_CONTROLLER_PORT = 8301
+LMCACHE_WORKER_PORT_START = 7200  # LMCache's controller-facing port of TP rank k: 7200 + k
 REDIS_PORT = 6379
 KVCACHE_DIR = "/kvcache"
 CONFIG_DIR = "/etc/agentserving"
@@ -38,14 +41,33 @@ class SpecError(ValueError):
         self.field_path = field_path
 
 
+# The chunk-hash scheme each engine computes natively; the CRD leaves hashScheme unset so that
+# `engine: vllm` alone yields a servable spec (LMCache inside vLLM never hashes with blake3).
+ENGINE_HASH_SCHEMES = {"reference": "blake3", "vllm": "lmcache-builtin",
+                       "vllm-ascend": "lmcache-ascend"}
+
+
+def with_engine_defaults(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec with the defaults that depend on other fields (the CRD's are per field)."""
+    kv = dict(spec.get("kvCache") or {})
+    if not kv.get("hashScheme"):
+        engine = (spec.get("engine") or {}).get("type", "reference")
+        kv["hashScheme"] = ENGINE_HASH_SCHEMES.get(engine, "blake3")
+    return {**spec, "kvCache": kv}
+
+
 @dataclass(frozen=True)
 class Instance:
-    """One AgentServing resource as the builders see it (spec already defaulted by the CRD)."""
+    """One AgentServing resource as the builders see it (spec defaulted by the CRD, then by
+    ``with_engine_defaults``)."""
 
     name: str
     namespace: str
     uid: str
     spec: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "spec", with_engine_defaults(self.spec))
 
     @classmethod
     def from_body(cls, body: dict[str, Any]) -> Instance:

@@ -16,6 +16,7 @@ from .common import (
     KVCACHE_DIR,
     MEMORY_PORT_START,
     WORKER_PORT,
+    SpecError,
     env_var,
     field_env,
     http_probe,
@@ -31,6 +32,7 @@ class WorkerContext:
     spec: dict[str, Any]  # the whole (defaulted) AgentServing spec
     image: str
     kvindex_url: str
+    agentserving_image: str = ""  # AgentServing's own image (sidecars next to a vLLM image)
 
     @property
     def pool(self) -> dict[str, Any]:
@@ -120,10 +122,13 @@ def reference_worker(ctx: WorkerContext) -> dict[str, Any]:
     return _container(ctx, command + list(ctx.engine.get("args") or []), "/healthz")
 
 
-# The LMCache connector each vLLM flavour loads (seed 000 for vLLM-Ascend: LMCache-Ascend's
-# dynamic connector, which carries its memory API and the chunk_hashes return).
+# The LMCache connector each vLLM flavour loads. vLLM: AgentServing's subclass of LMCache's
+# connector (engine/vllm/connector.py), which adds the memory API, the chunk_hashes return and
+# kvindex reporting. vLLM-Ascend (seed 000): LMCache-Ascend's dynamic connector, which carries
+# its own memory API and chunk_hashes return (enabled in lmcache.yaml, see config.py).
 VLLM_CONNECTORS: dict[str, dict[str, str]] = {
-    "vllm": {"kv_connector": "LMCacheConnectorV1"},
+    "vllm": {"kv_connector": "AgentServingConnectorV1",
+             "kv_connector_module_path": "agentserving.engine.vllm.connector"},
     "vllm-ascend": {
         "kv_connector": "LMCacheAscendConnectorV1Dynamic",
         "kv_connector_module_path": "lmcache_ascend.integration.vllm.lmcache_ascend_connector_v1",
@@ -150,14 +155,20 @@ ASCEND_HOST_MOUNTS: tuple[tuple[str, str], ...] = (
 
 
 def kv_transfer_config(ctx: WorkerContext) -> dict[str, Any]:
-    """vLLM's --kv-transfer-config: the LMCache connector, kv_role by pool."""
+    """vLLM's --kv-transfer-config: the LMCache connector, kv_role by pool. For engine: vllm the
+    extra config is AgentServing's connector settings (engine/vllm/settings.py; the pod name
+    and IP come from POD_NAME / POD_IP)."""
     config: dict[str, Any] = {**VLLM_CONNECTORS[ctx.engine["type"]],
                               "kv_role": KV_ROLES[ctx.role]}
-    config["kv_connector_extra_config"] = {
+    extra: dict[str, Any] = {
         "transfer_backend": ctx.kv["transferBackend"],
         "kvindex_url": ctx.kvindex_url,
         "memory_port_start": MEMORY_PORT_START,
     }
+    if ctx.engine["type"] == "vllm":
+        extra.update({"hash_scheme": ctx.kv["hashScheme"], "api_port": WORKER_PORT,
+                      "memory_host": "0.0.0.0"})
+    config["kv_connector_extra_config"] = extra
     return config
 
 
@@ -173,8 +184,20 @@ def engine_volumes(ctx: WorkerContext) -> tuple[list[dict[str, Any]], list[dict[
     return volumes, mounts
 
 
+def validate_engine(spec: dict[str, Any]) -> None:
+    """Cross-field rules of the vLLM engines (checked after the pools' own rules)."""
+    engine, scheme = spec["engine"]["type"], spec["kvCache"]["hashScheme"]
+    if engine in ("vllm", "vllm-ascend") and scheme not in PINNED_HASH_SEED_SCHEMES:
+        # LMCache inside vLLM chains Python's hash() (or vLLM's), never blake3: the pods would
+        # register one scheme and report hashes of another
+        raise SpecError("spec.kvCache.hashScheme",
+                        f"{scheme!r} is the reference engine's; LMCache inside {engine} hashes "
+                        f"chunks with one of {sorted(PINNED_HASH_SEED_SCHEMES)}")
+
+
 def vllm_worker(ctx: WorkerContext) -> dict[str, Any]:
     """vLLM (NVIDIA) or vLLM-Ascend with LMCache as its KV connector (seed 000's command)."""
+    validate_engine(ctx.spec)
     command = [
         "vllm", "serve", ctx.model["name"],
         "--host", "0.0.0.0",
@@ -191,10 +214,14 @@ def vllm_worker(ctx: WorkerContext) -> dict[str, Any]:
         command += ["--load-format", "dummy"]
     container = _container(ctx, command + list(ctx.engine.get("args") or []), "/health")
     extra = [
+        field_env("POD_IP", "status.podIP"),
         env_var("LMCACHE_CHUNK_SIZE", ctx.kv["chunkSize"]),
         env_var("LMCACHE_USE_EXPERIMENTAL", "True"),
         env_var("AGENTSERVING_KVINDEX_URL", ctx.kvindex_url),
     ]
+    if ctx.engine["type"] == "vllm-ascend":
+        # LMCache's controller names the pod by its instance id (the kvindex maps it to the pod)
+        extra.append(env_var("LMCACHE_LMCACHE_INSTANCE_ID", "$(POD_NAME)"))
     if ctx.kv["hashScheme"] in PINNED_HASH_SEED_SCHEMES:
         extra.append(env_var("PYTHONHASHSEED", PYTHONHASHSEED))
     # User env (spec.engine.env, already in _common_env) stays last so it can override.
@@ -203,6 +230,29 @@ def vllm_worker(ctx: WorkerContext) -> dict[str, Any]:
         len(container["env"]) - user:]
     container["env"] = head + extra + tail
     return container
+
+
+def registrar_sidecar(ctx: WorkerContext) -> dict[str, Any]:
+    """vLLM-Ascend pods: LMCache-Ascend reports residency to the kvindex (its controller), but
+    nothing in the pod registers it; this sidecar does (engine/vllm/registrar.py)."""
+    return {
+        "name": "kvindex-registrar",
+        "image": ctx.agentserving_image or ctx.image,
+        "command": [
+            "python", "-m", "agentserving.engine.vllm.registrar",
+            "--kvindex", ctx.kvindex_url,
+            "--pod", "$(POD_NAME)",
+            "--memory-api-url", f"http://$(POD_IP):{MEMORY_PORT_START}",
+            "--api-url", f"http://$(POD_IP):{WORKER_PORT}",
+            "--role", ctx.role,
+            "--model", ctx.served_name,
+            "--hash-scheme", ctx.kv["hashScheme"],
+            "--chunk-size", str(ctx.kv["chunkSize"]),
+        ],
+        "env": [field_env("POD_NAME", "metadata.name"), field_env("POD_IP", "status.podIP")],
+        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"},
+                      "limits": {"cpu": "200m", "memory": "256Mi"}},
+    }
 
 
 ContainerBuilder = Callable[[WorkerContext], dict[str, Any]]

@@ -18,7 +18,7 @@ from .common import (
     metadata,
     selector_labels,
 )
-from .engines import ENGINES, WorkerContext, engine_volumes
+from .engines import ENGINES, WorkerContext, engine_volumes, registrar_sidecar
 
 # accelerator type -> the extended resource its device plugin advertises (overridable per pool)
 DEFAULT_RESOURCE_NAMES = {"nvidia": "nvidia.com/gpu", "ascend": "huawei.com/ascend-1980"}
@@ -65,10 +65,11 @@ def _disk_volume(inst: Instance) -> tuple[list[dict[str, Any]], list[dict[str, A
 
 
 def build_pool(inst: Instance, role: str, image: str, kvindex_url: str,
-               config_hash: str) -> dict[str, Any]:
+               config_hash: str, agentserving_image: str = "") -> dict[str, Any]:
     validate_pool(inst, role)
     pool = inst.spec[role]
-    ctx = WorkerContext(role=role, spec=inst.spec, image=image, kvindex_url=kvindex_url)
+    ctx = WorkerContext(role=role, spec=inst.spec, image=image, kvindex_url=kvindex_url,
+                        agentserving_image=agentserving_image)
     container = ENGINES[inst.spec["engine"]["type"]](ctx)
     container["volumeMounts"] = [
         {"name": "kvcache", "mountPath": KVCACHE_DIR},
@@ -83,8 +84,11 @@ def build_pool(inst: Instance, role: str, image: str, kvindex_url: str,
         extra_volumes, extra_mounts = engine_volumes(ctx)
         volumes += extra_volumes
         container["volumeMounts"] += extra_mounts
+    containers = [container]
+    if inst.spec["engine"]["type"] == "vllm-ascend":
+        containers.append(registrar_sidecar(ctx))
     pod_spec: dict[str, Any] = {
-        "containers": [container],
+        "containers": containers,
         "volumes": volumes,
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 30,

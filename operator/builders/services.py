@@ -6,6 +6,7 @@ from typing import Any
 
 from .common import (
     KVINDEX_PORT,
+    LMCACHE_CONTROLLER_PORT,
     PROXY_PORT,
     REDIS_PORT,
     Instance,
@@ -15,6 +16,7 @@ from .common import (
     metadata,
     selector_labels,
 )
+from .config import uses_lmcache_controller
 
 
 def kvindex_store(inst: Instance) -> str:
@@ -84,10 +86,19 @@ def build_kvindex(inst: Instance, image: str) -> list[dict[str, Any]]:
     }
     if kvi.get("resources"):
         container["resources"] = dict(kvi["resources"])
+    service = _service(inst, "kvindex", KVINDEX_PORT)
+    if uses_lmcache_controller(inst):
+        # LMCache(-Ascend) workers report their chunks here (PULL) and register (ROUTER, +1)
+        container["command"] += ["--lmcache-controller",
+                                 f"tcp://0.0.0.0:{LMCACHE_CONTROLLER_PORT}"]
+        for name, port in (("lmcache-pull", LMCACHE_CONTROLLER_PORT),
+                           ("lmcache-reply", LMCACHE_CONTROLLER_PORT + 1)):
+            container["ports"].append({"name": name, "containerPort": port, "protocol": "TCP"})
+            service["spec"]["ports"].append({"name": name, "port": port, "targetPort": port,
+                                             "protocol": "TCP"})
     # An in-memory index cannot have two writers: replace it, never run two side by side.
     strategy = "Recreate" if store == "memory" else "RollingUpdate"
-    return [_deployment(inst, "kvindex", kvi["replicas"], container, strategy),
-            _service(inst, "kvindex", KVINDEX_PORT)]
+    return [_deployment(inst, "kvindex", kvi["replicas"], container, strategy), service]
 
 
 def build_proxy(inst: Instance, image: str, kvindex_url: str) -> list[dict[str, Any]]:

@@ -20,6 +20,9 @@ def test_the_two_configurations():
     assert base.cpu_cache_gib * 1024 < 2  # < one 2 MiB chunk of the tiny model: no reuse
     assert (cand.prefill, cand.decode, cand.routing) == (1, 2, "kv-aware")
     assert cand.cpu_cache_gib == 2.0 and cand.disk_cache_gib == 4.0
+    apc = fleet_spec("baseline-apc", **kw)  # each worker reuses only what it computed itself
+    assert (apc.both, apc.prefill, apc.decode, apc.routing) == (3, 0, 0, "round-robin")
+    assert apc.cpu_cache_gib == 2.0 and apc.disk_cache_gib == 0
     with pytest.raises(Exception, match="unknown configuration"):
         fleet_spec("other", **kw)
 
@@ -53,3 +56,23 @@ def test_worker_metrics_are_scraped_and_summarised():
     (line,) = time_breakdown({"prefill-0": m})
     assert line.startswith("prefill-0: prefill 2.0s") and "over 1 requests" in line
     assert "hand-off 5 MB" in line
+
+
+def test_per_turn_breakdown_splits_pd_and_colocated_time():
+    from agentserving.replay.bench import per_turn_breakdown
+
+    pd = per_turn_breakdown(
+        {"prefill-0": {"request_seconds_sum": 4.0, "prefill_seconds_sum": 2.0,
+                       "kv_load_seconds_sum": 1.0},
+         "decode-0": {"kv_load_seconds_sum": 1.0, "decode_seconds_sum": 3.0,
+                      "completion_tokens_total": 30},
+         "decode-1": {"decode_seconds_sum": 1.0, "completion_tokens_total": 10}},
+        {"routing_seconds_sum": 0.002, "routing_seconds_count": 4}, turns=4)
+    assert pd == {"proxy_routing_ms": 0.5, "prefill_pod_s": 1.0, "prefill_compute_s": 0.5,
+                  "kv_load_s": 0.5, "decode_compute_s": 1.0, "decode_per_token_s": 0.1}
+    both = per_turn_breakdown(
+        {"worker-0": {"ttft_seconds_sum": 6.0, "request_seconds_sum": 9.0,
+                      "prefill_seconds_sum": 5.0, "decode_seconds_sum": 2.0,
+                      "completion_tokens_total": 20}}, {}, turns=2)
+    assert both["prefill_pod_s"] == 3.0 and both["decode_per_token_s"] == 0.1
+    assert both["proxy_routing_ms"] == 0.0

@@ -88,3 +88,23 @@ def test_bench_small_preset_is_what_the_generator_uses():
     assert generate(bench_small_preset()) == generate_preset("bench-small")
     with pytest.raises(ValueError, match="unknown preset"):
         generate_preset("nope")
+
+
+def test_bench_agent_keeps_tracelab_token_ratios_within_the_cpu_budget():
+    """The main job's workload: contexts ~23x the append (TraceLab's per-step means, scaled
+    1/25) and outputs scaled 1/40; small enough for the tiny CPU model."""
+    trace = generate_preset("bench-agent")
+    assert _text(trace) == _text(generate_preset("bench-agent"))
+    later = [t for rs in resolve_all(trace) for t in rs.turns if t.index > 0]
+    ctx = statistics.mean(len(t.prompt) for t in later)
+    append = statistics.median(t.appended for t in later)
+    out = statistics.mean(len(t.forced_output) for t in later)
+    assert 4000 <= ctx <= 7000  # TraceLab 147k cached prefix per step / 25 = 5.9k
+    assert 15 <= ctx / append <= 35  # TraceLab: 147k / 6.6k = 22
+    assert 300 <= ctx / out <= 600  # TraceLab: 147k / 523 = 281; outputs at /40, not /25
+    turns = [t for rs in resolve_all(trace) for t in rs.turns]
+    assert 40 <= len(turns) <= 90 and max(len(t.prompt) for t in turns) <= 8192
+    assert sum(len(t.prompt) for t in turns) <= 400_000  # the baseline recomputes all of it
+    # the first turn carries the run so far: no system has it cached
+    first = [rs.turns[0] for rs in resolve_all(trace) if rs.session.parent is None]
+    assert statistics.median(len(t.prompt) for t in first) >= 3500

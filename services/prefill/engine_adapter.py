@@ -98,16 +98,19 @@ class EnginePolicy:
 
 ENGINE_POLICIES = ("fcfs-nochunk", "fcfs-chunk", "longcap-dynamic", "shadow")
 _INT_OPTS = {"step_tokens", "short_tokens", "min_chunk", "max_long_running", "chunk_align",
-             "long_chunk_max",
+             "long_chunk_max", "short_step",
              "lookahead", "prefetch_window", "kv_capacity_tokens", "block_size",
              "chunk_tokens"}
+
+
+_FLOAT_OPTS = {"long_cap", "context_cost", "split_overhead"}
 
 
 def make_engine_policy(name: str, chunk_tokens: int, **options: Any) -> EnginePolicy:
     """Factory behind the engine's ``POLICIES`` entries. ``chunk_tokens`` is the worker's
     ``--prefill-chunk-tokens``: the fixed chunk of ``fcfs-chunk``; the others default their
     step budget to 4x it."""
-    opts = {k: (int(v) if k in _INT_OPTS else float(v) if k == "long_cap" else v)
+    opts = {k: (int(v) if k in _INT_OPTS else float(v) if k in _FLOAT_OPTS else v)
             for k, v in options.items()}
     lookahead = opts.pop("lookahead", 5 if name == "shadow" else 0)
     window = opts.pop("prefetch_window", 1)

@@ -13,12 +13,15 @@ means the engine loads from disk or recomputes.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
 
 from agentserving.prefill.policies.base import PurePolicy
-from agentserving.prefill.policies.types import Decision, SchedState, advance
+from agentserving.prefill.policies.types import Decision, ReqView, SchedState, advance
+
+PHANTOM = "\x00phantom-"  # ids of the look-ahead's expected arrivals (never a real id)
 
 
 class StepTimeModel:
@@ -43,10 +46,27 @@ class StepTimeModel:
             prior = (0.01, 2e-4, 0.0, 0.0) if attention else (0.01, 2e-4, 0.0)
         if len(prior) != (4 if attention else 3):
             raise ValueError("prior needs 4 coefficients with attention=True, else 3")
-        self.coef = np.array(prior, dtype=float)
+        self._coef = np.array(prior, dtype=float)
+        self._dirty = False  # rows changed since the last fit
         self.window = window
         self.min_samples = min_samples
         self._rows: list[tuple[float, ...]] = []
+
+    @property
+    def coef(self) -> np.ndarray:
+        """The coefficients, refitted first if steps were observed since the last fit. Lazy:
+        the fit runs when a prediction needs it, not on every observed step (a simulator
+        observes every step of every pod but predicts only while requests wait); the
+        coefficients a prediction sees are the same either way."""
+        if self._dirty:
+            self._dirty = False
+            self.fit()
+        return self._coef
+
+    @coef.setter
+    def coef(self, value: np.ndarray) -> None:
+        self._coef = np.asarray(value, dtype=float)
+        self._dirty = False
 
     @staticmethod
     def features(decision: Decision, state: SchedState) -> tuple[int, int]:
@@ -82,7 +102,7 @@ class StepTimeModel:
         if len(self._rows) > self.window:
             del self._rows[: len(self._rows) - self.window]
         if len(self._rows) >= self.min_samples:
-            self.fit()
+            self._dirty = True
 
     def observe_step(self, decision: Decision, state: SchedState, seconds: float) -> None:
         new, ctx = self.features(decision, state)
@@ -96,11 +116,12 @@ class StepTimeModel:
 
     def predict(self, new_tokens: int, context_tokens: int,
                 pairs: float | None = None) -> float:
-        t = self.coef[0] + self.coef[1] * new_tokens + self.coef[2] * context_tokens
+        coef = self.coef
+        t = coef[0] + coef[1] * new_tokens + coef[2] * context_tokens
         if self.attention:
             if pairs is None:
                 pairs = self.chunk_pairs(new_tokens, context_tokens)
-            t += self.coef[3] * pairs
+            t += coef[3] * pairs
         return float(t)
 
     def predict_step(self, decision: Decision, state: SchedState) -> float:
@@ -137,8 +158,17 @@ class ShadowResult:
 
 
 class ShadowScheduler:
+    """See the module docstring. ``arrivals=True`` makes the look-ahead expect arrivals: the
+    rate is estimated from the arrival times of the last ``arrival_window`` requests seen
+    waiting; during each simulated step of predicted length t it adds ``rate * t`` expected
+    arrivals (a phantom request once the running expectation reaches one half) of the
+    recent arrivals' median remaining length. Without it a turn the policy would let a
+    newcomer overtake (``longcap-dynamic`` with ``short_order=shortest``) is predicted as if
+    nobody came: the N+1 window's precision drops. Phantoms are never reported."""
+
     def __init__(self, policy: PurePolicy, lookahead: int = 5, prefetch_window: int = 1,
-                 model: StepTimeModel | None = None) -> None:
+                 model: StepTimeModel | None = None, arrivals: bool = False,
+                 arrival_window: int = 64) -> None:
         if lookahead < 1 or not 1 <= prefetch_window <= lookahead:
             raise ValueError("need 1 <= prefetch_window <= lookahead")
         self.policy = policy
@@ -149,12 +179,32 @@ class ShadowScheduler:
         self.model = model or StepTimeModel(attention=True)
         self.prefetched: set[str] = set()
         self.last: dict[str, Prediction] = {}
+        self.arrivals = arrivals
+        self._seen: set[str] = set()
+        self._recent: collections.deque[tuple[float, int]] = collections.deque(
+            maxlen=max(2, arrival_window))
+
+    def _note_arrivals(self, state: SchedState, decision: Decision) -> None:
+        for w in state.waiting:
+            if w.req_id not in self._seen:
+                self._seen.add(w.req_id)
+                self._recent.append((w.arrival, w.remaining))
+        self._seen.difference_update(decision.admit)
+
+    def arrival_rate(self) -> float:
+        """Requests per second over the recent arrivals (0 until 8 were seen)."""
+        if len(self._recent) < 8:
+            return 0.0
+        span = self._recent[-1][0] - self._recent[0][0]
+        return (len(self._recent) - 1) / span if span > 0 else 0.0
 
     def decide(self, state: SchedState) -> Decision:
         return self.step(state).decision
 
     def step(self, state: SchedState) -> ShadowResult:
         decision = self.policy.decide(state)
+        if self.arrivals:
+            self._note_arrivals(state, decision)
         predictions = self.look_ahead(state, decision)
         waiting = {w.req_id: w for w in state.waiting}
         prefetch = []
@@ -171,15 +221,29 @@ class ShadowScheduler:
 
     def look_ahead(self, state: SchedState, decision: Decision) -> dict[str, Prediction]:
         out: dict[str, Prediction] = {}
-        eta = self.model.predict_step(decision, state)
         s = advance(state, decision)
+        if not s.waiting:
+            return out  # nothing left waiting: nothing to predict (or to fit the model for)
+        eta = self.model.predict_step(decision, state)
+        rate = self.arrival_rate() if self.arrivals else 0.0
+        size = int(np.median([n for _, n in self._recent])) if rate else 0
+        expected, step_s, phantoms = 0.0, eta, 0
         for k in range(1, self.lookahead + 1):
             if not s.waiting:
                 break
+            if rate and size > 0:
+                expected += rate * step_s
+                while expected >= 0.5:
+                    expected -= 1.0
+                    phantoms += 1
+                    s = dataclasses.replace(s, waiting=s.waiting + (ReqView(
+                        f"{PHANTOM}{phantoms}", float("inf"), size),))
             d = self.policy.decide(s)
             for rid in d.admit:
-                out[rid] = Prediction(k, eta)
-            eta += self.model.predict_step(d, s)
+                if not rid.startswith(PHANTOM):
+                    out[rid] = Prediction(k, eta)
+            step_s = self.model.predict_step(d, s)
+            eta += step_s
             s = advance(s, d)
         return out
 

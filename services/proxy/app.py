@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
@@ -22,6 +21,7 @@ from agentserving.core.service import (
     install_metrics_route,
 )
 from agentserving.proxy.auth import ApiKeys, Principal
+from agentserving.proxy.jsonio import loads
 from agentserving.proxy.memory_hooks import AgentMemory
 from agentserving.proxy.metrics import ProxyMetrics
 from agentserving.proxy.orchestrator import H_NEXT_TOOL, Orchestrator, Turn
@@ -29,6 +29,7 @@ from agentserving.proxy.pods import PodPool
 from agentserving.proxy.routing import make_policy
 from agentserving.proxy.sessions import session_key
 from agentserving.proxy.settings import ProxySettings
+from agentserving.proxy.upstream import UPSTREAM_ERRORS, new_session
 
 _EXTENSION_FIELDS = ("agent_memory",)
 
@@ -40,10 +41,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        timeout = httpx.Timeout(settings.upstream_timeout_s,
-                                connect=settings.upstream_connect_timeout_s)
-        http = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=1000,
-                                                                      max_keepalive_connections=200))
+        http = new_session(settings.upstream_timeout_s, settings.upstream_connect_timeout_s)
         kvindex = (KvindexClient(settings.kvindex_url, settings.kvindex_timeout_s)
                    if settings.kvindex_url else None)
         pool = PodPool(settings.prefill_urls, settings.decode_urls, kvindex)
@@ -57,7 +55,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
             follower.cancel()
             await asyncio.gather(follower, return_exceptions=True)
             await app.state.orch.aclose()
-            await http.aclose()
+            await http.close()
             if kvindex is not None:
                 await kvindex.aclose()
 
@@ -79,7 +77,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
     async def read_turn(request: Request, endpoint: str, required: str) -> Turn:
         principal = authenticate(request)
         try:
-            body = json.loads(await request.body())
+            body = loads(await request.body())
         except ValueError as exc:
             raise ApiError(400, f"malformed JSON: {exc}", param="body") from exc
         if not isinstance(body, dict):
@@ -145,8 +143,10 @@ async def _models_from_pods(orch: Orchestrator) -> list[str]:
     names: set[str] = set()
     for pod in orch.pool.all():
         try:
-            resp = await orch.http.get(pod.url + "/v1/models", timeout=2.0)
-            names.update(m["id"] for m in resp.json().get("data", []))
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            async with orch.http.get(pod.url + "/v1/models",
+                                     timeout=aiohttp.ClientTimeout(total=2.0)) as resp:
+                payload = loads(await resp.read())
+            names.update(m["id"] for m in payload.get("data", []))
+        except (*UPSTREAM_ERRORS, ValueError, KeyError, TypeError, AttributeError):
             continue
     return sorted(names)

@@ -11,14 +11,13 @@ error, never silence.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from agentserving.core.clients import KvindexClient, RequestRejected, ServiceUnavailable
@@ -34,6 +33,8 @@ from agentserving.proxy.sessions import SessionState, SessionTable, session_key
 from agentserving.proxy.settings import ProxySettings
 from agentserving.proxy.tool_gaps import ToolGapPredictor
 from agentserving.proxy.upstream import (
+    UPSTREAM_ERRORS,
+    StreamReply,
     TurnOutcome,
     UpstreamFailed,
     open_stream,
@@ -73,7 +74,7 @@ class Turn:
 
 class Orchestrator:
     def __init__(self, settings: ProxySettings, pool: PodPool, kvindex: KvindexClient | None,
-                 policy: RoutingPolicy, http: httpx.AsyncClient, metrics: ProxyMetrics) -> None:
+                 policy: RoutingPolicy, http: aiohttp.ClientSession, metrics: ProxyMetrics) -> None:
         self.settings = settings
         self.pool = pool
         self.kvindex = kvindex
@@ -113,7 +114,9 @@ class Orchestrator:
         candidates = self.pool.prefill_candidates()
         prefixes: dict[str, PodPrefix] = {}
         index_ok = True
-        if self.kvindex is not None and state.chunk_hashes and candidates and \
+        # One prefill pod leaves nothing to choose: the lookup (a kvindex round trip, the
+        # larger part of the proxy's added latency) is only made when it can change the order.
+        if self.kvindex is not None and state.chunk_hashes and len(candidates) > 1 and \
                 self.policy.name == "kv-aware":
             try:
                 found = await self.kvindex.lookup(LookupRequest(
@@ -209,7 +212,7 @@ class Orchestrator:
                        type="upstream_error", code="all_pods_failed", headers=turn.headers)
 
     async def _stream_body(self, turn: Turn, state: SessionState, prefill: Candidate,
-                           decode: Candidate | None, resp: httpx.Response,
+                           decode: Candidate | None, resp: StreamReply,
                            cached_override: int | None) -> AsyncIterator[bytes]:
         serving = decode or prefill
         outcome = TurnOutcome()
@@ -223,7 +226,7 @@ class Orchestrator:
             if cached_override is not None:
                 outcome.cached_tokens = cached_override
             self._finish(turn, state, prefill, outcome, decode)
-        except httpx.HTTPError as exc:  # the pod died mid-stream: tell the caller, in-band
+        except UPSTREAM_ERRORS as exc:  # the pod died mid-stream: tell the caller, in-band
             self.pool.mark_failed(serving.name)
             self.metrics.failures.labels("mid_stream").inc()
             yield _sse_error(f"worker {serving.name} failed mid-stream: {exc!r}")
@@ -245,7 +248,7 @@ class Orchestrator:
 
     async def _prefill_for_decode(self, turn: Turn, prefill: Candidate
                                   ) -> tuple[dict[str, Any], int | None]:
-        body = copy.deepcopy(turn.body)
+        body = dict(turn.body)  # shallow: only top-level keys change; the prompt is shared
         body.update(stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         body.pop("stream_options", None)
         body.pop("max_completion_tokens", None)
@@ -269,7 +272,7 @@ class Orchestrator:
         return out
 
     async def _call(self, pod: Candidate, stage: str, fn, body: dict[str, Any], turn: Turn
-                    ) -> httpx.Response:  # type: ignore[no-untyped-def]
+                    ) -> Any:  # type: ignore[no-untyped-def]
         turn.headers[H_PREFILL if stage == "prefill" else H_DECODE] = pod.name
         self.metrics.routed.labels(stage, pod.name, self.policy.name).inc()
         self.pool.acquire(pod.name)

@@ -101,7 +101,7 @@ def test_roles_and_pools_are_separate(settings):
 def test_accelerators_become_resource_limits(settings, acc, resource):
     engine = "vllm-ascend" if acc["type"] == "ascend" else "vllm"
     spec = {"model": {"name": "m"}, "engine": {"type": engine}, "decode": {"accelerator": acc},
-            "prefill": {"accelerator": acc}}
+            "prefill": {"accelerator": acc}, "kvCache": {"hashScheme": "lmcache-builtin"}}
     c = worker(build_children(make_instance(spec), settings), "decode")
     assert c["resources"]["limits"] == {resource: str(acc["count"])}
     assert c["resources"]["requests"] == {resource: str(acc["count"])}
@@ -237,6 +237,7 @@ def test_proxy_change_touches_only_the_proxy(settings):
 def test_vllm_engine_renders_vllm_serve_with_kv_transfer_config(settings):
     spec = {"model": {"name": "Qwen/Qwen2.5-7B", "servedName": "qwen", "maxContext": 32768},
             "engine": {"type": "vllm", "args": ["--enforce-eager"]},
+            "kvCache": {"hashScheme": "lmcache-builtin"},
             "prefill": {"accelerator": {"type": "nvidia", "count": 2}, "tensorParallelSize": 2}}
     c = worker(build_children(make_instance(spec), settings), "prefill")
     cmd = c["command"]

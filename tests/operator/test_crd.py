@@ -41,7 +41,7 @@ def test_defaults_fill_every_field_the_builders_read():
     spec = defaulted({"model": {"name": "m"}})
     assert spec["engine"]["type"] == "reference"
     assert spec["kvCache"]["chunkSize"] == 256
-    assert spec["kvCache"]["hashScheme"] == "blake3"
+    assert "hashScheme" not in spec["kvCache"]  # the operator picks the engine's own
     assert spec["kvCache"]["prefetch"] == {"policy": "shadow-scheduler", "lookahead": 5}
     for pool in ("prefill", "decode"):
         assert spec[pool]["replicas"] == 1

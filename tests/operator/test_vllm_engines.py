@@ -4,7 +4,10 @@ internal API server on 6999), PYTHONHASHSEED, accelerators and the Ascend host m
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -13,6 +16,9 @@ from agentserving.operator.builders import build_children
 from agentserving.operator.builders.engines import WorkerContext, engine_volumes
 
 from .operator_testing import EXAMPLES, defaulted, make_instance
+from .seed000 import flags, seed_command, seed_spec
+
+CONNECTOR_SOURCE = Path(__file__).parents[2] / "engine" / "vllm" / "connector.py"
 
 ASCEND = {
     "model": {"name": "/mnt/sdb/models/GLM-4.7", "servedName": "glm4.7", "maxContext": 133000},
@@ -27,7 +33,7 @@ NVIDIA = {
     "engine": {"type": "vllm"},
     "prefill": {"accelerator": {"type": "nvidia", "count": 1}},
     "decode": {"accelerator": {"type": "nvidia", "count": 1}},
-    "kvCache": {"chunkSize": 512, "cpuGiB": 8, "diskGiB": 0, "hashScheme": "blake3"},
+    "kvCache": {"chunkSize": 512, "cpuGiB": 8, "diskGiB": 0, "hashScheme": "lmcache-builtin"},
 }
 
 
@@ -77,10 +83,40 @@ def test_nvidia_command_and_resources(settings):
     kids = children(NVIDIA, settings)
     c = worker(kids, "decode")
     ktc = json.loads(flag(c["command"], "--kv-transfer-config"))
-    assert ktc["kv_connector"] == "LMCacheConnectorV1" and "kv_connector_module_path" not in ktc
+    # AgentServing's connector (engine/vllm/connector.py), a subclass of LMCache's
+    assert ktc["kv_connector"] == "AgentServingConnectorV1"
+    assert ktc["kv_connector_module_path"] == "agentserving.engine.vllm.connector"
+    assert importlib.util.find_spec(ktc["kv_connector_module_path"]) is not None
+    assert re.search(r"^class AgentServingConnectorV1\(LMCacheConnectorV1Dynamic\)",
+                     CONNECTOR_SOURCE.read_text(), re.M)
     assert ktc["kv_role"] == "kv_consumer"
-    assert "PYTHONHASHSEED" not in env(c)  # blake3 does not depend on it
+    extra = ktc["kv_connector_extra_config"]
+    # what the connector's settings parser reads, and accepts
+    from agentserving.engine.vllm.settings import parse_settings
+
+    parsed = parse_settings(extra, {"POD_NAME": "demo-decode-0", "POD_IP": "10.0.0.9"})
+    assert parsed.kvindex_url == "http://demo-kvindex.ns1.svc:8300"
+    assert (parsed.memory_port_start, parsed.api_port, parsed.hash_scheme) == (6999, 8000,
+                                                                               "lmcache-builtin")
+    assert parsed.public_host == "10.0.0.9" and parsed.pod_name == "demo-decode-0"
+    e = {x["name"]: x for x in c["env"]}
+    assert e["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert "LMCACHE_LMCACHE_INSTANCE_ID" not in e
+    assert [x["name"] for x in kids[("StatefulSet", "demo-decode")]["spec"]["template"]["spec"][
+        "containers"]] == ["worker"]  # the connector registers the pod itself
+    assert env(c)["PYTHONHASHSEED"] == "0"  # LMCache's builtin chain starts from it
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+@pytest.mark.parametrize("engine", ["vllm", "vllm-ascend"])
+def test_blake3_is_refused_for_vllm_engines_naming_the_field(settings, engine):
+    from agentserving.operator.builders.common import SpecError
+
+    base = ASCEND if engine == "vllm-ascend" else NVIDIA
+    spec = {**base, "kvCache": {**base["kvCache"], "hashScheme": "blake3"}}
+    with pytest.raises(SpecError) as err:
+        children(spec, settings)
+    assert err.value.field_path == "spec.kvCache.hashScheme"
 
 
 def test_user_env_still_overrides_engine_env(settings):
@@ -101,12 +137,25 @@ def test_lmcache_config_file_has_tiers_and_memory_api(settings):
     assert data["local_disk"] == "file:///kvcache/" and data["max_local_disk_size"] == 500.0
     assert data["internal_api_server_enabled"] is True
     assert data["internal_api_server_port_start"] == 6999
-    # LMCache's own parser accepts every key the operator writes.
+    # LMCache-Ascend's switches for its memory API and chunk_hashes return
+    assert data["enable_chunk_hashes_return"] is True and data["enable_async_loading"] is True
+    assert data["lookup_hashes_cache_size"] > 0
+    # its controller is the kvindex; one controller-facing port per TP rank
+    assert data["enable_controller"] is True
+    assert data["controller_pull_url"] == "demo-kvindex.ns1.svc:8301"
+    assert data["controller_reply_url"] == "demo-kvindex.ns1.svc:8302"
+    assert data["lmcache_worker_ports"] == list(range(7200, 7216))
+    # LMCache's own parser accepts every key the operator writes (LMCache-Ascend's two extra
+    # keys are unknown to stock LMCache: it warns and ignores them)
     cfg = LMCacheEngineConfig.from_dict(data)
     assert cfg.chunk_size == 256 and cfg.internal_api_server_port_start == 6999
+    assert cfg.enable_controller and cfg.lmcache_worker_ports == list(range(7200, 7216))
     nv = yaml.safe_load(children(NVIDIA, settings)[("ConfigMap", "demo-config")]["data"][
         "lmcache.yaml"])
     assert "local_disk" not in nv and nv["chunk_size"] == 512
+    # vLLM: our connector serves the memory API on 6999+; LMCache's server and controller stay off
+    assert nv["internal_api_server_enabled"] is False and "enable_controller" not in nv
+    assert LMCacheEngineConfig.from_dict(nv).internal_api_server_enabled is False
     ref = yaml.safe_load(children({"model": {"name": "m"}}, settings)[
         ("ConfigMap", "demo-config")]["data"]["lmcache.yaml"])
     assert "internal_api_server_enabled" not in ref  # the reference worker serves its own
@@ -156,3 +205,99 @@ def test_ascend_pods_mount_the_driver_and_accept_the_ascend_hash_scheme():
                                                    pod["containers"][0]["volumeMounts"]}
     env = {e["name"]: e.get("value") for e in pod["containers"][0].get("env", [])}
     assert env.get("PYTHONHASHSEED") == "0"
+
+
+# ---------------------------------------------------------------- seed 000, line by line
+
+
+@pytest.mark.parametrize("engine", ["vllm-ascend", "vllm"])
+@pytest.mark.parametrize("role,kv_role", [("prefill", "kv_producer"), ("decode", "kv_consumer")])
+def test_rendered_pod_runs_seed_000s_command(settings, engine, role, kv_role):
+    env, argv, urls = seed_command()
+    kids = children(seed_spec(engine), settings)
+    c = worker(kids, role)
+    cmd = c["command"]
+    assert cmd[:3] == argv[:3]  # vllm serve <model>
+    want, got = flags(argv[3:]), flags(cmd[3:])
+    for k, v in want.items():
+        if k == "--port":  # the pod serves on the worker port the proxy and probes use
+            assert got[k] == "8000"
+        elif k == "--kv-transfer-config":
+            seed_ktc, ktc = json.loads(v), json.loads(got[k])
+            if engine == "vllm-ascend":  # LMCache-Ascend's connector, exactly the seed's
+                assert {k2: ktc[k2] for k2 in ("kv_connector", "kv_connector_module_path")} == \
+                    {k2: seed_ktc[k2] for k2 in ("kv_connector", "kv_connector_module_path")}
+            else:
+                assert ktc["kv_connector_module_path"] == "agentserving.engine.vllm.connector"
+            # the seed runs one pod (kv_both); a P/D pool is producer or consumer
+            assert seed_ktc["kv_role"] == "kv_both" and ktc["kv_role"] == kv_role
+        else:
+            assert got.get(k, "absent") == v, k
+    e = {x["name"]: x.get("value") for x in c["env"]}
+    for k, v in env.items():
+        if k != "LMCACHE_CONFIG_FILE":
+            assert e[k] == v, k
+    assert e["LMCACHE_CONFIG_FILE"] == "/etc/agentserving/lmcache.yaml"
+    # the memory API the seed calls (POST :6999/memory/{evict,prefetch}) is the pod's mem-api
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert {u.split("/")[2].split(":")[1] for u in urls} == {str(ports["mem-api"])}
+    assert {"/" + u.split("/", 3)[3] for u in urls} == {"/memory/evict", "/memory/prefetch"}
+    assert [ports[f"mem-{k}"] for k in range(16)] == list(range(7000, 7016))
+    lm = yaml.safe_load(kids[("ConfigMap", "demo-config")]["data"]["lmcache.yaml"])
+    assert lm["chunk_size"] == 256 and lm["max_local_cpu_size"] == 100.0
+    assert lm["max_local_disk_size"] == 500.0
+    if engine == "vllm-ascend":
+        assert lm["internal_api_server_port_start"] == ports["mem-api"]
+    else:
+        extra = json.loads(got["--kv-transfer-config"])["kv_connector_extra_config"]
+        assert extra["memory_port_start"] == ports["mem-api"]
+
+
+def test_ascend_pods_get_the_registrar_and_the_kvindex_the_controller(settings):
+    kids = children(ASCEND, settings)
+    pod = kids[("StatefulSet", "demo-prefill")]["spec"]["template"]["spec"]
+    names = [c["name"] for c in pod["containers"]]
+    assert names == ["worker", "kvindex-registrar"]
+    reg = pod["containers"][1]
+    cmd = reg["command"]
+    assert cmd[:3] == ["python", "-m", "agentserving.engine.vllm.registrar"]
+    assert flag(cmd, "--memory-api-url") == "http://$(POD_IP):6999"
+    assert flag(cmd, "--role") == "prefill" and flag(cmd, "--model") == "glm4.7"
+    assert flag(cmd, "--hash-scheme") == "lmcache-builtin"
+    assert reg["image"] == settings.image("worker")  # AgentServing's image, not vLLM-Ascend's
+    from agentserving.engine.vllm.registrar import parse_args, registration_of
+
+    args = parse_args([a.replace("$(POD_IP)", "10.0.0.5").replace("$(POD_NAME)", "demo-p-0")
+                       for a in cmd[3:]])
+    assert registration_of(args).memory_api_url == "http://10.0.0.5:6999"
+    # the worker names itself to LMCache's controller by its pod name
+    e = {x["name"]: x.get("value") for x in pod["containers"][0]["env"]}
+    assert e["LMCACHE_LMCACHE_INSTANCE_ID"] == "$(POD_NAME)"
+    names_env = [x["name"] for x in pod["containers"][0]["env"]]
+    assert names_env.index("POD_NAME") < names_env.index("LMCACHE_LMCACHE_INSTANCE_ID")
+    kvi = kids[("Deployment", "demo-kvindex")]["spec"]["template"]["spec"]["containers"][0]
+    assert flag(kvi["command"], "--lmcache-controller") == "tcp://0.0.0.0:8301"
+    svc_ports = {p["name"]: p["port"] for p in kids[("Service", "demo-kvindex")]["spec"]["ports"]}
+    assert svc_ports == {"http": 8300, "lmcache-pull": 8301, "lmcache-reply": 8302}
+    # the kvindex CLI accepts the flag the operator renders
+    from click.testing import CliRunner
+
+    from agentserving.kvindex.cli import command
+
+    help_text = CliRunner().invoke(command, ["--help"]).output
+    assert "--lmcache-controller" in help_text
+    nv = children(NVIDIA, settings)
+    kvi_nv = nv[("Deployment", "demo-kvindex")]["spec"]["template"]["spec"]["containers"][0]
+    assert "--lmcache-controller" not in kvi_nv["command"]
+
+
+@pytest.mark.parametrize(("engine", "scheme"), [("reference", "blake3"),
+                                                 ("vllm", "lmcache-builtin"),
+                                                 ("vllm-ascend", "lmcache-ascend")])
+def test_unset_hash_scheme_follows_the_engine(settings, engine, scheme):
+    base = {"reference": {"model": {"name": "tiny"}}, "vllm": NVIDIA, "vllm-ascend": ASCEND}[engine]
+    kv = {k: v for k, v in base.get("kvCache", {}).items() if k != "hashScheme"}
+    spec = {**base, "engine": {"type": engine}, "kvCache": kv}
+    kids = children(spec, settings)  # servable without naming a scheme
+    config = next(c for c in kids.values() if c["kind"] == "ConfigMap")
+    assert scheme in json.dumps(config["data"])

@@ -10,6 +10,7 @@ import time
 from collections import defaultdict
 
 from agentserving.core.schemas import (
+    TIERS_FASTEST_FIRST,
     ChunkLocation,
     ChunkSnapshot,
     EventBatch,
@@ -28,11 +29,16 @@ from agentserving.kvindex.index.base import (
     SessionExists,
     UnknownPod,
     UnknownSession,
+    fastest_tier,
     next_seq_state,
-    prefix_of,
     role_matches,
     tiers_of,
 )
+
+# (tier, bit) fastest first, as ``tiers_of`` walks them
+_TIER_BIT_ITEMS = tuple((t, TIER_BITS[t]) for t in TIERS_FASTEST_FIRST)
+# a residency mask -> its fastest tier (``fastest_tier``), for every non-empty mask
+_FASTEST = {m: fastest_tier(m) for m in range(1, 1 << len(TIER_BITS))}
 
 
 class _Pod:
@@ -127,8 +133,12 @@ class InMemoryIndex:
     def _set_mask(self, state: _Pod, chunk: str, mask: int) -> None:
         pod = state.reg.pod
         old = state.chunks.get(chunk, 0)
-        for tier in tiers_of(old ^ mask):
-            state.counts[tier] += 1 if mask & TIER_BITS[tier] else -1
+        diff = old ^ mask
+        if diff:
+            counts = state.counts
+            for tier, bit in _TIER_BIT_ITEMS:
+                if diff & bit:
+                    counts[tier] += 1 if mask & bit else -1
         if mask:
             state.chunks[chunk] = mask
             self._chunks.setdefault(chunk, {})[pod] = mask
@@ -163,9 +173,18 @@ class InMemoryIndex:
             return 1
         assert tier is not None
         bit = TIER_BITS[tier]
-        for chunk in chunks:
-            mask = state.chunks.get(chunk, 0)
-            self._set_mask(state, chunk, mask | bit if op is EventOp.STORED else mask & ~bit)
+        held = state.chunks
+        set_mask = self._set_mask
+        if op is EventOp.STORED:
+            for chunk in chunks:
+                mask = held.get(chunk, 0)
+                if not mask & bit:  # already set: nothing changes
+                    set_mask(state, chunk, mask | bit)
+        else:
+            for chunk in chunks:
+                mask = held.get(chunk, 0)
+                if mask & bit:      # already clear: nothing changes
+                    set_mask(state, chunk, mask & ~bit)
         if nbytes:
             sign = 1 if op is EventOp.STORED else -1
             state.used_bytes[tier] = max(0, state.used_bytes[tier] + sign * nbytes)
@@ -205,10 +224,20 @@ class InMemoryIndex:
                 continue
             if not role_matches(state.reg.role, role):
                 continue
-            prefix = prefix_of([state.chunks.get(c, 0) for c in chunk_hashes])
-            if prefix is not None:
-                prefix.pod = pod
-                out.append(prefix)
+            # ``prefix_of`` over the pod's masks, inlined: the leading run of held chunks,
+            # tallied by fastest tier, stopping at the first chunk the pod lacks (reading the
+            # rest was most of a lookup's work when every pod holds a shared first chunk)
+            get = state.chunks.get
+            tiers: dict[Tier, int] = {}
+            n = 0
+            for c in chunk_hashes:
+                tier = _FASTEST.get(get(c, 0))
+                if tier is None:
+                    break
+                tiers[tier] = tiers.get(tier, 0) + 1
+                n += 1
+            if n:
+                out.append(PrefixCount(pod=pod, prefix_chunks=n, tiers=tiers))
         return out
 
     async def holders(self, chunk_hashes: list[str]) -> dict[str, dict[str, int]]:

@@ -18,11 +18,10 @@ later" never happens by the policy's own prediction.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Protocol
 
-from agentserving.prefill.policies.types import Decision, ReqView, SchedState, advance
+from agentserving.prefill.policies.types import Decision, ReqView, SchedState, advance, evolve
 
 
 class PurePolicy(Protocol):
@@ -71,14 +70,35 @@ def need_blocks(state: SchedState, r: ReqView) -> int:
 
 def is_safe(state: SchedState, running: tuple[ReqView, ...] | None = None) -> bool:
     running = state.running if running is None else running
-    free = state.capacity_blocks - sum(reserved_blocks(state, r) for r in running)
+    bs = state.block_size
+    return _banker_safe(state.capacity_blocks, [
+        (-(-r.peak_tokens // bs), r.running, r.computed, r.prompt_len) for r in running], bs)
+
+
+def _banker_safe(capacity: int, rows: list[tuple[int, bool, int, int]], bs: int) -> bool:
+    """The banker's check on ``(peak blocks, running, computed, prompt_len)`` rows (integer
+    ceilings instead of ``reserved_blocks`` / ``need_blocks`` per call: same numbers)."""
+    if sum(row[0] for row in rows) <= capacity:
+        return True  # everything fits at its peak at once: every order finishes
+    free = capacity
+    pairs = []
+    for peak, running, computed, prompt_len in rows:
+        if not running:
+            res = 0
+        elif computed >= prompt_len:
+            res = peak
+        else:
+            res = -(-computed // bs)
+        free -= res
+        pairs.append((peak - res, res))
     if free < 0:
         return False
-    for r in sorted(running, key=lambda x: need_blocks(state, x)):
-        need = need_blocks(state, r)
+    # increasing need (ties in any order: a need that fits leaves more for its equals)
+    pairs.sort()
+    for need, res in pairs:
         if need > free:
             return False
-        free += reserved_blocks(state, r)
+        free += res
     return True
 
 
@@ -88,7 +108,14 @@ def free_tokens(state: SchedState) -> int:
 
 
 class Planner:
-    """Builds one step's decision grant by grant, keeping it legal and safe."""
+    """Builds one step's decision grant by grant, keeping it legal and safe.
+
+    Speed (the cluster simulator calls this for every pod and step, and the timeline check
+    runs whole planners forward): the safety check works on integer rows kept per request
+    (peak blocks, computed) rather than rebuilding ``ReqView``s per grant, and skips the
+    banker's loop while the requests' peaks fit the pod together. Decisions are the same as
+    the straightforward version (``tests/reference_planner.py``; compared on random queues).
+    """
 
     def __init__(self, state: SchedState, policy: PurePolicy, *, timeline: bool = True) -> None:
         self.state = state
@@ -98,14 +125,29 @@ class Planner:
         self.grants: dict[str, int] = {}
         self.admitted: list[str] = []
         self.stalled = False  # a grant was cut for KV safety
+        bs = state.block_size
+        self._bs = bs
+        self._cap = state.capacity_blocks
+        self._peak = {r.req_id: -(-r.peak_tokens // bs) for r in state.running}
+        self._peak_sum = sum(self._peak.values())
 
     @property
     def slots(self) -> int:
         return self.state.max_running - len(self.views)
 
     def _after(self) -> tuple[ReqView, ...]:
-        return tuple(dataclasses.replace(r, running=True, computed=r.computed + self.grants.get(
+        return tuple(evolve(r, running=True, computed=r.computed + self.grants.get(
             r.req_id, 0)) for r in self.views.values())
+
+    def _safe(self) -> bool:
+        """``is_safe(state, self._after())``, from the kept rows."""
+        if self._peak_sum <= self._cap:
+            return True
+        g = self.grants
+        peak = self._peak
+        return _banker_safe(self._cap, [
+            (peak[rid], True, r.computed + g.get(rid, 0), r.prompt_len)
+            for rid, r in self.views.items()], self._bs)
 
     def grant(self, r: ReqView, budget: int) -> int:
         """Give running request ``r`` up to ``budget`` more tokens; returns how many."""
@@ -114,7 +156,7 @@ class Planner:
             return 0
         while n > 0:
             self.grants[r.req_id] = self.grants.get(r.req_id, 0) + n
-            if is_safe(self.state, self._after()):
+            if self._safe():
                 return n
             self.grants[r.req_id] -= n
             self.stalled = True
@@ -133,22 +175,28 @@ class Planner:
         n = max_advance(w, budget, self.state, self.policy.chunk_align)
         if n <= 0:
             return 0
-        view = dataclasses.replace(w, running=True)
-        self.views[w.req_id] = view
-        self.grants[w.req_id] = n
-        ok = is_safe(self.state, self._after())
-        if ok and self.timeline:
+        rid = w.req_id
+        self.views[rid] = evolve(w, running=True)
+        self.grants[rid] = n
+        peak = -(-w.peak_tokens // self._bs)
+        self._peak[rid] = peak
+        self._peak_sum += peak
+        ok = self._safe()
+        # (peaks that fit together also pass the timeline: skip building its trial state)
+        if ok and self.timeline and self._peak_sum > self._cap:
             ok = timeline_admits(self.policy, self._trial_state())
         if not ok:
-            del self.views[w.req_id]
-            del self.grants[w.req_id]
+            del self.views[rid]
+            del self.grants[rid]
+            del self._peak[rid]
+            self._peak_sum -= peak
             return 0
-        self.admitted.append(w.req_id)
+        self.admitted.append(rid)
         return n
 
     def _trial_state(self) -> SchedState:
-        return advance(dataclasses.replace(self.state, running=tuple(self.views.values()),
-                                           waiting=()), self.decision(), drop_finished=True)
+        return advance(evolve(self.state, running=tuple(self.views.values()), waiting=()),
+                       self.decision(), drop_finished=True)
 
     def decision(self) -> Decision:
         decode = tuple(r.req_id for r in self.state.running if r.decoding)
@@ -172,7 +220,7 @@ def timeline_admits(policy: PurePolicy, state: SchedState, horizon: int = 4096) 
     request is done; False if any step had to cut a grant for KV space."""
     if sum(state.blocks(r.peak_tokens) for r in state.running) <= state.capacity_blocks:
         return True  # everything fits at its peak at once: no schedule can run out
-    s = dataclasses.replace(state, waiting=())
+    s = evolve(state, waiting=())
     decide_running = getattr(policy, "decide_running", None)
     for _ in range(horizon):
         if not s.running:

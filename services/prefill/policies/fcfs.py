@@ -57,6 +57,9 @@ class FcfsChunk(_Base):
     name = "fcfs-chunk"
 
     def __init__(self, chunk_tokens: int = 512, chunk_align: int = 0) -> None:
+        if chunk_tokens < chunk_align:  # no aligned chunk would ever fit: a stall
+            raise ValueError(f"chunk_tokens ({chunk_tokens}) must be >= chunk_align "
+                             f"({chunk_align})")
         self.chunk_tokens = chunk_tokens
         self.chunk_align = chunk_align
 

@@ -96,7 +96,11 @@ def test_shadow_prefetches_disk_chunks_and_output_matches_recompute(tmp_path, ti
         core._hashes(again)
         store.evict(again.chunk_hashes, store.resolve_locations(["cpu"]))
         assert set(store.lookup(again.chunk_ints)) == {Tier.DISK}
-        out = _drive(parts, [req_a, again])
+        # a short turn between them: the engine itself starts loading the *head* of the
+        # queue while it waits (``_prepare_head``), so "again" must not be the head: it is
+        # admitted in the same step as "small", which only the shadow sees coming
+        small = request("small", prompt(100, seed=11), max_tokens=1)
+        out = _drive(parts, [req_a, small, again])
         log = parts.core.policy.prefetch_log
         assert ("again", 4) in log  # all four full chunks were on disk, asked for once
         assert out["again"][0] == ref[0]

@@ -129,6 +129,60 @@ def test_admission_credits_releases_the_timeline_predicts():
     assert d.admit == ("new",)
 
 
+def test_shortest_first_serves_the_short_band_by_remaining_tokens():
+    p = LongcapDynamic(step_tokens=8192, short_tokens=4096, min_chunk=256, short_step=1024,
+                       short_order="shortest")
+    s = state([w("a", 900, 0), w("b", 200, 1), w("c", 500, 2)])
+    d = p.decide(s)
+    assert d.admit == ("b", "c", "a") and dict(d.prefill) == {"b": 200, "c": 500, "a": 324}
+    # fcfs order on the same queue: arrival order
+    f = LongcapDynamic(step_tokens=8192, short_tokens=4096, min_chunk=256, short_step=1024)
+    assert f.decide(s).admit == ("a", "b") and dict(f.decide(s).prefill) == {"a": 900, "b": 124}
+
+
+def test_short_step_bounds_the_step_while_shorts_wait_and_longs_keep_min_chunk():
+    long = ReqView("L", 0, 40000, computed=4096, running=True)
+    p = LongcapDynamic(step_tokens=8192, short_tokens=4096, long_cap=0.25, min_chunk=256,
+                       long_chunk_max=2048, short_step=512, short_order="shortest")
+    grants = dict(p.decide(state([w(f"s{i}", 400, 1 + i) for i in range(4)], [long])).prefill)
+    # cap share 0.25 * 512 = 128 < min_chunk: the long keeps 256, shorts get the rest
+    assert grants == {"L": 256, "s0": 256} and sum(grants.values()) == 512
+    # nothing short pending: the long band takes long_chunk_max, not the short step
+    assert dict(p.decide(state([], [long])).prefill) == {"L": 2048}
+
+
+def test_context_cost_keeps_deep_context_turns_from_being_cut_into_small_chunks():
+    # re-reading 1 context token per chunk costs 0.05 of a new token: at 8192 tokens of
+    # context a chunk must be >= 0.05 * 8192 / 0.25 = 1638 tokens to be worth cutting
+    p = LongcapDynamic(step_tokens=8192, short_tokens=4096, min_chunk=256, short_step=512,
+                       long_chunk_max=2048, short_order="shortest", context_cost=0.05)
+    deep = w("deep", 8192 + 3000, 0, cached=8192)
+    assert p.min_split(deep) == 1638
+    d = p.decide(state([deep]))
+    assert dict(d.prefill) == {"deep": 1638}  # the step grew past short_step for the head
+    # a second deep turn behind a shallow head is not cut into the head's leftover
+    shallow = w("s", 300, 1)
+    d = p.decide(state([shallow, deep]))
+    assert dict(d.prefill) == {"s": 300} and d.admit == ("s",)
+    # without the cost: the leftover is used, in aligned-free pieces
+    free = LongcapDynamic(step_tokens=8192, short_tokens=4096, min_chunk=256, short_step=512,
+                          short_order="shortest")
+    assert dict(free.decide(state([shallow, deep])).prefill) == {"s": 300, "deep": 212}
+    # a running long at deep context gets a chunk of its min_split, not the 256 cap share
+    long = ReqView("L", 0, 40000, computed=8192, running=True)
+    grants = dict(p.decide(state([w("x", 300, 2)], [long])).prefill)
+    assert grants["L"] == 1638
+
+
+def test_a_blocked_admission_does_not_stall_running_shorts_behind_it():
+    # no slot for the tiny newcomer: the larger running short still gets its chunk
+    run = ReqView("r", 0, 3000, computed=1000, running=True)
+    p = LongcapDynamic(step_tokens=4096, short_tokens=4096, min_chunk=256,
+                       short_order="shortest")
+    d = p.decide(state([w("tiny", 50, 1)], [run], max_running=1))
+    assert d.admit == () and dict(d.prefill) == {"r": 2000}
+
+
 # ------------------------------------------------------------------ properties
 
 POLICIES = [
@@ -139,6 +193,12 @@ POLICIES = [
     lambda a: LongcapDynamic(step_tokens=2048, short_tokens=1024, long_cap=0.5,
                              min_chunk=256, long_chunk_max=512, max_long_running=2,
                              chunk_align=a),
+    lambda a: LongcapDynamic(step_tokens=2048, short_tokens=1024, long_cap=0.25,
+                             min_chunk=256, long_chunk_max=1024, short_step=512,
+                             short_order="shortest", chunk_align=a),
+    lambda a: LongcapDynamic(step_tokens=2048, short_tokens=1024, long_cap=0.25,
+                             min_chunk=256, long_chunk_max=1024, short_step=512,
+                             short_order="shortest", context_cost=0.1, chunk_align=a),
 ]
 
 jobs = st.lists(st.tuples(st.integers(1, 6000), st.integers(0, 3000), st.integers(0, 20),
@@ -297,3 +357,19 @@ def test_shadow_observe_step_fits_the_step_time_model_from_decisions():
 
 def test_decision_is_empty_on_an_empty_pod():
     assert FcfsChunk().decide(state()) == Decision()
+
+
+def test_arrival_aware_look_ahead_expects_newcomers_to_overtake():
+    def run(arrivals: bool):
+        pol = LongcapDynamic(step_tokens=512, short_tokens=4096, min_chunk=256, short_step=512,
+                             short_order="shortest")
+        sh = ShadowScheduler(pol, lookahead=3, arrivals=arrivals)
+        # ten 300-token turns arrived 0.1 s apart: ~10 requests/s
+        sh.step(state([w(f"x{i}", 300, i / 10) for i in range(10)], quantum=256))
+        busy = ReqView("R", 0.5, 300, running=True)  # step N: R, and no aligned room for big
+        return sh.step(state([w("big", 400, 1.0)], [busy], quantum=256)).predictions
+
+    assert run(False)["big"].offset == 1   # nobody expected: admitted right after R
+    with_arrivals = run(True)
+    assert with_arrivals["big"].offset == 2  # a 300-token newcomer is expected to go first
+    assert all(not rid.startswith("\x00") for rid in with_arrivals)  # phantoms never reported

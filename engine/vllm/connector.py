@@ -1,0 +1,178 @@
+"""``AgentServingConnectorV1``: LMCache's vLLM v1 connector with AgentServing's additions.
+
+Load it in vLLM with::
+
+    --kv-transfer-config '{"kv_connector": "AgentServingConnectorV1",
+      "kv_connector_module_path": "agentserving.engine.vllm.connector",
+      "kv_role": "kv_both", "kv_connector_extra_config": {"kvindex_url": "http://kvindex:8300",
+      "memory_port_start": 6999, "hash_scheme": "lmcache-builtin"}}'
+
+It subclasses LMCache's ``LMCacheConnectorV1Dynamic`` (all KV movement stays LMCache's) and
+adds, as LMCache-Ascend does on NPUs (seed 000):
+
+- scheduler role: the chunk hashes LMCache computes at lookup are kept per request
+  (``hashes.RecordingTokenDatabase``) and returned as ``kv_transfer_params.chunk_hashes``
+  from ``request_finished``; recomputed from the prompt only when none were kept. The
+  forwarding memory API on ``memory_port_start`` and the kvindex registration + residency
+  reports (``services.SchedulerServices``).
+- worker role (TP rank k): the memory API on ``memory_port_start + 1 + k`` over LMCache's
+  storage manager in this process (``storage.LMCacheStorageBackend``), started once LMCache's
+  engine exists (after ``register_kv_caches``).
+
+The glue below only reads vLLM/LMCache objects and calls the pure functions of ``hashes``,
+``settings`` and ``services``. Settings: ``settings.parse_settings``.
+
+What was exercised (engine/vllm/tests, on CPU; vLLM 0.33.0 installed ``--no-deps`` by
+``scripts/vllm-test-env.sh``, LMCache 0.5.6):
+- vLLM's ``KVConnectorFactory`` loading this class from ``kv_connector_module_path`` and
+  building it in the scheduler role from a real ``VllmConfig`` (tiny local Llama config, no
+  weights): LMCache's real ``LMCacheConnectorV1Impl``, ``LMCacheManager`` and async lookup
+  client (ZMQ sockets bound, no worker answering) and its real ``ChunkedTokenDatabase``;
+  ``get_num_new_matched_tokens`` and ``request_finished`` on real ``vllm.v1.request.Request``
+  objects (cached path and recompute path), returning ``chunk_hashes`` equal to LMCache's own
+  hashes of the prompt; the forwarding memory API and kvindex registration started by it.
+- The worker role's glue (``_maybe_start_worker_services``, ``shutdown``) handed a real LMCache
+  ``LMCacheEngine`` (CPU + disk tiers, stock ``ChunkedTokenDatabase``) as LMCache's impl would
+  hold it: it waits for the engine, serves the memory API on ``port_start + 1 + rank``, stops.
+- The worker side's memory API over real LMCache engines through HTTP (two ranks), scheduler ->
+  rank forwarding, prefetch disk -> DRAM with KV retrieved afterwards bit-identical to what was
+  stored, evict by location, a bad location as a 400 naming it, residency reaching a real
+  kvindex, deregistration on stop.
+Not exercised: a vLLM worker process (``LMCacheConnectorV1Impl`` in the worker role,
+``register_kv_caches`` with real paged KV, forward passes, ``start_load_kv`` /
+``save_kv_layer``): they need CUDA; vLLM's scheduler calling the connector (we call its methods
+as the scheduler does); TP > 1 with real ranks (the fan-out is tested with two rank servers);
+vLLM-Ascend (its pods run LMCache-Ascend's connector, not this one). LMCache's own
+scheduler-side shutdown is started but not awaited: with no worker process ever answering, its
+async lookup client can block in ZMQ ``term()`` (LMCache 0.5.6); ours stops before it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from lmcache.integration.vllm.lmcache_connector_v1 import LMCacheConnectorV1Dynamic
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from agentserving.core.logging import get_logger
+
+from .hashes import (
+    ChunkHashCache,
+    RecordingTokenDatabase,
+    finished_hashes,
+    install_recorder,
+    merge_chunk_hashes,
+    prompt_tokens,
+)
+from .services import (
+    SchedulerServices,
+    WorkerServices,
+    capacity_bytes,
+    configured_backends,
+    pod_registration,
+)
+from .settings import parse_settings, pod_role
+from .storage import LMCacheStorageBackend
+
+log = get_logger(__name__)
+
+
+class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole,
+                 kv_cache_config: Any | None = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self._as_settings = parse_settings(ktc.kv_connector_extra_config, os.environ)
+        self._as_role = role
+        self._as_hashes = ChunkHashCache()
+        self._as_recorder: RecordingTokenDatabase | None = None
+        self._as_scheduler: SchedulerServices | None = None
+        self._as_worker: WorkerServices | None = None
+        impl = self._lmcache_engine
+        if role == KVConnectorRole.SCHEDULER:
+            if self._as_settings.chunk_hashes and impl.lookup_client is not None:
+                self._as_recorder = install_recorder(impl.lookup_client, self._as_hashes)
+            if self._as_settings.memory_api:
+                self._start_scheduler_services(vllm_config)
+        else:
+            self._maybe_start_worker_services()
+
+    # ---------------------------------------------------------------- scheduler side
+    def _start_scheduler_services(self, vllm_config: Any) -> None:
+        impl = self._lmcache_engine
+        config = impl.config
+        model_config = vllm_config.model_config
+        model = str(getattr(model_config, "served_model_name", None)
+                    or getattr(model_config, "model", "model"))
+        world = int(vllm_config.parallel_config.tensor_parallel_size)
+        settings = self._as_settings
+
+        def registration() -> Any:
+            return pod_registration(settings, role=pod_role(impl.kv_role), model=model,
+                                    chunk_size=int(config.chunk_size),
+                                    capacity=capacity_bytes(config), world_size=world)
+
+        self._as_scheduler = SchedulerServices(settings, world, configured_backends(config),
+                                               registration)
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._as_recorder is None:
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+        with self._as_recorder.recording(request.request_id):
+            return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def request_finished(self, request: Any,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        delay_free, params = super().request_finished(request, block_ids)
+        if not self._as_settings.chunk_hashes:
+            return delay_free, params
+        cached = self._as_hashes.pop(request.request_id)
+        hashes = finished_hashes(cached, self._recompute(request))
+        return delay_free, merge_chunk_hashes(params, hashes)
+
+    def _recompute(self, request: Any) -> Any:
+        client = self._lmcache_engine.lookup_client
+        db = getattr(client, "token_database", None) if client is not None else None
+        if db is None and client is not None:
+            from .hashes import innermost_lookup_client
+
+            db = getattr(innermost_lookup_client(client), "token_database", None)
+        if isinstance(db, RecordingTokenDatabase):
+            db = db.inner  # recompute without recording
+        tokens = prompt_tokens(request)
+        if db is None or not tokens:
+            return None
+        return lambda: (h for _, _, h in db.process_tokens(tokens, make_key=False))
+
+    # ---------------------------------------------------------------- worker side
+    def _maybe_start_worker_services(self) -> None:
+        if self._as_worker is not None or not self._as_settings.memory_api:
+            return
+        engine = self._lmcache_engine.lmcache_engine
+        if engine is None or engine.storage_manager is None:
+            return  # LMCache builds it at register_kv_caches
+        backend = LMCacheStorageBackend(engine.storage_manager, engine.token_database,
+                                        engine.metadata)
+        self._as_worker = WorkerServices(self._as_settings, backend,
+                                         int(engine.metadata.worker_id))
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
+        self._maybe_start_worker_services()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        super().start_load_kv(forward_context, **kwargs)
+        if self._as_worker is None:  # engines initialised from the forward context
+            self._maybe_start_worker_services()
+
+    def shutdown(self) -> Any:
+        for svc in (self._as_scheduler, self._as_worker):
+            if svc is not None:
+                try:
+                    svc.stop()
+                except Exception:  # noqa: BLE001 - shutdown goes on
+                    log.exception("agentserving_services_stop_failed")
+        self._as_scheduler = self._as_worker = None
+        return super().shutdown()

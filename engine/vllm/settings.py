@@ -1,0 +1,109 @@
+"""The connector's settings: ``kv_connector_extra_config`` (flat keys; LMCache itself reads only
+the ``lmcache.``-prefixed ones) over environment defaults. Parsing is pure, so a bad value is
+reported naming its key before any server starts."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from agentserving.core.hashing import HashScheme
+from agentserving.core.schemas import PodRole
+
+KV_ROLE_POD_ROLES = {"kv_producer": PodRole.PREFILL, "kv_consumer": PodRole.DECODE,
+                     "kv_both": PodRole.BOTH}
+
+
+class ConnectorConfigError(ValueError):
+    """A ``kv_connector_extra_config`` value the connector cannot use (names the key)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"kv_connector_extra_config.{key}: {message}")
+        self.key = key
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    pod_name: str
+    public_host: str  # how other pods reach this one (the kvindex stores URLs built from it)
+    memory_host: str = "0.0.0.0"
+    memory_port_start: int = 6999  # scheduler process; worker (TP rank) k on start + 1 + k
+    memory_api: bool = True
+    chunk_hashes: bool = True
+    kvindex_url: str | None = None
+    api_port: int = 8000  # vLLM's OpenAI server (for the registration's api_url)
+    hash_scheme: HashScheme = HashScheme.LMCACHE_BUILTIN
+    report_interval_s: float = 0.5
+    heartbeat_interval_s: float = 5.0
+
+    def worker_port(self, rank: int) -> int:
+        return self.memory_port_start + 1 + rank
+
+    def worker_urls(self, world_size: int, host: str = "127.0.0.1") -> list[str]:
+        return [f"http://{host}:{self.worker_port(k)}" for k in range(world_size)]
+
+
+def _bool(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
+        return value.lower() in ("true", "1", "yes")
+    raise ConnectorConfigError(key, f"expected a boolean, got {value!r}")
+
+
+def _port(key: str, value: Any) -> int:
+    try:
+        port = int(value)
+    except (TypeError, ValueError):
+        raise ConnectorConfigError(key, f"expected a port number, got {value!r}") from None
+    if not 1 <= port <= 65535:
+        raise ConnectorConfigError(key, f"port {port} out of range 1..65535")
+    return port
+
+
+def _positive(key: str, value: Any) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ConnectorConfigError(key, f"expected a number, got {value!r}") from None
+    if out <= 0:
+        raise ConnectorConfigError(key, f"must be > 0, got {out}")
+    return out
+
+
+def parse_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str]) -> ConnectorSettings:
+    """Settings from ``kv_connector_extra_config`` (wins) and the pod's environment
+    (``POD_NAME``, ``POD_IP``, ``AGENTSERVING_KVINDEX_URL``)."""
+    extra = dict(extra or {})
+    host = socket.gethostname()
+    pod = str(extra.get("pod_name") or env.get("POD_NAME") or host)
+    kvindex = extra.get("kvindex_url", env.get("AGENTSERVING_KVINDEX_URL")) or None
+    if kvindex is not None and not str(kvindex).startswith(("http://", "https://")):
+        raise ConnectorConfigError("kvindex_url", f"expected an http(s) URL, got {kvindex!r}")
+    scheme = extra.get("hash_scheme", HashScheme.LMCACHE_BUILTIN.value)
+    try:
+        scheme = HashScheme(scheme)
+    except ValueError:
+        raise ConnectorConfigError(
+            "hash_scheme", f"{scheme!r} is not one of {[s.value for s in HashScheme]}") from None
+    start = _port("memory_port_start", extra.get("memory_port_start", 6999))
+    return ConnectorSettings(
+        pod_name=pod,
+        public_host=str(extra.get("public_host") or env.get("POD_IP") or host),
+        memory_host=str(extra.get("memory_host", "0.0.0.0")),
+        memory_port_start=start,
+        memory_api=_bool("memory_api", extra.get("memory_api", True)),
+        chunk_hashes=_bool("chunk_hashes", extra.get("chunk_hashes", True)),
+        kvindex_url=str(kvindex).rstrip("/") if kvindex else None,
+        api_port=_port("api_port", extra.get("api_port", 8000)),
+        hash_scheme=scheme,
+        report_interval_s=_positive("report_interval_s", extra.get("report_interval_s", 0.5)),
+        heartbeat_interval_s=_positive("heartbeat_interval_s",
+                                       extra.get("heartbeat_interval_s", 5.0)),
+    )
+
+
+def pod_role(kv_role: str | None) -> PodRole:
+    return KV_ROLE_POD_ROLES.get(kv_role or "kv_both", PodRole.BOTH)

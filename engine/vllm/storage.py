@@ -1,0 +1,210 @@
+"""The memory API's backend over an LMCache engine's storage manager (a vLLM worker process).
+
+``LMCacheStorageBackend`` implements ``engine.memory_api.MemoryBackend`` on the
+``StorageManager`` that LMCache builds inside each vLLM worker (TP rank), so the very same HTTP
+code as the reference engine serves ``/memory/prefetch``, ``/memory/evict`` and
+``/memory/chunks`` here (seed 000 §4, §5):
+
+- keys: a wire hash is LMCache's int (``int(hex, 16)``); the ``CacheEngineKey`` is rebuilt by
+  the engine's own token database (``_make_key_by_hash``: this rank's model, world size,
+  worker id and dtype), i.e. seed 000's ``_hashes_to_keys``.
+- prefetch: disk-only chunks are pinned on the disk backend only, read, and put into
+  ``LocalCPUBackend``'s hot cache (§5.1), then unpinned on that backend only (selective
+  unpin, §5.2) and the read buffer's own pin is dropped (§5.3). Runs in one background thread;
+  ``prefetch`` answers at once. Chunks already in DRAM are counted, unknown ones are missing.
+- evict: ``backend.remove(key)`` on the named backends (all when none are named).
+- residency: read from the backends' own indexes, so LMCache's LRU evictions show up.
+
+Unlike the reference ``KVStore`` there is no fingerprint check of disk reads: the bytes were
+written by LMCache's own worker and are served by LMCache as it would serve them.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from agentserving.core.hashing import is_chunk_hash
+from agentserving.core.logging import get_logger
+from agentserving.core.schemas import TIER_BACKENDS, Tier
+from agentserving.engine.memory_api import backend_names
+
+from .hashes import wire_hash
+
+log = get_logger(__name__)
+
+CPU_BACKEND = TIER_BACKENDS[Tier.CPU]
+DISK_BACKEND = TIER_BACKENDS[Tier.DISK]
+
+
+@dataclasses.dataclass
+class Prefetch:
+    lookup_id: str
+    requested: int
+    in_cpu: int
+    to_load: int
+    missing: int
+    state: str = "running"  # running | done | failed
+    loaded: int = 0
+    corrupt: int = 0
+    error: str | None = None
+    finished_at: float | None = None
+
+
+class LMCacheKeys:
+    """Wire hash <-> ``CacheEngineKey`` for one LMCache engine (one TP rank)."""
+
+    def __init__(self, token_database: Any, metadata: Any) -> None:
+        self.token_database = token_database
+        self.metadata = metadata
+
+    def key(self, value: int) -> Any:
+        make = getattr(self.token_database, "_make_key_by_hash", None)
+        if make is not None:
+            return make(value)
+        from lmcache.utils import CacheEngineKey
+
+        md = self.metadata
+        return CacheEngineKey(md.model_name, md.world_size, md.worker_id, value, md.kv_dtype)
+
+    def key_of(self, wire: str) -> Any | None:
+        return self.key(int(wire, 16)) if is_chunk_hash(wire) else None
+
+    @staticmethod
+    def wire_of_int(value: int) -> str:
+        return wire_hash(value)
+
+
+def chunk_bytes_of(metadata: Any) -> int:
+    """Bytes of one full chunk on this rank (0 when the metadata does not say)."""
+    import torch
+
+    shape = getattr(metadata, "kv_shape", None)
+    dtype = getattr(metadata, "kv_dtype", None)
+    if not shape or dtype is None:
+        return 0
+    n = 1
+    for dim in shape:
+        n *= int(dim)
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+class LMCacheStorageBackend:
+    def __init__(self, storage_manager: Any, token_database: Any, metadata: Any) -> None:
+        self.storage = storage_manager
+        self.keys = LMCacheKeys(token_database, metadata)
+        self.chunk_bytes = chunk_bytes_of(metadata)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, "lmcache-prefetch")
+        self._prefetches: collections.OrderedDict[str, Prefetch] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def backends(self) -> list[str]:
+        return list(self.storage.storage_backends)
+
+    @property
+    def cpu(self) -> Any | None:
+        return self.storage.storage_backends.get(CPU_BACKEND)
+
+    @property
+    def disk(self) -> Any | None:
+        return self.storage.storage_backends.get(DISK_BACKEND)
+
+    def tier_of(self, key: Any) -> Tier | None:
+        if self.cpu is not None and self.cpu.contains(key):
+            return Tier.CPU
+        if self.disk is not None and self.disk.contains(key):
+            return Tier.DISK
+        return None
+
+    # -------------------------------------------------------------- evict
+    def resolve_locations(self, locations: Sequence[str] | None) -> list[str]:
+        return backend_names(locations, self.backends)
+
+    def evict(self, wire_hashes: Sequence[str],
+              backends: Sequence[str]) -> tuple[list[str], list[str]]:
+        evicted, missing = [], []
+        for wire in wire_hashes:
+            key = self.keys.key_of(wire)
+            removed = False
+            if key is not None:
+                for name in backends:
+                    try:
+                        removed = bool(self.storage.storage_backends[name].remove(key)) or removed
+                    except OSError:  # the disk file was already gone: the entry is
+                        removed = True
+            (evicted if removed else missing).append(wire)
+        return evicted, missing
+
+    # -------------------------------------------------------------- prefetch
+    def prefetch(self, wire_hashes: Sequence[str], lookup_id: str | None) -> Prefetch:
+        lookup_id = lookup_id or f"prefetch-{uuid.uuid4().hex[:12]}"
+        to_load, in_cpu, missing = [], 0, 0
+        for wire in wire_hashes:
+            key = self.keys.key_of(wire)
+            tier = self.tier_of(key) if key is not None else None
+            if tier is Tier.CPU:
+                in_cpu += 1
+            elif tier is Tier.DISK:
+                to_load.append(key)
+            else:
+                missing += 1
+        status = Prefetch(lookup_id, len(wire_hashes), in_cpu, len(to_load), missing)
+        with self._lock:
+            self._prefetches[lookup_id] = status
+            while len(self._prefetches) > 1024:
+                self._prefetches.popitem(last=False)
+        if to_load and self.cpu is not None:
+            self._pool.submit(self._prefetch_run, status, to_load)
+        else:
+            status.state, status.finished_at = "done", time.time()
+        return status
+
+    def prefetch_status(self, lookup_id: str) -> Prefetch | None:
+        with self._lock:
+            return self._prefetches.get(lookup_id)
+
+    def _prefetch_run(self, status: Prefetch, keys: list[Any]) -> None:
+        disk, cpu = self.disk, self.cpu
+        assert disk is not None and cpu is not None
+        pinned = [k for k in keys if disk.pin(k)]  # pin where the data is read, only there
+        try:
+            for key in pinned:
+                obj = disk.get_blocking(key)
+                if obj is None:  # gone between lookup and read (evicted, unreadable)
+                    continue
+                try:
+                    cpu.submit_put_task(key, obj)  # hot-cache registration
+                    status.loaded += 1
+                finally:
+                    if obj.is_pinned:  # the disk read pins its fresh buffer (§5.3)
+                        obj.unpin()
+                    obj.ref_count_down()
+            status.state = "done"
+        except Exception as exc:  # noqa: BLE001 - reported through the status endpoint
+            status.state, status.error = "failed", repr(exc)
+            log.exception("prefetch_failed", lookup_id=status.lookup_id)
+        finally:
+            for key in pinned:  # selective unpin: the backend that took the pin
+                disk.unpin(key)
+            status.finished_at = time.time()
+
+    # -------------------------------------------------------------- residency
+    def residency(self) -> dict[Tier, set[int]]:
+        out: dict[Tier, set[int]] = {}
+        if self.cpu is not None:
+            out[Tier.CPU] = {k.chunk_hash for k in self.cpu.get_keys()}
+        disk = self.disk
+        if disk is not None:
+            with disk.disk_lock:
+                out[Tier.DISK] = {k.chunk_hash for k in disk.dict}
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,99 @@
+"""``AgentServingConnectorV1`` against vLLM's real classes (vLLM 0.33.0 installed --no-deps
+by ``scripts/vllm-test-env.sh``; ``make test`` installs it) and LMCache 0.5.6's real scheduler
+side. The scenario runs in a child process (``vllm_probe.py``): vLLM's import changes
+process-wide state that must not leak into the rest of the suite. Skipped, saying why, when
+the vLLM test env is absent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agentserving.core.testing import free_port_run
+
+from .test_memory_api_lmcache import kvindex
+
+VLLM_VERSION = "0.33.0"
+ENV_DIR = Path(os.environ.get("AGENTSERVING_VLLM_ENV")
+               or Path.home() / ".cache" / "agentserving" / f"vllm-env-{VLLM_VERSION}")
+PROBE = Path(__file__).with_name("vllm_probe.py")
+
+pytestmark = pytest.mark.skipif(
+    not (ENV_DIR / ".agentserving-installed").exists() or not (ENV_DIR / "vllm").is_dir(),
+    reason=f"vLLM test env not installed at {ENV_DIR} (run scripts/vllm-test-env.sh, "
+           "which `make test` does)")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm")
+    with kvindex(tmp) as kvi:
+        start = free_port_run(2)
+        env = {**os.environ, "PYTHONHASHSEED": "0", "LMCACHE_LOG_LEVEL": "WARNING",
+               "LMCACHE_DISABLE_BANNER": "1"}
+        proc = subprocess.Popen([sys.executable, str(PROBE), str(ENV_DIR), str(tmp), str(start),
+                                 kvi], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env)
+        try:  # the probe dumps its stacks and exits by itself if it hangs (faulthandler)
+            stdout, stderr = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            stdout, stderr = proc.communicate()
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("PROBE-REPORT ")]
+        assert proc.returncode == 0 and lines, (stdout[-3000:] + stderr[-8000:])
+        out = json.loads(lines[-1].removeprefix("PROBE-REPORT "))
+        out["port"] = start
+        return out
+
+
+def test_vllm_loads_it_from_the_module_path(report):
+    assert report["class"] == "agentserving.engine.vllm.connector.AgentServingConnectorV1"
+    assert report["is_lmcache_dynamic"] and report["is_base_v1"]
+    # the async lookup client LMCache builds for enable_async_loading, with our recorder
+    assert report["lookup_client"] == "LMCacheAsyncLookupClient"
+    assert report["recorder_installed"]
+
+
+def test_chunk_hashes_cached_at_lookup_returned_on_finish(report):
+    own = report["lmcache_hashes"]
+    assert len(own) == 3  # 53 tokens, chunk 16: full chunks only
+    assert report["matched"] == [None, False]  # async lookup in flight: vLLM asks again later
+    assert report["cached_after_lookup"] == 1
+    assert report["lookup_finished"] == {"delay_free": False, "params": {"chunk_hashes": own}}
+    assert report["cache_hits"] == 1
+
+
+def test_recomputed_only_when_lookup_was_skipped(report):
+    own = report["lmcache_hashes"]
+    assert report["recompute_finished"]["params"] == {"chunk_hashes": own}
+    assert report["cache_misses"] == 1
+    assert report["abort_finished"] == {"chunk_hashes": own[:2]}  # 40-token prompt
+    assert report["cache_left"] == 0  # popped on finish, aborted or not: nothing leaks
+
+
+def test_index_hasher_reproduces_vllm_pod_hashes(report):
+    # with vLLM loaded LMCache starts from vLLM's NONE_HASH (PYTHONHASHSEED pinned to 0)
+    assert report["none_hash"] != 0
+    assert report["core_hashes"] == report["lmcache_hashes"]
+
+
+def test_scheduler_serves_memory_api_and_registers(report):
+    assert report["pods"] == [{"pod": "vllm-probe-0", "role": "both",
+                               "memory_api_url": f"http://127.0.0.1:{report['port']}",
+                               "model": report["pods"][0]["model"], "chunk_size": 16}]
+    assert report["forwarding_bad_location"] == [400, "locations[0]"]
+    assert report["services_stopped"]
+    assert report["pods_after_shutdown"] == []  # deregistered on shutdown
+
+
+def test_worker_glue_serves_memory_api_on_lmcache_engine(report):
+    w = report["worker"]
+    assert w["started_without_engine"] is False  # waits for LMCache's engine
+    assert w["chunks"]["cpu"] == sorted(w["expected"]) and len(w["expected"]) == 2
+    assert w["evicted"] == 2
+    assert w["served_after_shutdown"] is False  # shutdown stops the rank's server

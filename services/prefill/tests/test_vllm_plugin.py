@@ -1,0 +1,154 @@
+"""The vLLM scheduler glue: against a stand-in with vLLM's loop shape, and (when the test-only
+vLLM env of ``scripts/vllm-test-env.sh`` is installed) against vLLM's real ``Scheduler`` class
+in a child process. What is and is not exercised: see ``vllm_plugin``'s docstring."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+
+import pytest
+
+from agentserving.prefill import vllm_plugin
+from agentserving.prefill.policies import LongcapDynamic, ReqView, SchedState
+
+
+@dataclasses.dataclass(eq=False)
+class FakeRequest:
+    request_id: str
+    arrival_time: float
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+
+
+class FCFSQueue(deque):
+    pass
+
+
+class StandIn:
+    """vLLM v1 ``Scheduler.schedule``'s shape, reduced to what the glue touches: running
+    requests first (chunk = min(left, budget), clip hook, 0 -> skip), then the FCFS waiting
+    queue popped from the head (clip hook, 0 -> stop admitting)."""
+
+    def __init__(self, budget: int, num_gpu_blocks: int = 1 << 20, block_size: int = 16):
+        self.max_num_scheduled_tokens = budget
+        self.max_num_running_reqs = 8
+        self.block_size = block_size
+        self.cache_config = type("C", (), {"num_gpu_blocks": num_gpu_blocks})()
+        self.need_mamba_block_aligned_split = False
+        self.waiting: FCFSQueue = FCFSQueue()
+        self.running: list[FakeRequest] = []
+
+    def _mamba_block_aligned_split(self, request, num_new_tokens, *args):
+        raise AssertionError("no Mamba layers here: vLLM's split must not run")
+
+    def schedule(self):
+        budget, out = self.max_num_scheduled_tokens, {}
+        for r in self.running:
+            n = min(r.num_prompt_tokens - r.num_computed_tokens, budget)
+            if self.need_mamba_block_aligned_split:
+                n = self._mamba_block_aligned_split(r, n)
+            if n <= 0:
+                continue
+            out[r.request_id] = n
+            budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_running_reqs:
+            r = self.waiting[0]
+            n = min(r.num_prompt_tokens - r.num_computed_tokens, budget)
+            if self.need_mamba_block_aligned_split:
+                n = self._mamba_block_aligned_split(r, n, 0, 0)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            self.running.append(r)
+            out[r.request_id] = n
+            budget -= n
+        for r in self.running:
+            r.num_computed_tokens += out.get(r.request_id, 0)
+        self.running = [r for r in self.running if r.num_computed_tokens < r.num_prompt_tokens]
+        return out
+
+
+def test_the_subclass_schedules_exactly_what_the_policy_decides(monkeypatch):
+    monkeypatch.setenv(vllm_plugin.POLICY_ENV, "longcap-dynamic?step_tokens=2048&"
+                       "short_tokens=1024&min_chunk=256&short_step=1024&short_order=shortest")
+    cls = vllm_plugin.make_scheduler_cls(StandIn)
+    sched = cls(budget=8192)
+    assert sched.need_mamba_block_aligned_split is True
+    policy = LongcapDynamic(step_tokens=2048, short_tokens=1024, min_chunk=256, short_step=1024,
+                            short_order="shortest")
+    reqs = [FakeRequest("long", 0.0, 9000), FakeRequest("a", 1.0, 700),
+            FakeRequest("b", 2.0, 300), FakeRequest("c", 3.0, 5000)]
+    sched.waiting.extend(reqs)
+    steps = 0
+    while sched.waiting or sched.running:
+        wait, run = vllm_plugin.views_from_vllm(sched.waiting, sched.running)
+        want = policy.decide(SchedState(wait, run, max_running=8,
+                                        kv_capacity_tokens=(1 << 20) * 16, block_size=16))
+        got = sched.schedule()
+        assert got == dict(want.prefill), f"step {steps}"
+        steps += 1
+        assert steps < 100
+    # vLLM alone would have run the 9000-token head first with an 8192 budget; the policy ran
+    # the shortest short first and capped the long band
+    assert steps > 5
+    assert sched._grants is None  # outside schedule(), vLLM's own chunks are untouched
+    r = FakeRequest("x", 0.0, 100)
+    assert sched._mamba_block_aligned_split(r, 77) == 77
+
+
+def test_order_waiting_and_clip():
+    reqs = [FakeRequest(x, i, 100) for i, x in enumerate("abcd")]
+    d = vllm_plugin.Decision(prefill=(("c", 50), ("a", 100)), admit=("c", "a"))
+    assert [r.request_id for r in vllm_plugin.order_waiting(reqs, d)] == ["c", "a", "b", "d"]
+    g = vllm_plugin.budgets(d)
+    assert vllm_plugin.clip(g, reqs[2], 80) == 50
+    assert vllm_plugin.clip(g, reqs[1], 80) == 0
+    decoding = FakeRequest("z", 0, 10, num_computed_tokens=10)
+    assert vllm_plugin.clip(g, decoding, 1) == 1
+    assert vllm_plugin.views_from_vllm([reqs[0]], [])[0] == (ReqView("a", 0.0, 100),)
+
+
+def test_missing_vllm_is_a_clear_error_only_on_construction():
+    cls = vllm_plugin.make_scheduler_cls(vllm_plugin._vllm_scheduler_base())
+    if "VllmMissing" not in cls.__name__:
+        pytest.skip("vLLM importable in this interpreter")
+    with pytest.raises(ImportError, match="needs vLLM"):
+        cls()
+
+
+def _vllm_env() -> Path | None:
+    script = Path(__file__).resolve().parents[3] / "scripts" / "vllm-test-env.sh"
+    if not script.exists() or os.environ.get("AGENTSERVING_SKIP_VLLM_ENV") == "1":
+        return None
+    path = Path(subprocess.run(["bash", str(script), "--path"], capture_output=True,
+                               text=True, check=True).stdout.strip())
+    return path if (path / ".agentserving-installed").exists() else None
+
+
+def test_vllms_real_scheduler_schedules_what_the_policy_decides(tmp_path):
+    env = _vllm_env()
+    if env is None:
+        pytest.skip("vLLM test env not installed (scripts/vllm-test-env.sh)")
+    probe = Path(__file__).with_name("vllm_sched_probe.py")
+    out = subprocess.run([sys.executable, str(probe), str(env), str(tmp_path)],
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rep = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rep["subclass"] and rep["flag"] is True
+    assert rep["overrides"] == ["__init__", "_mamba_block_aligned_split", "schedule"]
+    assert rep["split_params"][:3] == ["self", "request", "num_new_tokens"]
+    steps = rep["steps"]
+    assert rep["left"] == [0, 0] and len(steps) > 5  # every request ran to completion
+    for i, st in enumerate(steps):
+        assert st["vllm"] == st["policy"], f"step {i}"
+    # not vLLM's own FCFS: the 9000-token head did not take the 8192-token step; the 40-token
+    # turn that arrived last ran in the first step
+    first = steps[0]["vllm"]
+    assert first["long"] < 8192 and first["d"] == 40

@@ -1,0 +1,116 @@
+"""The orchestrator's routing step and JSON codec, without processes: a stand-in kvindex
+counts lookups."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from prometheus_client import CollectorRegistry
+
+from agentserving.core.schemas import LookupResponse, PodPrefix
+from agentserving.proxy.jsonio import dumps, loads
+from agentserving.proxy.metrics import ProxyMetrics
+from agentserving.proxy.orchestrator import Orchestrator, Turn
+from agentserving.proxy.pods import PodPool
+from agentserving.proxy.routing import make_policy
+from agentserving.proxy.sessions import SessionState
+from agentserving.proxy.settings import ProxySettings
+
+
+class CountingKvindex:
+    """Answers every lookup with the last pod holding the whole chain."""
+
+    def __init__(self, best: str) -> None:
+        self.best = best
+        self.lookups = 0
+
+    async def lookup(self, req):  # type: ignore[no-untyped-def]
+        self.lookups += 1
+        n = len(req.chunk_hashes)
+        return LookupResponse(num_chunks=n, best_pod=self.best, pods=[
+            PodPrefix(pod=self.best, prefix_chunks=n, tiers={}, score=n)])
+
+
+def route(prefill: list[str], best: str) -> tuple[list[str], int]:
+    async def go() -> tuple[list[str], int]:
+        kvindex = CountingKvindex(best)
+        settings = ProxySettings(prefill_urls=prefill, decode_urls=["http://d0"])
+        async with aiohttp.ClientSession() as http:
+            pool = PodPool(prefill, ["http://d0"], None)
+            orch = Orchestrator(settings, pool, kvindex, make_policy("kv-aware"),  # type: ignore[arg-type]
+                                http, ProxyMetrics(CollectorRegistry()))
+            state = SessionState(chunk_hashes=["a" * 64, "b" * 64])
+            turn = Turn(endpoint="/v1/completions", body={"prompt": [1]}, session_id="s",
+                        session_key="s")
+            order, _ = await orch._route(turn, state)
+        return [c.name for c in order], kvindex.lookups
+
+    return asyncio.run(go())
+
+
+def test_two_prefill_pods_are_ranked_by_the_kvindex():
+    order, lookups = route(["http://p0", "http://p1"], best="http://p1")
+    assert lookups == 1 and order[0] == "http://p1"
+
+
+def test_one_prefill_pod_needs_no_lookup():
+    order, lookups = route(["http://p0"], best="http://p0")
+    assert lookups == 0 and order == ["http://p0"]
+
+
+@pytest.mark.parametrize("obj", [{"prompt": list(range(5000)), "stream": True,
+                                  "kv_transfer_params": {"chunk_hashes": ["ab"], "x": None}},
+                                 {"text": "é ✓", "n": -1.5}])
+def test_json_codec_round_trips(obj):
+    assert loads(dumps(obj)) == obj
+
+
+def test_json_codec_rejects_malformed_input_as_value_error():
+    with pytest.raises(ValueError):
+        loads(b"{oops")
+
+
+def test_stream_lines_survive_any_chunking_and_crlf():
+    """SSE lines split across network reads, with \\n or \\r\\n, come out whole."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from agentserving.proxy.upstream import open_stream
+
+    payload = b'data: {"a": 1}\r\n\r\ndata: {"b": [1, 2, 3]}\n\ndata: [DONE]\n\ntail'
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(0, len(payload), 5):  # odd-sized pieces, each flushed on its own
+            await resp.write(payload[i:i + 5])
+            await asyncio.sleep(0)
+        await resp.write_eof()
+        return resp
+
+    async def go() -> list[str]:
+        app = web.Application()
+        app.router.add_post("/v1/completions", sse)
+        async with TestServer(app) as server, aiohttp.ClientSession() as http:
+            reply = await open_stream(http, "p0", str(server.make_url("/v1/completions")),
+                                      {"prompt": [1]})
+            lines = [line async for line in reply.aiter_lines()]
+            await reply.aclose()
+        return lines
+
+    assert asyncio.run(go()) == ['data: {"a": 1}', "", 'data: {"b": [1, 2, 3]}', "",
+                                 "data: [DONE]", "", "tail"]
+
+
+def test_a_dead_upstream_is_a_retryable_failure():
+    from agentserving.core.testing import free_port
+    from agentserving.proxy.upstream import UpstreamFailed, post_json
+
+    async def go() -> None:
+        async with aiohttp.ClientSession() as http:
+            await post_json(http, "p0", f"http://127.0.0.1:{free_port()}/v1/completions", {})
+
+    with pytest.raises(UpstreamFailed, match="p0"):
+        asyncio.run(go())

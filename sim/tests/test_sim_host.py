@@ -1,0 +1,120 @@
+"""The reference engine's own scheduler, pods sharing a host's cores, the calibrated profile's
+construction, and the validation's fit of a run's host load (round trip on a known one)."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentserving.replay.loader import load_trace
+from agentserving.replay.trace import sessions_from
+from agentserving.sim import SimConfig, load_profile, simulate
+from agentserving.sim.calibrate import build_profile
+from agentserving.sim.events import EventLoop
+from agentserving.sim.host import Host
+from agentserving.sim.profile import Profile
+from agentserving.sim.validate import fit_environment, real_forward_s, validate
+from agentserving.sim.workload import compile_trace
+
+
+def toy(**kw) -> Profile:
+    base = dict(name="toy", accelerator="toy", model="toy", kv_bytes_per_token=1000,
+                prefill={"a_s": 0.1, "b_s": 0.001, "c_s": 0.0},
+                decode={"a_s": 0.01, "b_s": 0.0, "c_s": 0.0},
+                memory={"hbm_kv_gib": 1.0, "dram_gib": 1.0, "ssd_gib": 0.0,
+                        "device_cache_fraction": 0.0},
+                bandwidth={"disk_to_dram_gbps": 1.0, "dram_to_device_gbps": 1.0,
+                           "pod_to_pod_gbps": 1.0},
+                engine={"scheduler": "fcfs", "prefill_chunk_tokens": 512, "max_running": 16})
+    base.update(kw)
+    return Profile.model_validate(base)
+
+
+def test_processor_sharing_hand_computed():
+    loop, ends = EventLoop(), {}
+    host = Host(loop, cores=1)
+    done = lambda name: ends.__setitem__(name, loop.now)  # noqa: E731
+    host.start("a", 1.0, done, "a")
+    # b joins at 0.5: a has 0.5 left and both run at half speed -> a ends at 1.5; b has done
+    # 0.5 of its 1.0 by then and runs alone -> 2.0
+    loop.at(0.5, lambda: host.start("b", 1.0, done, "b"))
+    # c carries one background competitor of its own: alone it runs at 1 / (1 + 1)
+    loop.at(3.0, lambda: host.start("c", 1.0, done, "c", background=1.0))
+    loop.run()
+    assert ends == pytest.approx({"a": 1.5, "b": 2.0, "c": 5.0})
+    assert host.busy_core_s == pytest.approx(2.0 + 2.0)
+
+
+def test_engine_fcfs_steps_hand_computed():
+    # the reference engine's FcfsPolicy with 512-token budgets, chunk 256: a 1000-token
+    # prompt runs [0, 512), [512, 768) (the last full chunk), then the 232-token tail alone
+    trace = sessions_from([{"session_id": "s", "start_s": 0.0, "turns": [
+        {"input": {"length": 1000}, "output_tokens": 11}]}])
+    res = simulate(compile_trace(trace), toy(),
+                   SimConfig(config="baseline", topology="1x1", engine_scheduler=True))
+    (rec,) = res.records
+    assert rec["ttft_s"] == pytest.approx(3 * 0.1 + 1.0)
+    assert rec["e2e_s"] == pytest.approx(1.3 + 10 * 0.01)
+    assert res.summary["sim"]["forward_s"] == pytest.approx(1.4)
+
+
+def test_shared_host_slows_two_pods():
+    trace = sessions_from([{"session_id": f"s{i}", "start_s": 0.0, "turns": [
+        {"input": {"length": 1000}, "output_tokens": 1}]} for i in range(2)])
+    own = simulate(compile_trace(trace), toy(),
+                   SimConfig(config="baseline", topology="2x1", engine_scheduler=True))
+    shared = simulate(compile_trace(trace), toy(host_cores=1),
+                      SimConfig(config="baseline", topology="2x1", engine_scheduler=True))
+    assert [r["e2e_s"] for r in own.records] == pytest.approx([1.3, 1.3])
+    # both prefill at once on one core: every step takes twice as long
+    assert [r["e2e_s"] for r in shared.records] == pytest.approx([2.6, 2.6])
+
+
+def test_engine_scheduler_needs_an_engine_section():
+    with pytest.raises(ValueError, match="engine"):
+        simulate([], toy(engine=None), SimConfig(engine_scheduler=True))
+
+
+def test_build_profile_from_measurements():
+    m = {"model": "tiny", "kv_bytes_per_token": 8192,
+         "prefill_coef": [0.002, 6e-5, 0.0, 7e-8], "decode_coef": [0.006, 3e-6],
+         "kv_load_s_per_chunk": {"cpu": 0.0005, "disk": 0.0025},
+         "kv_store_s_per_chunk": 0.001, "handoff_wire": {"bytes": 8_000_000, "seconds": 0.01},
+         "host_cores": 8}
+    prof = build_profile(m, {"cpus": 2})
+    assert prof.prefill.d_s == 7e-8 and prof.decode.b_s == 0.006
+    assert prof.host_cores == 2                      # the run's host, not the calibrating one
+    assert prof.engine is not None and prof.engine.scheduler == "fcfs"
+    assert prof.bandwidth.pod_to_pod_gbps == pytest.approx(0.8)
+    assert prof.bandwidth.device_to_dram_gbps == pytest.approx(256 * 8192 / 0.001 / 1e9)
+    assert prof.chunk_s(256, 1024) == pytest.approx(6e-5 * 256 + 7e-8 * 256 * (1024 + 128.5))
+
+
+def _fake_real_report(res, role: str = "both") -> dict:
+    """A bench-shaped report whose metrics are a simulated run's (a run with a known host)."""
+    summary = dict(res.summary)
+    summary["fleet"] = {"processes": [{"name": "w", "role": role}]}
+    summary["workers"] = {"w": {"prefill_seconds_sum": res.summary["sim"]["forward_s"],
+                                "decode_seconds_sum": 0.0}}
+    return summary
+
+
+def test_validation_recovers_a_known_host_load():
+    prof = load_profile("reference-cpu")
+    ss = compile_trace(load_trace("bundled:bench-small"), chunk=256)
+    truth = simulate(ss, prof, SimConfig(config="baseline", topology="1P2D",
+                                         engine_scheduler=True,
+                                         host_background_roles={"both": 1.5}))
+    real = {"settings": {"prefill": 1, "decode": 2, "rate": None},
+            "configs": {"baseline": _fake_real_report(truth)}}
+    assert real_forward_s(real["configs"]["baseline"]) == {
+        "both": truth.summary["sim"]["forward_s"]}
+    env = fit_environment(ss, prof, "baseline", "1P2D", None,
+                          real_forward_s(real["configs"]["baseline"]))
+    assert env["both"] == pytest.approx(1.5, abs=0.05)
+    out = validate(real, ss, prof)
+    row = out["configs"]["baseline"]
+    assert abs(row["fitted"]["req_per_s"]["error"]) < 0.03
+    assert abs(row["fitted"]["e2e_p95_s"]["error"]) < 0.05
+    # without the host's load the same fleet looks much faster
+    assert row["idle_host"]["req_per_s"]["error"] > 0.2
+    assert out["within_15pct"]

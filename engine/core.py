@@ -16,8 +16,8 @@
 - ``do_remote_decode`` requests stop there and pin their KV in the hand-off registry;
   ``do_remote_prefill`` requests pull it instead (``services.decode.kv_pull``): reading the
   local prefix, the pull and the copy into paged blocks all run off the step loop, so the
-  requests already decoding keep stepping; the first step overlaps the last layers' arrival
-  on an idle engine; a failed pull is recomputed locally;
+  requests already decoding keep stepping; a pull joins them once its layers are all in
+  its blocks (the copy runs on GIL-releasing torch ops); a failed pull is recomputed locally;
 - decoding requests advance one token per step.
 
 It runs in-process too (tests drive ``step()`` directly); ``engine_process`` wraps it with
@@ -578,14 +578,18 @@ class EngineCore:
         opening = req.pull_open
         if opening is not None:
             return opening.done()
-        return req.remote is not None and req.remote.header_ready()
+        if req.remote is None:
+            return False
+        if req.kv_load is None:
+            return req.remote.header_ready()
+        return req.kv_load.done()  # its layers are still arriving: nothing to step yet
 
     def _promote_pulls(self, outputs: list[EngineOutput] | None = None) -> None:
         """Pulls whose hand-off header arrived get KV blocks and a thread copying each layer
-        into them as it arrives, then start decoding. On an idle engine that is at once (the
-        first forward pass waits for each layer as it needs it); while other requests are
-        decoding, a pull joins them only once all of it is in its blocks, so their tokens
-        never wait on the network or on the copy."""
+        into them as it arrives; a pull joins the running requests only once all of it is in
+        its blocks, so no step ever waits on the network or on the copy (not even on an idle
+        engine: a step blocked on a pull's last layers would hold back every pull promoted
+        after it)."""
         for req in list(self.pulling):
             opening = req.pull_open
             if opening is not None:
@@ -614,7 +618,7 @@ class EngineCore:
                 remote = req.remote
                 req.kv_load = self._start_layer_load(kv, tensor_copier(remote.layer, kv))
                 req.cache = self.runner.paged_cache(kv, req.num_prompt_tokens, req.kv_load.wait)
-            if self.running and not req.kv_load.done():
+            if not req.kv_load.done():
                 continue
             if len(self.running) >= self.max_running:
                 break

@@ -32,11 +32,14 @@ import click
 from agentserving.core.cli import option
 
 CONFIGS = ("baseline", "agentserving", "baseline-apc")
+# agentserving's prefill-pod scheduling policy (measured: docs/replay.md)
+PREFILL_POLICY = "fcfs"
 
 
 def fleet_spec(config: str, *, prefill: int, decode: int, model: str, cpu_cache_gib: float,
                disk_cache_gib: float, worker_args: list[str], worker_env: dict[str, str],
-               startup_timeout_s: float, worker_command: list[str] | None = None) -> Any:
+               startup_timeout_s: float, worker_command: list[str] | None = None,
+               prefill_policy: str = "fcfs") -> Any:
     from agentserving.replay.fleet.topology import FleetSpec
 
     common = dict(model=model, worker_args=worker_args, worker_env=worker_env,
@@ -51,8 +54,12 @@ def fleet_spec(config: str, *, prefill: int, decode: int, model: str, cpu_cache_
         return FleetSpec(prefill=0, decode=0, both=prefill + decode, routing="round-robin",
                          cpu_cache_gib=cpu_cache_gib, disk_cache_gib=0.0, **common)
     if config == "agentserving":
+        # Its prefill pods schedule with PREFILL_POLICY (issue 4); the baselines keep the
+        # engine's default FCFS, like stock vLLM.
         return FleetSpec(prefill=prefill, decode=decode, routing="kv-aware",
-                         cpu_cache_gib=cpu_cache_gib, disk_cache_gib=disk_cache_gib, **common)
+                         cpu_cache_gib=cpu_cache_gib, disk_cache_gib=disk_cache_gib,
+                         role_args={"prefill": ["--scheduler-policy", prefill_policy]},
+                         **common)
     raise click.BadParameter(f"unknown configuration {config!r}", param_hint="--configs")
 
 
@@ -190,6 +197,8 @@ def run_config(config: str, spec: Any, trace: Any, run_dir: Path, replay_opts: d
 @option("--torch-threads", type=click.IntRange(min=0), default=1,
         help="Torch threads per worker (0: torch's default); the same for both systems.")
 @option("--worker-arg", "worker_args", multiple=True, help="Extra worker flag (repeatable).")
+@option("--prefill-policy", default=PREFILL_POLICY, show_default=True,
+        help="agentserving: the prefill pods' --scheduler-policy (baselines: fcfs).")
 @option("--max-active-sessions", type=click.IntRange(min=1), default=None,
         help="At most N sessions in flight.")
 @option("--mooncake-block-tokens", type=click.IntRange(1, 512), default=256,
@@ -210,6 +219,7 @@ def run_config(config: str, spec: Any, trace: Any, run_dir: Path, replay_opts: d
 def command(workload: str, limit: int | None, rate: float | None, time_scale: float,
             prefill: int, decode: int, configs: str, model: str, cpu_cache_gib: float,
             disk_cache_gib: float, torch_threads: int, worker_args: tuple[str, ...],
+            prefill_policy: str,
             max_active_sessions: int | None, mooncake_block_tokens: int,
             mooncake_max_requests: int | None, mooncake_max_input: int | None,
             mooncake_max_output: int, startup_timeout_s: float, run_dir: Path | None,
@@ -251,7 +261,7 @@ def command(workload: str, limit: int | None, rate: float | None, time_scale: fl
         spec = fleet_spec(name, prefill=prefill, decode=decode, model=model,
                           cpu_cache_gib=cpu_cache_gib, disk_cache_gib=disk_cache_gib,
                           worker_args=list(worker_args), worker_env=worker_env,
-                          startup_timeout_s=startup_timeout_s,
+                          startup_timeout_s=startup_timeout_s, prefill_policy=prefill_policy,
                           worker_command=shlex.split(worker_command) if worker_command else None)
         summaries[name] = run_config(name, spec, trace, run_dir, replay_opts, click.echo)
     report = build_report(summaries, workload={"spec": workload, **stats},
@@ -261,6 +271,7 @@ def command(workload: str, limit: int | None, rate: float | None, time_scale: fl
                                     "cpu_cache_gib": cpu_cache_gib,
                                     "disk_cache_gib": disk_cache_gib,
                                     "torch_threads": torch_threads, "rate": rate,
+                                    "prefill_policy": prefill_policy,
                                     "time_scale": time_scale},
                           created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                           duration_s=round(time.monotonic() - started, 1))

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import re
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,9 +155,15 @@ class Pod:
         self.tiers = PodTiers(name, caps, cb)
         self.policy = policy
         self.engine_policy = cluster.engine_policy   # the reference engine's own scheduler
-        self.waiting: list[Req] = []
+        # the prefill queue, oldest first, kept incrementally (a saturated pod's queue holds
+        # thousands of turns; rebuilding its views or scanning it per step made a long run
+        # quadratic): rid -> Req, the policy's tuple of their views (None: rebuild on the next
+        # step), and how many of them have a cached chunk on disk
+        self.waiting: dict[str, Req] = {}
+        self._wviews: tuple[ReqView, ...] | None = ()
+        self._wdisk = 0
         self.prefilling: dict[str, Req] = {}
-        self.decode_wait: list[Req] = []
+        self.decode_wait: deque[Req] = deque()
         self.decoding: dict[str, Req] = {}
         self.decode_kv = 0
         self.busy = False
@@ -192,7 +200,11 @@ class Pod:
         r.computed = r.cached
         r.view = ReqView(r.rid, r.send, r.prompt, computed=r.cached, disk_chunks=r.disk,
                          decode_left=(r.out - 1) if self.role == PodRole.BOTH else 0)
-        self.waiting.append(r)
+        self.waiting[r.rid] = r
+        if self._wviews is not None:
+            self._wviews += (r.view,)
+        if r.disk:
+            self._wdisk += 1
         self._kick(now)
 
     def submit_decode(self, r: Req) -> None:
@@ -251,16 +263,25 @@ class Pod:
                 break
             if cap is not None and len(self.decoding) >= cap:
                 break
-            self.decode_wait.pop(0)
+            self.decode_wait.popleft()
             self.decode_kv += need
             r.state = RequestState.DECODING
             self.decoding[r.rid] = r
+
+    def _unwait(self, rid: str) -> Req:
+        r = self.waiting.pop(rid)
+        if r.disk:
+            self._wdisk -= 1
+        self._wviews = None
+        return r
 
     def _state(self) -> SchedState:
         running = [r.view for r in self.prefilling.values()]
         running += [ReqView(r.rid, r.send, r.prompt, computed=r.ctx - 1, decode_left=r.left,
                             running=True) for r in self.decoding.values()]
-        return SchedState(tuple(r.view for r in self.waiting), tuple(running),  # type: ignore
+        if self._wviews is None:
+            self._wviews = tuple(r.view for r in self.waiting.values())  # type: ignore[misc]
+        return SchedState(self._wviews, tuple(running),  # type: ignore[arg-type]
                           max_running=self.c.profile.max_running,
                           kv_capacity_tokens=self.kv_tokens, block_size=16,
                           now=self.c.loop.now)
@@ -277,7 +298,7 @@ class Pod:
                 state = self._state()
                 pol = self.policy
                 if isinstance(pol, ShadowScheduler) and (
-                        self.c.cfg.full_lookahead or any(w.disk_chunks for w in state.waiting)):
+                        self.c.cfg.full_lookahead or self._wdisk):
                     res = pol.step(state)
                     d = res.decision
                     for _rid, hashes in res.prefetch:
@@ -338,8 +359,7 @@ class Pod:
         p = self.c.profile
         load_s = 0.0
         for rid in d.admit:
-            r = next(x for x in self.waiting if x.rid == rid)
-            self.waiting.remove(r)
+            r = self._unwait(rid)
             r.prefill_pod = self.name
             if r.cached:
                 load_s += self._load(r)
@@ -377,7 +397,7 @@ class Pod:
         eng = self.engine_policy
         chunk = self.c.cfg.chunk
         running = [*self.prefilling.values(), *self.decoding.values()]
-        plan = self.policy.schedule(list(self.waiting), running, SchedulerContext(
+        plan = self.policy.schedule(list(self.waiting.values()), running, SchedulerContext(
             chunk_size=chunk, max_running=eng.max_running, now=now))
         work = load_s = 0.0
         grants = []
@@ -386,7 +406,7 @@ class Pod:
             if r.state is RequestState.WAITING:
                 if len(self.prefilling) + len(self.decoding) >= eng.max_running:
                     continue
-                self.waiting.remove(r)
+                self._unwait(r.rid)
                 r.state = RequestState.PREFILLING
                 r.prefill_pod = self.name
                 if r.cached:
@@ -585,7 +605,13 @@ class Cluster:
                 self.children.setdefault((s.parent[0], s.parent[1]), []).append(s)
         self.loop.at(0.0, self.sample)
         wall = time.perf_counter()
-        self.loop.run()
+        # the workload and the cluster are long-lived: keep them out of the collector's full
+        # passes (each one walks every tracked object; a 100k-session run holds millions)
+        gc.freeze()
+        try:
+            self.loop.run()
+        finally:
+            gc.unfreeze()
         self.stats["wall_s"] = time.perf_counter() - wall
         self.stats["events"] = self.loop.processed
         return self.result()

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import json
 import struct
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import blake3
+import numpy as np
 import torch
 
 MAGIC = b"ASKV\x01"
@@ -95,7 +97,7 @@ class Decoder:
     views of it."""
 
     def __init__(self) -> None:
-        self._pieces: list[bytes] = []
+        self._pending: deque[memoryview] = deque()  # received, not yet in a frame
         self._have = 0
         self._magic_seen = False
         self._size: int | None = None  # payload size of the frame being read
@@ -105,19 +107,32 @@ class Decoder:
         self.bytes_received = 0
 
     def _take(self, n: int) -> bytearray | None:
-        """The next ``n`` bytes as one buffer, once that many have arrived."""
+        """The next ``n`` bytes as one buffer of their own, once that many have arrived. Every
+        received byte is copied exactly once, by numpy (which releases the GIL for large
+        copies): the decoder runs on a pull thread beside the engine's decode loop."""
         if self._have < n:
             return None
-        buf = bytearray().join(self._pieces)
-        out, rest = buf[:n], buf[n:]
-        self._pieces = [bytes(rest)] if rest else []
+        out = bytearray(n)
+        dst = np.frombuffer(out, dtype=np.uint8) if n else None
+        filled = 0
+        while filled < n:
+            piece = self._pending[0]
+            k = min(len(piece), n - filled)
+            dst[filled:filled + k] = np.frombuffer(piece[:k], dtype=np.uint8)
+            filled += k
+            if k == len(piece):
+                self._pending.popleft()
+            else:
+                self._pending[0] = piece[k:]
         self._have -= n
         return out
 
     def feed(self, data: bytes) -> list[tuple]:
         self.bytes_received += len(data)
         if data:
-            self._pieces.append(data)
+            # our own immutable copy unless it is bytes already (a caller may reuse its buffer)
+            self._pending.append(memoryview(data if isinstance(data, bytes) else bytes(data))
+                                 .cast("B"))
             self._have += len(data)
         events: list[tuple] = []
         if not self._magic_seen:

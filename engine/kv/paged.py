@@ -249,13 +249,19 @@ class PagedKV:
             fk[start:start + n].copy_(k_src)
             fv[start:start + n].copy_(v_src)
             return
-        bs, pos = self.pool.block_size, start
-        while pos < start + n:
-            bid, off = self.ids[pos // bs], pos % bs
-            take = min(bs - off, start + n - pos)
-            self.pool.k[layer, bid, off:off + take].copy_(k_src[pos - start:pos - start + take])
-            self.pool.v[layer, bid, off:off + take].copy_(v_src[pos - start:pos - start + take])
-            pos += take
+        # A fragmented table: one index_copy_ per K and V (torch releases the GIL for it), not a
+        # Python loop over blocks — this runs on a pull's copy thread beside the decode loop.
+        pool = self.pool
+        slots = self._slots(start, n)
+        flat = (pool.k.shape[1] * pool.block_size, pool.num_kv_heads, pool.head_dim)
+        pool.k[layer].view(flat).index_copy_(0, slots, k_src)
+        pool.v[layer].view(flat).index_copy_(0, slots, v_src)
+
+    def _slots(self, start: int, n: int) -> torch.Tensor:
+        """Pool slot (block * block_size + offset) of positions ``start..start+n``."""
+        bs = self.pool.block_size
+        pos = torch.arange(start, start + n, device=self.table.device)
+        return self.table[pos // bs] * bs + pos % bs
 
     def view(self, layer: int, tokens: int, *, copy: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor]:

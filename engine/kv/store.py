@@ -35,12 +35,10 @@ objects, and the digest table has its own lock.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import dataclasses
 import os
 import threading
 import time
-import uuid
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -51,6 +49,7 @@ from agentserving.core.logging import get_logger
 from agentserving.core.schemas import TIER_BACKENDS, Tier
 from agentserving.engine.kv.connector import CPUKVConnector, digest
 from agentserving.engine.kv.keys import SALT_CONFIG_KEY, ChunkKeys, make_token_database
+from agentserving.engine.kv.prefetches import PrefetchRegistry, PrefetchStatus, evict_chunks
 
 log = get_logger(__name__)
 
@@ -102,21 +101,6 @@ class FetchedPrefix:
         objs, self.objs = self.objs, []
         for obj in objs:
             obj.ref_count_down()
-
-
-@dataclasses.dataclass
-class PrefetchStatus:
-    lookup_id: str
-    requested: int
-    in_cpu: int
-    to_load: int
-    missing: int
-    state: str = "running"  # running | done | failed
-    loaded: int = 0
-    corrupt: int = 0
-    error: str | None = None
-    started_at: float = dataclasses.field(default_factory=time.time)
-    finished_at: float | None = None
 
 
 @dataclasses.dataclass
@@ -177,10 +161,7 @@ class KVStore:
         self._digest_lock = threading.Lock()
         self._absent_once: set[int] = set()
         self._storing: set[int] = set()  # chunks inside a store() call right now
-        self._prefetch_pool = concurrent.futures.ThreadPoolExecutor(1, "kv-prefetch")
-        self._prefetches: collections.OrderedDict[str, PrefetchStatus] = \
-            collections.OrderedDict()
-        self._prefetch_lock = threading.Lock()
+        self._prefetches = PrefetchRegistry("kv-prefetch")
         self.stats = KVStoreStats()
 
     @property
@@ -444,48 +425,24 @@ class KVStore:
     def evict(self, wire_hashes: Sequence[str], backends: Sequence[str]) -> tuple[list[str],
                                                                                  list[str]]:
         """Remove chunks from ``backends``; returns (evicted, missing) wire hashes."""
-        evicted, missing = [], []
-        for wire in wire_hashes:
-            key = self.keys.key_of(wire)
-            removed = False
-            if key is not None:
-                for name in backends:
-                    removed = self._remove(name, key) or removed
-            (evicted if removed else missing).append(wire)
-            if removed and self.tier_of(key) is None:
-                with self._digest_lock:
-                    self._digests.pop(key.chunk_hash, None)
+        evicted, missing = evict_chunks(wire_hashes, backends, self.keys.key_of, self._remove,
+                                        on_removed=self._forget_digest)
         self.stats.evicted_chunks += len(evicted)
         return evicted, missing
+
+    def _forget_digest(self, key: Any) -> None:
+        if self.tier_of(key) is None:
+            with self._digest_lock:
+                self._digests.pop(key.chunk_hash, None)
 
     # ------------------------------------------------------------------ prefetch
     def prefetch(self, wire_hashes: Sequence[str], lookup_id: str | None) -> PrefetchStatus:
         """Start loading the disk-only chunks among ``wire_hashes`` into DRAM; returns at once."""
-        lookup_id = lookup_id or f"prefetch-{uuid.uuid4().hex[:12]}"
-        to_load, in_cpu, missing = [], 0, 0
-        for wire in wire_hashes:
-            key = self.keys.key_of(wire)
-            tier = self.tier_of(key) if key is not None else None
-            if tier is Tier.CPU:
-                in_cpu += 1
-            elif tier is Tier.DISK:
-                to_load.append(key)
-            else:
-                missing += 1
-        status = PrefetchStatus(lookup_id, len(wire_hashes), in_cpu, len(to_load), missing)
-        with self._prefetch_lock:
-            self._prefetches[lookup_id] = status
-            while len(self._prefetches) > 1024:
-                self._prefetches.popitem(last=False)
-        if to_load:
-            self._prefetch_pool.submit(self._prefetch_run, status, to_load)
-        else:
-            status.state, status.finished_at = "done", time.time()
-        return status
+        return self._prefetches.start(wire_hashes, lookup_id, self.keys.key_of, self.tier_of,
+                                      self._prefetch_run)
 
     def prefetch_status(self, lookup_id: str) -> PrefetchStatus | None:
-        with self._prefetch_lock:
-            return self._prefetches.get(lookup_id)
+        return self._prefetches.get(lookup_id)
 
     def _prefetch_run(self, status: PrefetchStatus, keys: list[Any]) -> None:
         assert self.disk is not None
@@ -587,7 +544,7 @@ class KVStore:
         return False
 
     def close(self) -> None:
-        self._prefetch_pool.shutdown(wait=False, cancel_futures=True)
+        self._prefetches.close()
         done = threading.Event()
 
         def _close() -> None:

@@ -192,11 +192,17 @@ def test_a_pull_joins_busy_decoding_only_once_it_has_fully_arrived(engine_factor
     assert core.pulling == [] and core.running == [busy, pulled]
     k, v = core.runner.cache_layers(pulled.cache)[3]
     assert torch.equal(k, pulled.remote.kv[3, 0]) and torch.equal(v, pulled.remote.kv[3, 1])
-    # an idle engine starts at once, overlapping the first forward pass with the layers
+    # an idle engine waits for the whole pull too (a step blocked on the network would hold
+    # back every pull behind it), and does not spin meanwhile: nothing is ready to step
     core.running.clear()
     early = request("early", prompt(300, seed=10))
     early.remote = _Pull(header=True, done=False)
     core.pulling.append(early)
     core._promote_pulls()
-    assert core.running == [early]
+    assert core.running == [] and core.pulling == [early] and early.kv_load is not None
+    assert not core.has_ready_work()
     early.remote.arrive()
+    _promote_until(core, early)
+    assert core.running == [early] and core.pulling == []
+    k, v = core.runner.cache_layers(early.cache)[1]
+    assert torch.equal(k, early.remote.kv[1, 0]) and torch.equal(v, early.remote.kv[1, 1])

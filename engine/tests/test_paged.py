@@ -255,3 +255,23 @@ def test_queue_head_loads_while_the_step_before_it_runs(engine_factory):
     for load in core._loads:  # a copy still running keeps its blocks until it stops
         load.join(60)
     assert core.pool.num_free_blocks == core.pool.num_blocks
+
+
+def test_write_into_a_fragmented_table_lands_at_every_position(tiny):
+    """The fragmented path (one index_copy_ per K and V) puts each token where a view reads
+    it, from an unaligned start across block boundaries, and touches nothing else."""
+    pool = _pool(tiny, blocks=16, block_size=8)
+    _fragment(pool)
+    kv = pool.reserve(40)
+    assert not kv.consecutive
+    pool.k.zero_()
+    pool.v.zero_()
+    g = torch.Generator().manual_seed(5)
+    shape = (1, tiny.num_kv_heads, 29, tiny.head_dim)
+    keys = torch.randn(shape, generator=g).to(tiny.dtype)
+    values = torch.randn(shape, generator=g).to(tiny.dtype)
+    kv.write(1, 3, keys, values)
+    k, v = kv.view(1, 40, copy=True)
+    assert torch.equal(k[:, :, 3:32], keys) and torch.equal(v[:, :, 3:32], values)
+    assert not k[:, :, :3].any() and not k[:, :, 32:].any() and not v[:, :, 32:].any()
+    assert not pool.k[0].any() and not pool.k[2:].any()  # other layers untouched

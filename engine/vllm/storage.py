@@ -21,18 +21,14 @@ written by LMCache's own worker and are served by LMCache as it would serve them
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
-import dataclasses
-import threading
 import time
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from agentserving.core.hashing import is_chunk_hash
 from agentserving.core.logging import get_logger
 from agentserving.core.schemas import TIER_BACKENDS, Tier
+from agentserving.engine.kv.prefetches import PrefetchRegistry, PrefetchStatus, evict_chunks
 from agentserving.engine.memory_api import backend_names
 
 from .hashes import wire_hash
@@ -41,20 +37,6 @@ log = get_logger(__name__)
 
 CPU_BACKEND = TIER_BACKENDS[Tier.CPU]
 DISK_BACKEND = TIER_BACKENDS[Tier.DISK]
-
-
-@dataclasses.dataclass
-class Prefetch:
-    lookup_id: str
-    requested: int
-    in_cpu: int
-    to_load: int
-    missing: int
-    state: str = "running"  # running | done | failed
-    loaded: int = 0
-    corrupt: int = 0
-    error: str | None = None
-    finished_at: float | None = None
 
 
 class LMCacheKeys:
@@ -100,9 +82,7 @@ class LMCacheStorageBackend:
         self.storage = storage_manager
         self.keys = LMCacheKeys(token_database, metadata)
         self.chunk_bytes = chunk_bytes_of(metadata)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, "lmcache-prefetch")
-        self._prefetches: collections.OrderedDict[str, Prefetch] = collections.OrderedDict()
-        self._lock = threading.Lock()
+        self._prefetches = PrefetchRegistry("lmcache-prefetch")
 
     @property
     def backends(self) -> list[str]:
@@ -129,48 +109,24 @@ class LMCacheStorageBackend:
 
     def evict(self, wire_hashes: Sequence[str],
               backends: Sequence[str]) -> tuple[list[str], list[str]]:
-        evicted, missing = [], []
-        for wire in wire_hashes:
-            key = self.keys.key_of(wire)
-            removed = False
-            if key is not None:
-                for name in backends:
-                    try:
-                        removed = bool(self.storage.storage_backends[name].remove(key)) or removed
-                    except OSError:  # the disk file was already gone: the entry is
-                        removed = True
-            (evicted if removed else missing).append(wire)
-        return evicted, missing
+        return evict_chunks(wire_hashes, backends, self.keys.key_of, self._remove)
+
+    def _remove(self, name: str, key: Any) -> bool:
+        try:
+            return bool(self.storage.storage_backends[name].remove(key))
+        except OSError:  # the disk file was already gone: the entry is
+            return True
 
     # -------------------------------------------------------------- prefetch
-    def prefetch(self, wire_hashes: Sequence[str], lookup_id: str | None) -> Prefetch:
-        lookup_id = lookup_id or f"prefetch-{uuid.uuid4().hex[:12]}"
-        to_load, in_cpu, missing = [], 0, 0
-        for wire in wire_hashes:
-            key = self.keys.key_of(wire)
-            tier = self.tier_of(key) if key is not None else None
-            if tier is Tier.CPU:
-                in_cpu += 1
-            elif tier is Tier.DISK:
-                to_load.append(key)
-            else:
-                missing += 1
-        status = Prefetch(lookup_id, len(wire_hashes), in_cpu, len(to_load), missing)
-        with self._lock:
-            self._prefetches[lookup_id] = status
-            while len(self._prefetches) > 1024:
-                self._prefetches.popitem(last=False)
-        if to_load and self.cpu is not None:
-            self._pool.submit(self._prefetch_run, status, to_load)
-        else:
-            status.state, status.finished_at = "done", time.time()
-        return status
+    def prefetch(self, wire_hashes: Sequence[str], lookup_id: str | None) -> PrefetchStatus:
+        load = self._prefetch_run if self.cpu is not None else None
+        return self._prefetches.start(wire_hashes, lookup_id, self.keys.key_of, self.tier_of,
+                                      load)
 
-    def prefetch_status(self, lookup_id: str) -> Prefetch | None:
-        with self._lock:
-            return self._prefetches.get(lookup_id)
+    def prefetch_status(self, lookup_id: str) -> PrefetchStatus | None:
+        return self._prefetches.get(lookup_id)
 
-    def _prefetch_run(self, status: Prefetch, keys: list[Any]) -> None:
+    def _prefetch_run(self, status: PrefetchStatus, keys: list[Any]) -> None:
         disk, cpu = self.disk, self.cpu
         assert disk is not None and cpu is not None
         pinned = [k for k in keys if disk.pin(k)]  # pin where the data is read, only there
@@ -207,4 +163,4 @@ class LMCacheStorageBackend:
         return out
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._prefetches.close()

@@ -74,6 +74,8 @@ class FleetSpec:
     proxy: bool = True
     proxy_port: int = 0  # 0: a free port
     worker_args: list[str] = field(default_factory=list)
+    # extra flags for one role's workers only ("prefill", "decode", "both"), after worker_args
+    role_args: dict[str, list[str]] = field(default_factory=dict)
     proxy_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)
@@ -119,7 +121,7 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
             disk = (spec.disk_cache_root or run_dir / "disk") / name
             argv += ["--disk-cache-dir", str(disk), "--disk-cache-gib",
                      f"{spec.disk_cache_gib:g}"]
-        argv += spec.worker_args
+        argv += [*spec.worker_args, *spec.role_args.get(role, [])]
         out.append(ProcessSpec(name=name, role=role, url=url, argv=argv,
                                env={**spec.env, **spec.worker_env},
                                startup_timeout_s=spec.startup_timeout_s))

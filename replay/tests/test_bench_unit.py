@@ -27,6 +27,20 @@ def test_the_two_configurations():
         fleet_spec("other", **kw)
 
 
+def test_only_agentserving_prefill_pods_get_the_prefill_policy(tmp_path):
+    from agentserving.replay.fleet.topology import build
+
+    kw = dict(prefill=1, decode=2, model="tiny", cpu_cache_gib=2.0, disk_cache_gib=0.0,
+              worker_args=["--x"], worker_env={}, startup_timeout_s=60,
+              prefill_policy="longcap-dynamic")
+    argv = {p.name: p.argv for p in build(fleet_spec("agentserving", **kw), tmp_path)}
+    assert argv["prefill-0"][-3:] == ["--x", "--scheduler-policy", "longcap-dynamic"]
+    for name in ("decode-0", "decode-1"):
+        assert "--scheduler-policy" not in argv[name] and argv[name][-1] == "--x"
+    base = build(fleet_spec("baseline", **kw), tmp_path)
+    assert not any("--scheduler-policy" in p.argv for p in base)  # the engine's fcfs
+
+
 def test_worker_metrics_are_scraped_and_summarised():
     registry = CollectorRegistry()
     prefill = Histogram("agentserving_worker_prefill_seconds", "x", registry=registry)

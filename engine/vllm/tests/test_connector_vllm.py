@@ -15,18 +15,16 @@ from pathlib import Path
 import pytest
 
 from agentserving.core.testing import free_port_run
+from agentserving.engine.vllm.testing import vllm_env_dir
 
 from .test_memory_api_lmcache import kvindex
 
-VLLM_VERSION = "0.33.0"
-ENV_DIR = Path(os.environ.get("AGENTSERVING_VLLM_ENV")
-               or Path.home() / ".cache" / "agentserving" / f"vllm-env-{VLLM_VERSION}")
+ENV_DIR = vllm_env_dir()
 PROBE = Path(__file__).with_name("vllm_probe.py")
 
 pytestmark = pytest.mark.skipif(
-    not (ENV_DIR / ".agentserving-installed").exists() or not (ENV_DIR / "vllm").is_dir(),
-    reason=f"vLLM test env not installed at {ENV_DIR} (run scripts/vllm-test-env.sh, "
-           "which `make test` does)")
+    ENV_DIR is None, reason="vLLM test env not installed (run scripts/vllm-test-env.sh, "
+                            "which `make test` does)")
 
 
 @pytest.fixture(scope="module")

@@ -17,21 +17,13 @@ from pathlib import Path
 def main() -> None:
     import faulthandler
 
+    from agentserving.engine.vllm.testing import enter_vllm_env, write_tiny_llama
+
     faulthandler.dump_traceback_later(150, exit=True)  # a hang shows where, then exits
     env_dir, work, port_start, kvindex = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), \
         sys.argv[4]
-    sys.path.append(env_dir)  # after the project's venv: vLLM never shadows torch or LMCache
-    # vLLM inspects model classes in a child interpreter: it must find vLLM too (the env dir
-    # holds only packages the venv lacks, so putting it on PYTHONPATH shadows nothing)
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (os.environ.get("PYTHONPATH"), env_dir) if p)
-    model_dir = work / "tiny-llama"
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 2048,
-        "torch_dtype": "float32", "rms_norm_eps": 1e-5}))
+    enter_vllm_env(env_dir)
+    model_dir = write_tiny_llama(work / "tiny-llama", max_positions=2048)
     chunk = 16
     (work / "lmcache.yaml").write_text(f"chunk_size: {chunk}\nlocal_cpu: true\n"
                                        "max_local_cpu_size: 0.01\nsave_unfull_chunk: false\n"

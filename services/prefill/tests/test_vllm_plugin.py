@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from collections import deque
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from agentserving.engine.vllm.testing import vllm_env_dir
 from agentserving.prefill import vllm_plugin
 from agentserving.prefill.policies import LongcapDynamic, ReqView, SchedState
 
@@ -123,17 +123,8 @@ def test_missing_vllm_is_a_clear_error_only_on_construction():
         cls()
 
 
-def _vllm_env() -> Path | None:
-    script = Path(__file__).resolve().parents[3] / "scripts" / "vllm-test-env.sh"
-    if not script.exists() or os.environ.get("AGENTSERVING_SKIP_VLLM_ENV") == "1":
-        return None
-    path = Path(subprocess.run(["bash", str(script), "--path"], capture_output=True,
-                               text=True, check=True).stdout.strip())
-    return path if (path / ".agentserving-installed").exists() else None
-
-
 def test_vllms_real_scheduler_schedules_what_the_policy_decides(tmp_path):
-    env = _vllm_env()
+    env = vllm_env_dir()
     if env is None:
         pytest.skip("vLLM test env not installed (scripts/vllm-test-env.sh)")
     probe = Path(__file__).with_name("vllm_sched_probe.py")

@@ -23,17 +23,11 @@ BLOCKS, BLOCK = 4096, 16
 
 
 def main() -> None:
+    from agentserving.engine.vllm.testing import enter_vllm_env, write_tiny_llama
+
     env_dir, work = sys.argv[1], Path(sys.argv[2])
-    sys.path.append(env_dir)  # after the project's venv: vLLM never shadows torch
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        p for p in (os.environ.get("PYTHONPATH"), env_dir) if p)
-    model_dir = work / "tiny-llama"
-    model_dir.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "num_hidden_layers": 2, "vocab_size": 1000, "max_position_embeddings": 16384,
-        "torch_dtype": "float32", "rms_norm_eps": 1e-5}))
+    enter_vllm_env(env_dir)
+    model_dir = write_tiny_llama(work / "tiny-llama", max_positions=16384)
     os.environ["AGENTSERVING_PREFILL_POLICY"] = POLICY
 
     import torch

@@ -236,6 +236,13 @@ def _scaled_tools(size: float, time: float, size_cap: float) -> list[ToolSpec]:
     return out
 
 
+def _cpu_agents() -> list[AgentKind]:
+    """The agent mix both main-job presets share: a coder with the larger system prompt (tool
+    schemas included) and an assistant, in whole 256-token KV chunks."""
+    return [AgentKind(name="coder", weight=0.6, system_blocks=8),
+            AgentKind(name="assistant", weight=0.4, system_blocks=6)]
+
+
 def bench_small_preset(sessions: int = 14, seed: int = 2) -> SyntheticConfig:
     """The main job's workload: the ``agent`` shape scaled to the tiny CPU model.
 
@@ -247,8 +254,7 @@ def bench_small_preset(sessions: int = 14, seed: int = 2) -> SyntheticConfig:
     """
     return SyntheticConfig(
         name="bench-small", sessions=sessions, seed=seed, block_size=256, arrival_rate=2.0,
-        agents=[AgentKind(name="coder", weight=0.6, system_blocks=8),
-                AgentKind(name="assistant", weight=0.4, system_blocks=6)],
+        agents=_cpu_agents(),
         turns=LogNormal(median=7, sigma=0.3, lo=4, hi=9),
         task_tokens=LogNormal(median=200, sigma=0.4, lo=64, hi=400),
         output_tokens=LogNormal(median=10, sigma=0.3, lo=8, hi=24),
@@ -271,8 +277,7 @@ def bench_agent_preset(sessions: int = 8, seed: int = 1) -> SyntheticConfig:
     """
     return SyntheticConfig(
         name="bench-agent", sessions=sessions, seed=seed, block_size=256, arrival_rate=0.5,
-        agents=[AgentKind(name="coder", weight=0.6, system_blocks=8),
-                AgentKind(name="assistant", weight=0.4, system_blocks=6)],
+        agents=_cpu_agents(),
         turns=LogNormal(median=7, sigma=0.2, lo=6, hi=10),
         task_tokens=LogNormal(median=200, sigma=0.4, lo=64, hi=400),
         history_tokens=LogNormal(median=2500, sigma=0.3, lo=1200, hi=4000),

@@ -15,16 +15,25 @@ step loop.
    place, attention reads a view of the blocks). Same logits (checked).
    ``queued_cpu``: the same turns all queued at once on a busy pod (one running at a time): the
    queue head's load starts while the step before it runs; exposed vs forward per step.
+   ``queued_disk``: the same busy pod, every queued turn's prefix on LMCache's disk tier only,
+   under the same admission policy (``longcap-dynamic``) without and with the
+   ShadowScheduler's N+1 prefetch (``shadow``: the turn predicted for the next step has its
+   chunks moved disk -> DRAM while this step computes). Per mode: exposed vs forward per
+   prefill step, how many turns were prefetched and how many of those prefetches had
+   completed when the engine fetched the turn's prefix (a late one is waited for, never read
+   twice), and where the admitted prefixes were read from.
 3. ``pull_prefix``: a decode pod's local prefix read (``KVStore.load_prefix``), which ran
    inside the step loop before (in ``add()``), against what ``add()`` costs the loop now (the
    read runs on a worker thread).
 
-    python -m bench kv_load [--quick] [--out bench/results/kv_load.json]
+    python -m bench kv_load [--quick] [--sections load,decode,pull]
+                            [--out bench/results/kv_load.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import platform
 import statistics
 import sys
@@ -48,6 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="torch threads (shared host: 1).")
     p.add_argument("--quick", action="store_true", help="Smoke sizes (CI).")
+    p.add_argument("--sections", default="load,decode,pull",
+                   help="Comma-separated subset of load,decode,pull.")
     p.add_argument("--out", type=Path, default=Path("bench/results/kv_load.json"))
     args = p.parse_args(argv)
     if args.quick:
@@ -120,6 +131,7 @@ def _load_rows(args: argparse.Namespace, parts: Any) -> dict[str, Any]:
         out[tier]["exposed_p50_sync_over_layerwise"] = (
             sy["exposed_kv_s"]["p50"] / max(lw["exposed_kv_s"]["p50"], 1e-9))
     out["queued_cpu"] = _queued_rows(args, parts, sessions)
+    out["queued_disk"] = _queued_disk_rows(args, parts, sessions)
     return out
 
 
@@ -152,6 +164,113 @@ def _queued_rows(args: argparse.Namespace, parts: Any, sessions: list[list[int]]
                          sum(r.exposed_kv_s for r in recs) / sum(r.forward_s for r in recs))}
     core.max_running = 16
     return out
+
+
+def _evict_dram(store: Any, sessions: list[list[int]]) -> None:
+    """Leave every session's prefix on the disk tier only."""
+    cpu = store.resolve_locations(["cpu"])
+    for ids in sessions:
+        hashes = store.keys.int_hashes(torch.tensor(ids), None)
+        store.evict([store.keys.wire_of_int(h) for h in hashes], cpu)
+
+
+QUEUED_DISK_MODES = {"no_prefetch": "longcap-dynamic", "shadow_prefetch": "shadow"}
+
+
+def _queued_disk_rows(args: argparse.Namespace, parts: Any, sessions: list[list[int]],
+                      rounds: int = 2) -> dict[str, Any]:
+    """A busy pod whose queued turns' prefixes sit on disk only: ``longcap-dynamic`` alone
+    (each head's prefix is read from disk when it is next in line) vs ``shadow`` (the same
+    policy; the turn predicted for step N+1 is prefetched disk -> DRAM during step N). The
+    modes alternate over ``rounds`` (A B, B A, ...) so host load drifts hit both alike."""
+    core = parts.core
+    saved_policy, core.max_running, core.layerwise_load = core.policy, 1, True
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in QUEUED_DISK_MODES}
+    try:
+        for r in range(rounds):
+            order = list(QUEUED_DISK_MODES) if r % 2 == 0 else list(QUEUED_DISK_MODES)[::-1]
+            for mode in order:
+                runs[mode].append(_queued_disk_run(args, parts, sessions, mode, r))
+    finally:
+        core.policy, core.max_running = saved_policy, 16
+    out: dict[str, Any] = {}
+    for mode, rs in runs.items():
+        exposed = [x for run_ in rs for x in run_["exposed"]]
+        forward = [x for run_ in rs for x in run_["forward"]]
+        e, f = stats(exposed), stats(forward)
+        row: dict[str, Any] = {
+            "policy": QUEUED_DISK_MODES[mode], "rounds": rounds,
+            "exposed_kv_s": e, "forward_s": f,
+            "exposed_p50_over_forward_p50": e["p50"] / f["p50"],
+            "exposed_p95_over_forward_p95": e["p95"] / f["p95"],
+            "exposed_total_over_forward_total": sum(exposed) / sum(forward),
+            "step_total_s": sum(exposed) + sum(forward),
+        }
+        for key in ("turns", "turns_prefetched", "prefetches_done_before_admission",
+                    "prefetch_waits", "prefetch_wait_s", "prefetch_late"):
+            row[key] = sum(run_[key] for run_ in rs)
+        tiers: dict[str, int] = {}
+        for run_ in rs:
+            for tier, n in run_["cached_tokens_by_tier"].items():
+                tiers[tier] = tiers.get(tier, 0) + n
+        row["cached_tokens_by_tier"] = tiers
+        out[mode] = row
+    return out
+
+
+def _queued_disk_run(args: argparse.Namespace, parts: Any, sessions: list[list[int]],
+                     mode: str, round_: int) -> dict[str, Any]:
+    """Queue every session's next turn at once (disk-only prefixes), step until done."""
+    from agentserving.engine.scheduler.policy import make_policy
+    from agentserving.engine.testing import prompt, request
+
+    core, store = parts.core, parts.store
+    core.policy = make_policy(QUEUED_DISK_MODES[mode], 512)
+    _evict_dram(store, sessions)
+    prefetched: dict[int, Any] = {}  # session's first chunk int -> its prefetch's status
+    fetched_at: dict[int, float] = {}  # ... -> when the engine fetched its prefix
+    prefetch, fetch = store.prefetch, store.fetch_prefix
+
+    def spy_prefetch(hashes: Any, lookup_id: Any) -> Any:
+        status = prefetch(hashes, lookup_id)
+        prefetched.setdefault(store.keys.int_of(hashes[0]), status)
+        return status
+
+    def spy_fetch(ints: Any, **kw: Any) -> Any:
+        if ints:
+            fetched_at.setdefault(ints[0], time.time())
+        return fetch(ints, **kw)
+
+    store.prefetch, store.fetch_prefix = spy_prefetch, spy_fetch
+    before = dataclasses.replace(store.stats)
+    core.step_records.clear()
+    by_tier: dict[str, int] = {}
+    try:
+        for i, ids in enumerate(sessions):
+            seed = 11000 + 1000 * round_ + 500 * (mode == "shadow_prefetch") + i
+            core.add(request(f"qd-{mode}-{round_}-{i}", ids + prompt(args.suffix, seed=seed),
+                             max_tokens=1))
+        while core.has_work():
+            for o in core.step():
+                for tier, n in (o.meta.get("cached_tokens_by_tier") or {}).items():
+                    by_tier[str(tier)] = by_tier.get(str(tier), 0) + n
+            core.run_deferred()
+    finally:
+        del store.prefetch, store.fetch_prefix  # back to the class's methods
+    recs = [r for r in core.step_records if r.prefill_tokens]
+    after = store.stats
+    return {
+        "exposed": [r.exposed_kv_s for r in recs], "forward": [r.forward_s for r in recs],
+        "turns": len(sessions), "turns_prefetched": len(prefetched),
+        "prefetches_done_before_admission": sum(
+            1 for first, st in prefetched.items()
+            if st.state == "done" and st.finished_at is not None
+            and first in fetched_at and st.finished_at <= fetched_at[first]),
+        "prefetch_waits": after.prefetch_waits - before.prefetch_waits,
+        "prefetch_wait_s": after.prefetch_wait_seconds - before.prefetch_wait_seconds,
+        "prefetch_late": after.prefetch_late - before.prefetch_late,
+        "cached_tokens_by_tier": by_tier,
+    }
 
 
 def decode_section(args: argparse.Namespace, bundle: Any) -> dict[str, Any]:
@@ -236,28 +355,46 @@ def main(argv: list[str] | None = None) -> int:
                  "and verify + layer waits); forward = that step's compute without waits. "
                  "Timings from a shared 2-core host: compare modes within one run.",
     }
+    sections = set(args.sections.split(","))
     with tempfile.TemporaryDirectory(prefix="kv-load-bench-") as tmp:
-        result["load"] = load_section(args, bundle, Path(tmp))
-        result["decode"] = decode_section(args, bundle)
-        result["pull_prefix"] = pull_prefix_section(args, bundle, Path(tmp))
-    for tier, rows in result["load"].items():
+        if "load" in sections:
+            result["load"] = load_section(args, bundle, Path(tmp))
+        if "decode" in sections:
+            result["decode"] = decode_section(args, bundle)
+        if "pull" in sections:
+            result["pull_prefix"] = pull_prefix_section(args, bundle, Path(tmp))
+    report(result)
+    write_result(args.out, result)
+    return 0
+
+
+def report(result: dict[str, Any]) -> None:
+    for tier, rows in result.get("load", {}).items():
         for mode in ("layerwise", "sync"):
             if mode not in rows:
                 continue
             r = rows[mode]
-            print(f"load {tier:4s} {mode:9s} exposed p50 {r['exposed_kv_s']['p50'] * 1e3:7.2f} ms"
+            print(f"load {tier:11s} {mode:9s} exposed p50 {r['exposed_kv_s']['p50'] * 1e3:7.2f} ms"
                   f" p95 {r['exposed_kv_s']['p95'] * 1e3:7.2f} ms | forward p50 "
                   f"{r['forward_s']['p50'] * 1e3:7.1f} ms p95 {r['forward_s']['p95'] * 1e3:7.1f}"
                   f" ms | exposed/forward p50 {r['exposed_p50_over_forward_p50']:.2%}")
-    for ctx, r in result["decode"].items():
+    for mode, r in result.get("load", {}).get("queued_disk", {}).items():
+        print(f"load queued_disk {mode:15s} exposed p50 {r['exposed_kv_s']['p50'] * 1e3:7.2f} ms"
+              f" p95 {r['exposed_kv_s']['p95'] * 1e3:7.2f} ms | forward p50 "
+              f"{r['forward_s']['p50'] * 1e3:7.1f} ms | exposed/forward p50 "
+              f"{r['exposed_p50_over_forward_p50']:.2%} total "
+              f"{r['exposed_total_over_forward_total']:.2%} | prefetched "
+              f"{r['turns_prefetched']}/{r['turns']}, done before admission "
+              f"{r['prefetches_done_before_admission']}, waited {r['prefetch_waits']}, late "
+              f"{r['prefetch_late']} | forward+exposed {r['step_total_s']:.2f} s")
+    for ctx, r in result.get("decode", {}).items():
         print(f"decode ctx {ctx:>6s}: dynamic {r['dynamic_s_per_token']['p50'] * 1e3:6.2f} ms"
               f" vs paged {r['paged_s_per_token']['p50'] * 1e3:6.2f} ms per token (p50)")
-    pp = result["pull_prefix"]
-    print(f"decode pod local prefix on the step loop: before "
-          f"{pp['before_step_loop_s']['p50'] * 1e3:.2f} ms, after "
-          f"{pp['after_step_loop_s']['p50'] * 1e3:.2f} ms (p50)")
-    write_result(args.out, result)
-    return 0
+    pp = result.get("pull_prefix")
+    if pp:
+        print(f"decode pod local prefix on the step loop: before "
+              f"{pp['before_step_loop_s']['p50'] * 1e3:.2f} ms, after "
+              f"{pp['after_step_loop_s']['p50'] * 1e3:.2f} ms (p50)")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,10 @@ What is measured and what is simulated (also written into the JSON):
 2. simulated: the same Poisson arrival trace of agent turns replayed against each policy on
    one prefill pod, stepping the *real* policy and ShadowScheduler objects with step times
    from the fitted model (the engine's rules mirrored: 256-token quantum, trailing partial
-   chunk split) and a DRAM/disk tier model with the measured per-chunk load costs.
+   chunk split) and a DRAM/disk tier model with the measured per-chunk load costs. The
+   caller's side of a prefetch is modelled too: prefetched chunks pinned in DRAM until their
+   turn's admission (``--no-pin``), and an admission that waits for a chunk still in flight
+   rather than reading it from disk again (``--no-wait-in-flight``).
 3. NOT YET IMPLEMENTED: a small real-engine run for exposed KV time. The exposed-KV numbers
    in the JSON are simulated, and count all admission load time as exposed (the engine
    has no layer-wise overlap yet).
@@ -64,6 +67,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dram-chunks", type=int, default=400,
                    help="DRAM tier size in 256-token chunks (LRU); new KV is stored there too, "
                         "so prefetched chunks can be evicted before their admission.")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="Do not pin prefetched chunks in DRAM until their turn's admission.")
+    p.add_argument("--no-wait-in-flight", dest="wait_in_flight", action="store_false",
+                   help="At admission, read a chunk whose prefetch is still in flight from "
+                        "disk a second time instead of waiting for it.")
+    p.add_argument("--robust", type=float, default=0.5,
+                   help="The shadow-robust variant's survival threshold (ShadowScheduler "
+                        "robust=).")
     p.add_argument("--sweep", action="store_true", help="Also sweep longcap's parameters.")
     p.add_argument("--no-split-tail", dest="split_tail", action="store_false",
                    help="Executor without the reference engine's trailing-partial-chunk "
@@ -212,21 +223,35 @@ def trace_summary(trace: list[Turn], short_tokens: int) -> dict[str, Any]:
 class Tiers:
     """DRAM (LRU, in chunks) over disk; a single disk queue serves prefetches. A prefetched
     chunk enters DRAM (and the LRU order) when it lands, so it can be evicted between landing
-    and its turn's admission."""
+    and its turn's admission, unless it is pinned: a pinned chunk counts against the DRAM
+    size but is never evicted until it is unpinned (then it joins the LRU as most recent).
+    At most ``pin_share`` of DRAM is pinned; a landing chunk past that joins the LRU."""
 
-    def __init__(self, dram_chunks: int, disk_s: float) -> None:
+    def __init__(self, dram_chunks: int, disk_s: float, pin_share: float = 0.75) -> None:
         self.cap = dram_chunks
         self.lru: dict[str, None] = {}
+        self.pinned: set[str] = set()
+        self.pin_cap = int(dram_chunks * pin_share)
+        self._pin_wanted: set[str] = set()
         self.disk_s = disk_s
         self.disk_free_at = 0.0
         self.arrive: dict[str, float] = {}  # chunk -> time its prefetch lands (in flight)
         self._landing: list[tuple[float, str]] = []  # heap of (land time, chunk)
 
     def put(self, h: str) -> None:
+        if h in self.pinned:
+            return
         self.lru.pop(h, None)
         self.lru[h] = None
-        while len(self.lru) > self.cap:
+        while self.lru and len(self.lru) + len(self.pinned) > self.cap:
             self.lru.pop(next(iter(self.lru)))
+
+    def unpin(self, hashes: tuple[str, ...]) -> None:
+        for h in hashes:
+            self._pin_wanted.discard(h)
+            if h in self.pinned:
+                self.pinned.discard(h)
+                self.put(h)
 
     def settle(self, now: float) -> None:
         """Land every prefetch due by ``now``, in landing order."""
@@ -234,7 +259,13 @@ class Tiers:
             land, h = heapq.heappop(self._landing)
             if self.arrive.get(h) == land:
                 del self.arrive[h]
-                self.put(h)
+                if h in self._pin_wanted and len(self.pinned) < self.pin_cap:
+                    self.lru.pop(h, None)
+                    self.pinned.add(h)
+                    while self.lru and len(self.lru) + len(self.pinned) > self.cap:
+                        self.lru.pop(next(iter(self.lru)))
+                else:
+                    self.put(h)
 
     def in_flight(self, h: str, now: float) -> bool:
         self.settle(now)
@@ -242,14 +273,16 @@ class Tiers:
 
     def in_dram(self, h: str, now: float) -> bool:
         self.settle(now)
-        return h in self.lru
+        return h in self.lru or h in self.pinned
 
-    def prefetch(self, hashes: tuple[str, ...], now: float) -> None:
+    def prefetch(self, hashes: tuple[str, ...], now: float, pin: bool = False) -> None:
         start = max(now, self.disk_free_at)
         for i, h in enumerate(hashes):
             land = start + (i + 1) * self.disk_s
             self.arrive[h] = land
             heapq.heappush(self._landing, (land, h))
+        if pin:
+            self._pin_wanted.update(hashes)
         self.disk_free_at = start + len(hashes) * self.disk_s
 
 
@@ -267,12 +300,17 @@ class Env:
     per_seq_s: float = 0.0
     dram_chunks: int = 1500
     store_new_kv: bool = False
+    # the caller's side of the prefetch (what the engine does with the shadow's requests):
+    pin_prefetch: bool = False      # pin prefetched chunks until their turn's admission
+    pin_share: float = 0.75         # at most this share of DRAM pinned
+    wait_in_flight: bool = False    # at admission, wait for a chunk still being prefetched
+                                    # (else it is read from disk a second time)
 
 
 def replay(policy: Any, trace: list[Turn], model: StepTimeModel, kv: dict[str, float],
            shadow: ShadowScheduler | None = None, noise: float = 0.0,
            seed: int = 0, split_tail: bool = True, env: Env | None = None,
-           kv_capacity_tokens: int = 512 * 1024) -> dict[str, Any]:
+           kv_capacity_tokens: int = 512 * 1024, keep_turns: bool = False) -> dict[str, Any]:
     """Replay ``trace`` on one pod. A step's forward time is the fitted model's times a
     seeded mean-one lognormal factor (sigma ``noise``), and ``env``'s stalls and per-sequence
     cost: the shadow predicts from its own model, fitted online from those measured steps,
@@ -280,7 +318,8 @@ def replay(policy: Any, trace: list[Turn], model: StepTimeModel, kv: dict[str, f
     env = env or Env(noise=noise)
     noise = env.noise
     noise_rng = np.random.default_rng(seed)
-    tiers = Tiers(dram_chunks=env.dram_chunks, disk_s=kv["disk"])
+    tiers = Tiers(dram_chunks=env.dram_chunks, disk_s=kv["disk"], pin_share=env.pin_share)
+    pins: dict[str, tuple[str, ...]] = {}  # rid -> its pinned prefetched chunks
     views: dict[str, ReqView] = {}
     chunks = {x.rid: tuple(f"{x.rid}/{k}" for k in range(x.cached // CHUNK)) for x in trace}
     for x in trace:  # contexts start in DRAM or on disk
@@ -300,6 +339,7 @@ def replay(policy: Any, trace: list[Turn], model: StepTimeModel, kv: dict[str, f
     conf = {"tp": 0, "fp": 0, "fn": 0, "tn": 0, "fn_new_arrivals": 0}
     pf_chunks = pf_used = pf_alive = pf_landed = 0
     prefetched: dict[str, tuple[str, ...]] = {}
+    admitted_at: dict[str, float] = {}
     while len(done) < len(trace):
         while i < len(trace) and trace[i].arrival <= now:
             x = trace[i]
@@ -321,7 +361,7 @@ def replay(policy: Any, trace: list[Turn], model: StepTimeModel, kv: dict[str, f
                     p, a = rid in pred, rid in actual
                     conf["tp" if p and a else "fp" if p else "fn" if a else "tn"] += 1
                 conf["fn_new_arrivals"] += len(actual - set(waiting_then))
-            pending_pred = ({r for r, pr in res.predictions.items() if pr.offset == 1},
+            pending_pred = (res.window,
                             [w.req_id for w in s.waiting])
             step_no = len(forward)
             for rid in d.admit:  # score every earlier look-ahead prediction of this admission
@@ -335,7 +375,12 @@ def replay(policy: Any, trace: list[Turn], model: StepTimeModel, kv: dict[str, f
             for rid, pr in res.predictions.items():
                 pred_log.setdefault(rid, []).append((step_no, pr))
             for rid, hashes in res.prefetch:
-                tiers.prefetch(hashes, now)
+                if env.pin_prefetch:
+                    # pinned until admission, even when overtaken since (a turn once in
+                    # the N+1 window comes soon); chunks that find the pins full (``pin_share``
+                    # of DRAM) land unpinned, in the LRU
+                    pins[rid] = hashes
+                tiers.prefetch(hashes, now, pin=env.pin_prefetch)
                 prefetched[rid] = hashes
                 pf_chunks += len(hashes)
         else:
@@ -349,16 +394,25 @@ def replay(policy: Any, trace: list[Turn], model: StepTimeModel, kv: dict[str, f
             shadow.observe_step(d, s, fwd)
         load = 0.0
         for rid in d.admit:
+            admitted_at[rid] = now
             pf = set(prefetched.pop(rid, ()))
             for h in chunks[rid]:
                 landed = h in pf and not tiers.in_flight(h, now)
                 hit = tiers.in_dram(h, now)
-                load += kv["cpu"] if hit else kv["disk"]
+                waited = False
+                if not hit and env.wait_in_flight and h in pf:
+                    land = tiers.arrive.get(h)
+                    if land is not None:  # still on its way: wait for it, not a 2nd read
+                        waited = True
+                        load = max(load, land - now)
+                load += kv["cpu"] if hit or waited else kv["disk"]
                 if h in pf:
-                    pf_used += hit          # the prefetch saved a disk read
+                    pf_used += hit or waited    # the prefetch saved a disk read
                     pf_landed += landed
                     pf_alive += landed and hit  # landed, and not evicted since
                 tiers.put(h)
+            if rid in pins:  # restored: the pins' job is done
+                tiers.unpin(pins.pop(rid))
         if env.store_new_kv:  # LMCache stores each newly computed full chunk in DRAM
             comp = {r.req_id: r.computed for r in s.running + s.waiting}
             for rid, n in d.prefill:
@@ -392,6 +446,9 @@ def replay(policy: Any, trace: list[Turn], model: StepTimeModel, kv: dict[str, f
         "forward_s": {"p50": pct(forward, 50), "p95": pct(forward, 95)},
         "exposed_kv_s": {"p50": pct(exposed, 50), "p95": pct(exposed, 95)},
     }
+    if keep_turns:  # per-turn latencies (analysis, not written to the JSON)
+        out["turn_latency_s"] = dict(done)
+        out["turn_wait_s"] = {rid: admitted_at[rid] - arrival[rid] for rid in done}
     if shadow is not None:
         tp, fp, fn, tn = conf["tp"], conf["fp"], conf["fn"], conf["tn"]
         out["n_plus_1_prediction"] = {
@@ -418,24 +475,42 @@ def replay(policy: Any, trace: list[Turn], model: StepTimeModel, kv: dict[str, f
 
 STEP_TOKENS = 8192
 # Longcap + Dynamic Chunk settings, from the sweep (``--sweep``; see docs/scheduling.md).
-# ``context_cost`` is set from the calibration in ``main`` (c / b of the step-time model).
+# ``context_cost`` and ``attention_cost`` are set from the calibration in ``main`` (c / b and
+# d / b of the step-time model).
 LONGCAP = {"step_tokens": STEP_TOKENS, "short_tokens": 16384, "long_cap": 0.25,
            "min_chunk": 256, "max_long_running": 1, "long_chunk_max": 2048,
-           "short_step": 512, "short_order": "shortest", "split_overhead": 0.5}
+           "short_step": 256, "short_order": "cost", "split_overhead": 0.25,
+           "shorts_per_step": 1, "step_cost": 3072}
 
 
-def policies(lookahead: int, longcap: dict[str, Any]) -> dict[str, Any]:
+def cost_ratios(model: StepTimeModel) -> dict[str, float]:
+    """The policy's cost options from the fitted step-time model, in new-token units: the
+    context re-read per chunk (c / b: Dynamic Chunk's ``min_split``) and the attention pair
+    (d / b); with ``step_cost`` and the ``cost`` short order they rank and size turns by
+    their predicted seconds rather than their token counts."""
+    a, b, c, d = (float(v) for v in model.coef)
+    if b <= 0:
+        return {"context_cost": 0.0, "attention_cost": 0.0}
+    return {"context_cost": c / b, "attention_cost": d / b}
+
+
+def policies(lookahead: int, longcap: dict[str, Any], robust: float = 0.5) -> dict[str, Any]:
+    def shadow(**kw: Any) -> ShadowScheduler:
+        return ShadowScheduler(LongcapDynamic(**longcap), lookahead=lookahead,
+                               model=StepTimeModel(attention=True), **kw)
+
     return {
         "fcfs-nochunk": FcfsNoChunk(step_tokens=STEP_TOKENS),
         "fcfs-chunk": FcfsChunk(chunk_tokens=2048),
         "longcap-dynamic": LongcapDynamic(**longcap),
-        "longcap-dynamic+shadow": ShadowScheduler(LongcapDynamic(**longcap),
-                                                  lookahead=lookahead,
-                                                  model=StepTimeModel(attention=True)),
+        "longcap-dynamic+shadow": shadow(),
         # the look-ahead expecting arrivals (``ShadowScheduler(arrivals=True)``)
-        "longcap-dynamic+shadow-arrivals": ShadowScheduler(
-            LongcapDynamic(**longcap), lookahead=lookahead,
-            model=StepTimeModel(attention=True), arrivals=True),
+        "longcap-dynamic+shadow-arrivals": shadow(arrivals=True),
+        # the N+1 window only where no likely newcomer overtakes (``robust=``)
+        "longcap-dynamic+shadow-robust": shadow(robust=robust),
+        # the N+1 window is a plan: newcomers wait one step rather than overtake it
+        # (precision / recall are then 100% by construction; see docs/scheduling.md)
+        "longcap-dynamic+shadow-commit": shadow(commit=True),
     }
 
 
@@ -446,8 +521,9 @@ def ratios(base: dict[str, float], lc: dict[str, float]) -> dict[str, float]:
             "p95_ratio": lc["p95"] / base["p95"]}
 
 
-SWEEP = {"short_tokens": [4096, 16384], "short_step": [256, 512, 1024, 2048],
-         "short_order": ["shortest", "fcfs"], "split_overhead": [0.25, 0.5]}
+SWEEP = {"short_order": ["cost", "shortest"], "shorts_per_step": [0, 1],
+         "short_step": [256, 512, 2048], "step_cost": [0, 3072],
+         "split_overhead": [0.25, 0.5]}
 
 
 def sweep(trace: list[Turn], model: StepTimeModel, kv: dict[str, float],
@@ -508,15 +584,15 @@ def main(argv: list[str] | None = None) -> int:
                            c["d_s_per_attention_pair"]])
     kv = cal["kv_load_s_per_chunk"]
     env = Env(noise=args.noise, stall_prob=args.stall_prob, stall_factor=args.stall_factor,
-              per_seq_s=args.per_seq_s, dram_chunks=args.dram_chunks, store_new_kv=True)
+              per_seq_s=args.per_seq_s, dram_chunks=args.dram_chunks, store_new_kv=True,
+              pin_prefetch=args.pin, wait_in_flight=args.wait_in_flight)
     base_trace = make_trace(args.requests, 1.0, args.seed)
     rate = args.load / service_estimate(base_trace, model, env, args.split_tail)
     trace = make_trace(args.requests, rate, args.seed)
     # the context re-read per chunk in new-token units (c / b): Dynamic Chunk's min_split
-    longcap = {**LONGCAP, "context_cost": float(model.coef[2] / model.coef[1])
-               if model.coef[1] > 0 else 0.0}
+    longcap = {**LONGCAP, **cost_ratios(model)}
     results = {}
-    for name, pol in policies(args.lookahead, longcap).items():
+    for name, pol in policies(args.lookahead, longcap, args.robust).items():
         sh = pol if isinstance(pol, ShadowScheduler) else None
         if sh is not None:  # the shadow starts from the calibration, then fits online
             sh.model.coef = model.coef.copy()
@@ -541,6 +617,8 @@ def main(argv: list[str] | None = None) -> int:
         "longcap_config": longcap,
         "policies": results,
         "longcap_vs_fcfs_nochunk": ratios(b, lc),
+        "ratios_vs_fcfs_nochunk": {k: ratios(b, v["latency_s"]) for k, v in results.items()
+                                   if k != "fcfs-nochunk"},
         "seed_003": {"p50_speedup": 12.5, "p85_speedup": 11.1, "p95_ratio": 116.6 / 92.9,
                      "n1_accuracy": 0.9588, "n1_precision": 0.9124, "n1_recall": 0.9307,
                      "prefetch_consumption": 0.9919, "prefetch_survival": 0.9950},
@@ -557,14 +635,14 @@ def main(argv: list[str] | None = None) -> int:
                       **{name: {k: results[name].get(k) for k in
                                 ("n_plus_1_prediction", "prefetch", "exposed_kv_s",
                                  "forward_s")}
-                         for name in ("longcap-dynamic+shadow",
-                                      "longcap-dynamic+shadow-arrivals")},
+                         for name in results if "+shadow" in name},
                       "planner_speed": out["planner_speed"]}, indent=1))
     if args.sweep:
         for r in sorted(out["sweep"], key=lambda r: -min(r["p50_speedup"], r["p85_speedup"])):
             cfg = r["config"]
-            print(f"short={cfg['short_tokens']:5d} step={cfg['short_step']:4d} "
-                  f"{cfg['short_order']:8s} split_overhead={cfg['split_overhead']:.2f}  "
+            print(f"{cfg['short_order']:8s} per_step={cfg['shorts_per_step']} "
+                  f"step={cfg['short_step']:4d} step_cost={cfg['step_cost']:4.0f} "
+                  f"split_overhead={cfg['split_overhead']:.2f}  "
                   f"p50 x{r['p50_speedup']:.2f} p85 x{r['p85_speedup']:.2f} "
                   f"p95 {r['p95_ratio']:.2f}")
     return 0

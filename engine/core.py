@@ -692,7 +692,14 @@ class EngineCore:
         chunks that were found here already are not stored again)."""
         store = self.store
         assert store is not None
-        if not all_materialized(cache):  # never copied in (finished on token one)
+        if not all_materialized(cache) and req.kv_load is not None and req.kv_load.done():
+            # finished on token one: no forward touched the layers, but they are all in
+            try:
+                for layer in cache.layers:
+                    layer.materialize()
+            except LoadFailed:
+                return
+        if not all_materialized(cache):
             return
         tokens, salt = list(req.prompt_token_ids), req.cache_salt
         skip = req.reused_tokens // self.chunk_size

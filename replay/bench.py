@@ -34,12 +34,16 @@ from agentserving.core.cli import option
 CONFIGS = ("baseline", "agentserving", "baseline-apc")
 # agentserving's prefill-pod scheduling policy (measured: docs/replay.md)
 PREFILL_POLICY = "fcfs"
+# Decode pods prefill the short appends the proxy keeps off the prefill pod (conditional
+# disaggregation): small chunks, each followed by decode-only steps, so the turns decoding beside
+# them keep their pace (measured: docs/replay.md).
+DECODE_POD_ARGS = ["--prefill-chunk-tokens", "256", "--scheduler-policy", "fcfs?decode_steps=3"]
 
 
 def fleet_spec(config: str, *, prefill: int, decode: int, model: str, cpu_cache_gib: float,
                disk_cache_gib: float, worker_args: list[str], worker_env: dict[str, str],
                startup_timeout_s: float, worker_command: list[str] | None = None,
-               prefill_policy: str = "fcfs") -> Any:
+               prefill_policy: str = "fcfs", proxy_args: list[str] | None = None) -> Any:
     from agentserving.replay.fleet.topology import FleetSpec
 
     common = dict(model=model, worker_args=worker_args, worker_env=worker_env,
@@ -58,7 +62,9 @@ def fleet_spec(config: str, *, prefill: int, decode: int, model: str, cpu_cache_
         # engine's default FCFS, like stock vLLM.
         return FleetSpec(prefill=prefill, decode=decode, routing="kv-aware",
                          cpu_cache_gib=cpu_cache_gib, disk_cache_gib=disk_cache_gib,
-                         role_args={"prefill": ["--scheduler-policy", prefill_policy]},
+                         role_args={"prefill": ["--scheduler-policy", prefill_policy],
+                                    "decode": DECODE_POD_ARGS},
+                         proxy_args=list(proxy_args or []),
                          **common)
     raise click.BadParameter(f"unknown configuration {config!r}", param_hint="--configs")
 
@@ -115,9 +121,10 @@ def time_breakdown(workers: dict[str, dict[str, float]]) -> list[str]:
 def per_turn_breakdown(workers: dict[str, dict[str, float]], proxy: dict[str, float],
                        turns: int) -> dict[str, float]:
     """Where a turn's time went, per completed turn (summed over pods): the proxy's routing
-    decision in ms (kvindex lookup included), then seconds inside the pods that prefilled (queue +
-    compute), their prefill compute, and on pods that decoded: KV loaded or pulled, decode
-    compute, and decode compute per output token."""
+    decision in ms (kvindex lookup included), then seconds inside the prefill pods (queue +
+    compute), prefill compute wherever it ran, and on pods that decoded: KV loaded or pulled, decode
+    compute, and decode compute per output token; the share of turns prefilled on their decode pod
+    (conditional disaggregation)."""
     def total(key: str, roles: tuple[str, ...]) -> float:
         return sum(m.get(key, 0.0) for pod, m in workers.items() if pod.startswith(roles))
 
@@ -130,10 +137,13 @@ def per_turn_breakdown(workers: dict[str, dict[str, float]], proxy: dict[str, fl
             1.0, proxy.get("routing_seconds_count", 0.0)),
         "prefill_pod_s": total("request_seconds_sum", prefillers) / n if decoders[0] ==
         "decode" else total("ttft_seconds_sum", prefillers) / n,
-        "prefill_compute_s": total("prefill_seconds_sum", prefillers) / n,
+        "prefill_compute_s": total("prefill_seconds_sum", ("prefill", "worker", "decode")) / n,
         "kv_load_s": total("kv_load_seconds_sum", tuple({*prefillers, *decoders})) / n,
         "decode_compute_s": total("decode_seconds_sum", decoders) / n,
         "decode_per_token_s": total("decode_seconds_sum", decoders) / max(1.0, tokens),
+        "local_prefill_share": sum(v for k, v in proxy.items()
+                                   if k.startswith("routing_decisions_total") and
+                                   "stage=local" in k) / n,
     }
     return {k: round(v, 4) for k, v in out.items()}
 
@@ -199,6 +209,9 @@ def run_config(config: str, spec: Any, trace: Any, run_dir: Path, replay_opts: d
 @option("--worker-arg", "worker_args", multiple=True, help="Extra worker flag (repeatable).")
 @option("--prefill-policy", default=PREFILL_POLICY, show_default=True,
         help="agentserving: the prefill pods' --scheduler-policy (baselines: fcfs).")
+@option("--proxy-arg", "proxy_args", multiple=True,
+        help="agentserving: extra proxy flag (repeatable), e.g. --proxy-arg=--local-prefill-"
+             "tokens=0 to send every turn through P/D.")
 @option("--max-active-sessions", type=click.IntRange(min=1), default=None,
         help="At most N sessions in flight.")
 @option("--mooncake-block-tokens", type=click.IntRange(1, 512), default=256,
@@ -219,7 +232,7 @@ def run_config(config: str, spec: Any, trace: Any, run_dir: Path, replay_opts: d
 def command(workload: str, limit: int | None, rate: float | None, time_scale: float,
             prefill: int, decode: int, configs: str, model: str, cpu_cache_gib: float,
             disk_cache_gib: float, torch_threads: int, worker_args: tuple[str, ...],
-            prefill_policy: str,
+            prefill_policy: str, proxy_args: tuple[str, ...],
             max_active_sessions: int | None, mooncake_block_tokens: int,
             mooncake_max_requests: int | None, mooncake_max_input: int | None,
             mooncake_max_output: int, startup_timeout_s: float, run_dir: Path | None,
@@ -262,6 +275,7 @@ def command(workload: str, limit: int | None, rate: float | None, time_scale: fl
                           cpu_cache_gib=cpu_cache_gib, disk_cache_gib=disk_cache_gib,
                           worker_args=list(worker_args), worker_env=worker_env,
                           startup_timeout_s=startup_timeout_s, prefill_policy=prefill_policy,
+                          proxy_args=list(proxy_args),
                           worker_command=shlex.split(worker_command) if worker_command else None)
         summaries[name] = run_config(name, spec, trace, run_dir, replay_opts, click.echo)
     report = build_report(summaries, workload={"spec": workload, **stats},
@@ -272,6 +286,7 @@ def command(workload: str, limit: int | None, rate: float | None, time_scale: fl
                                     "disk_cache_gib": disk_cache_gib,
                                     "torch_threads": torch_threads, "rate": rate,
                                     "prefill_policy": prefill_policy,
+                                    "proxy_args": list(proxy_args),
                                     "time_scale": time_scale},
                           created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                           duration_s=round(time.monotonic() - started, 1))

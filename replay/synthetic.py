@@ -264,7 +264,7 @@ def bench_small_preset(sessions: int = 14, seed: int = 2) -> SyntheticConfig:
     )
 
 
-def bench_agent_preset(sessions: int = 8, seed: int = 1) -> SyntheticConfig:
+def bench_agent_preset(sessions: int = 12, seed: int = 1) -> SyntheticConfig:
     """The main job's workload: windows of long coding-agent runs, token counts scaled 1/25.
 
     TraceLab's public pool of real Claude Code / Codex sessions (357k agent steps) averages,

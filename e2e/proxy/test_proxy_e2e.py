@@ -120,6 +120,34 @@ def test_prefill_decode_disaggregation_matches_one_pod(fleet):
     assert chunk_hashes_of(split) == chunk_hashes_of(single)
 
 
+def test_short_appends_prefill_on_the_sessions_decode_pod(fleet):
+    """Conditional disaggregation: turn 1 goes P/D; a 100-token append runs whole on the decode
+    pod that holds the session (its prefix cached there); a 2200-token append (over the
+    proxy's default 2048) goes P/D again.
+    Every answer matches the same prompt served by one pod."""
+    pd, single = client(fleet.proxy_pd), client(fleet.proxy_kv)
+    prompt = prompt_for(40, 600)
+    paths, cached = [], []
+    for k, grow in enumerate((100, 2200)):
+        resp, headers = turn(pd, "cond-pd", prompt)
+        paths.append((headers["x-agentserving-pd"], headers["x-agentserving-prefill-pod"],
+                      headers["x-agentserving-decode-pod"]))
+        cached.append(resp.usage.prompt_tokens_details.cached_tokens)
+        ref, _ = turn(single, f"cond-ref-{k}", prompt)
+        assert resp.choices[0].text == ref.choices[0].text
+        assert chunk_hashes_of(resp) == chunk_hashes_of(ref)
+        prompt = prompt + list(range(100, 104)) + prompt_for(41 + k, grow)
+    resp, headers = turn(pd, "cond-pd", prompt)
+    paths.append((headers["x-agentserving-pd"], headers["x-agentserving-prefill-pod"],
+                  headers["x-agentserving-decode-pod"]))
+    assert paths[0][0] == "disaggregated" and paths[0][1] in ("w0", "w1")
+    assert paths[1] == ("local", "d0", "d0"), paths
+    assert paths[2][0] == "disaggregated" and paths[2][1] in ("w0", "w1"), paths
+    assert cached[1] == 512  # the decode pod's own copy of turn 1's two full chunks
+    metrics = httpx.get(fleet.proxy_pd.url + "/metrics").text
+    assert 'stage="local"' in metrics
+
+
 def test_fork_shares_the_parents_kv(fleet):
     c = client(fleet.proxy_kv)
     base = prompt_for(5, 800)

@@ -66,8 +66,14 @@ def test_bench_wiring_with_a_stand_in_worker(tmp_path):
     assert report["checks"]["failed_turns"]["ok"]
     recs = [json.loads(line) for line in
             (run_dir / "agentserving" / "turns.jsonl").read_text().splitlines()]
-    assert {r["prefill_pod"] for r in recs} == {"prefill-0"}
     assert {r["decode_pod"] for r in recs} <= {"decode-0", "decode-1"}
+    # first turns go P/D; short appends run whole on the session's decode pod
+    paths = {r["routing"]["x-agentserving-pd"] for r in recs}
+    assert paths == {"disaggregated", "local"}
+    for r in recs:
+        local = r["routing"]["x-agentserving-pd"] == "local"
+        assert r["prefill_pod"] == (r["decode_pod"] if local else "prefill-0")
+        assert not (local and r["turn"] == 0 and r["parent_session_id"] is None)
     base_recs = [json.loads(line) for line in
                  (run_dir / "baseline" / "turns.jsonl").read_text().splitlines()]
     assert len({r["prefill_pod"] for r in base_recs}) == 3  # round-robin over 3 workers

@@ -127,6 +127,19 @@ def test_next_turn_pulls_only_the_new_suffix_and_equals_single_pod(pods):
     _wait_resident(d, kvp["chunk_hashes"])
 
 
+def test_a_turn_done_on_its_first_token_still_keeps_the_pulled_kv(pods):
+    """A one-token answer never runs a forward pass on the decode pod; its pulled KV is kept
+    all the same, so the session's next turn finds it there (the proxy may send that turn to
+    this pod alone)."""
+    p, d = pods
+    ids = prompt(700, seed=220)
+    _, out = _disaggregated(p, d, {"prompt": ids, "max_tokens": 1})
+    assert out["usage"]["completion_tokens"] == 1
+    _wait_resident(d, out["kv_transfer_params"]["chunk_hashes"])
+    again = d.complete(prompt=ids + prompt(50, seed=221), max_tokens=2)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 512
+
+
 def test_unclaimed_pin_expires_and_decode_recomputes(pods):
     p, d = pods
     ids = prompt(500, seed=202)

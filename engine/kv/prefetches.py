@@ -65,10 +65,12 @@ class PrefetchRegistry:
         self._keep = keep
 
     def start(self, wire_hashes: Sequence[str], lookup_id: str | None, key_of: KeyOf,
-              tier_of: TierOf, load: Callable[[PrefetchStatus, list[Any]], None] | None
-              ) -> PrefetchStatus:
+              tier_of: TierOf, load: Callable[[PrefetchStatus, list[Any]], None] | None,
+              on_queued: Callable[[list[Any]], None] | None = None) -> PrefetchStatus:
         """Record the prefetch and hand its disk-only keys to ``load`` (None: nothing can be
-        loaded, e.g. no DRAM tier); returns at once."""
+        loaded, e.g. no DRAM tier); returns at once. ``on_queued(keys)`` runs before that, on
+        the caller's thread, so a reader arriving right after this returns already sees the
+        keys as in flight."""
         to_load, in_cpu, missing = sort_for_prefetch(wire_hashes, key_of, tier_of)
         status = PrefetchStatus(lookup_id or f"prefetch-{uuid.uuid4().hex[:12]}",
                                 len(wire_hashes), in_cpu, len(to_load), missing)
@@ -77,7 +79,12 @@ class PrefetchRegistry:
             while len(self._statuses) > self._keep:
                 self._statuses.popitem(last=False)
         if to_load and load is not None:
-            self._pool.submit(load, status, to_load)
+            if on_queued is not None:
+                on_queued(to_load)
+            try:
+                self._pool.submit(load, status, to_load)
+            except RuntimeError as exc:  # shut down: the status says so, nothing runs
+                status.state, status.error, status.finished_at = "failed", repr(exc), time.time()
         else:
             status.state, status.finished_at = "done", time.time()
         return status

@@ -21,7 +21,12 @@ Contract (what the engine and the memory API rely on):
 - ``prefetch(hashes)`` loads disk-only chunks into DRAM in the background and registers each
   in ``LocalCPUBackend``'s hot cache, so the next lookup hits DRAM without touching disk
   (seed 000 §5.1). Pins are taken only on the disk backend, for the chunks being read, and
-  released only there (selective unpin, §5.2).
+  released only there (selective unpin, §5.2). A fetch of a chunk whose prefetch is still in
+  flight (a late prefetch: the ShadowScheduler's N+1 guess came true sooner than the read)
+  waits for that read, up to ``prefetch_wait_s``, instead of reading the same file a second
+  time beside it; a prefetch still queued behind others (not reading yet), one that failed
+  or one later than that leaves the chunk on disk, and the fetch reads and verifies it
+  itself.
 - ``evict(hashes, backends)`` removes chunks from the named backends (all when None);
   unknown hashes are reported as missing, never as errors.
 - ``residency()`` is what each tier holds right now, read from LMCache's own indexes, so
@@ -73,6 +78,7 @@ class KVStoreConfig:
     disk_gib: float = 0.0
     verify_cpu: bool = False
     instance_id: str = "engine-0"
+    prefetch_wait_s: float = 2.0  # longest a fetch waits for a chunk's in-flight prefetch
 
 
 @dataclasses.dataclass
@@ -112,6 +118,9 @@ class KVStoreStats:
     prefetched_chunks: int = 0
     evicted_chunks: int = 0
     stored_chunks: int = 0
+    prefetch_waits: int = 0  # fetches that found one of their chunks' prefetch in flight
+    prefetch_wait_seconds: float = 0.0
+    prefetch_late: int = 0  # ... and stopped waiting for it (read the disk themselves)
 
 
 SHORT_FILE = object()  # a disk chunk whose file is not the size written: corrupt
@@ -162,6 +171,9 @@ class KVStore:
         self._absent_once: set[int] = set()
         self._storing: set[int] = set()  # chunks inside a store() call right now
         self._prefetches = PrefetchRegistry("kv-prefetch")
+        # chunk int -> [set when its prefetch's read ends, whether that read has started]
+        self._inflight: dict[int, list[Any]] = {}
+        self._inflight_lock = threading.Lock()
         self.stats = KVStoreStats()
 
     @property
@@ -252,6 +264,7 @@ class KVStore:
         ``FetchedPrefix``). With ``paged`` (a ``PagedKV``), they are also copied into its
         blocks (all layers per chunk, one kernel launch) and released at once."""
         t0 = time.perf_counter()
+        self._await_prefetches(ints)
         tiers = self.lookup(ints)
         n = len(tiers)
         result = FetchedPrefix([], 0, {})
@@ -438,19 +451,75 @@ class KVStore:
     # ------------------------------------------------------------------ prefetch
     def prefetch(self, wire_hashes: Sequence[str], lookup_id: str | None) -> PrefetchStatus:
         """Start loading the disk-only chunks among ``wire_hashes`` into DRAM; returns at once."""
-        return self._prefetches.start(wire_hashes, lookup_id, self.keys.key_of, self.tier_of,
-                                      self._prefetch_run)
+        status = self._prefetches.start(wire_hashes, lookup_id, self.keys.key_of, self.tier_of,
+                                        self._prefetch_run, on_queued=self._mark_inflight)
+        if status.state == "failed":  # never queued (closing): nothing will end its reads
+            self._end_inflight(k for w in wire_hashes if (k := self.keys.key_of(w)) is not None)
+        return status
 
     def prefetch_status(self, lookup_id: str) -> PrefetchStatus | None:
         return self._prefetches.get(lookup_id)
 
+    def _mark_inflight(self, keys: list[Any]) -> None:
+        with self._inflight_lock:
+            for key in keys:
+                self._inflight.setdefault(key.chunk_hash, [threading.Event(), False])
+
+    def _start_inflight(self, keys: Iterable[Any]) -> None:
+        with self._inflight_lock:
+            for key in keys:
+                entry = self._inflight.get(key.chunk_hash)
+                if entry is not None:
+                    entry[1] = True
+
+    def _end_inflight(self, keys: Iterable[Any]) -> None:
+        with self._inflight_lock:
+            entries = [self._inflight.pop(k.chunk_hash, None) for k in keys]
+        for entry in entries:
+            if entry is not None:
+                entry[0].set()
+
+    def _await_prefetches(self, ints: Sequence[int]) -> None:
+        """Wait (bounded) for the prefetch reads already under way of any of ``ints``'
+        chunks: they land in DRAM, where the lookup that follows finds them. A prefetch still
+        queued is not waited for: reading the chunk here is sooner (and that prefetch then
+        finds it in DRAM and skips it)."""
+        with self._inflight_lock:
+            if not self._inflight:
+                return
+            events = [e[0] for v in ints if (e := self._inflight.get(v)) is not None and e[1]]
+        if not events:
+            return
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.config.prefetch_wait_s
+        late = False
+        for ev in events:
+            if not ev.wait(max(0.0, deadline - time.monotonic())):
+                late = True
+                break
+        self.stats.prefetch_waits += 1
+        self.stats.prefetch_late += late
+        self.stats.prefetch_wait_seconds += time.perf_counter() - t0
+
     def _prefetch_run(self, status: PrefetchStatus, keys: list[Any]) -> None:
         assert self.disk is not None
-        pinned = [k for k in keys if self.disk.pin(k)]  # pins only where the data is read
+        # a chunk another prefetch (or a fetch's write-back) brought to DRAM meanwhile is
+        # not read again
+        todo = [k for k in keys if not self.cpu.contains(k)]
+        skipped = len(keys) - len(todo)
+        status.loaded += skipped  # in DRAM: what the prefetch was for
+        pinned = [k for k in todo if self.disk.pin(k)]  # pins only where the data is read
+        reading = set(pinned)
+        self._end_inflight(k for k in keys if k not in reading)
         try:
             for lo in range(0, len(pinned), self._disk_batch):
-                self._prefetch_batch(status, pinned[lo: lo + self._disk_batch])
-            self.stats.prefetched_chunks += status.loaded
+                batch = pinned[lo: lo + self._disk_batch]
+                self._start_inflight(batch)
+                try:
+                    self._prefetch_batch(status, batch)
+                finally:
+                    self._end_inflight(batch)
+            self.stats.prefetched_chunks += status.loaded - skipped
             status.state = "done"
         except Exception as exc:  # noqa: BLE001 - reported through the status endpoint
             status.state, status.error = "failed", repr(exc)
@@ -458,6 +527,7 @@ class KVStore:
         finally:
             for key in pinned:  # selective unpin: only the backend that took the pin
                 self.disk.unpin(key)
+            self._end_inflight(keys)
             status.finished_at = time.time()
 
     def _prefetch_batch(self, status: PrefetchStatus, pinned: list[Any]) -> None:

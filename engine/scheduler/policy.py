@@ -71,29 +71,44 @@ class FcfsPolicy:
     Each step: every decoding request decodes one token, and the oldest request with prompt
     tokens left (one already prefilling first, else the head of the queue if there is room)
     prefills up to ``chunk_tokens`` of them.
+
+    ``decode_steps`` (k >= 1) is for pods that mostly decode but prefill some turns themselves
+    (decode pods under the proxy's conditional disaggregation): while requests are decoding,
+    each step that prefills is followed by k - 1 decode-only steps. A step with a chunk costs
+    the decoding requests the chunk's whole compute for one token; with k steps per chunk they
+    get k tokens for it, and the prefill waits k - 1 cheap decode steps per chunk.
     """
 
     name = "fcfs"
 
-    def __init__(self, chunk_tokens: int = 512) -> None:
+    def __init__(self, chunk_tokens: int = 512, decode_steps: int = 1) -> None:
+        if decode_steps < 1:
+            raise ValueError("decode_steps must be at least 1")
         self.chunk_tokens = chunk_tokens
+        self.decode_steps = decode_steps
+        self._decode_only = 0  # decode-only steps still owed after the last prefilling step
 
     def schedule(self, waiting: Sequence[EngineRequest], running: Sequence[EngineRequest],
                  ctx: SchedulerContext) -> StepPlan:
         plan = StepPlan(decode=[r for r in running if r.state is RequestState.DECODING])
+        if plan.decode and self._decode_only > 0:
+            self._decode_only -= 1
+            return plan
         prefilling = [r for r in running if r.state is RequestState.PREFILLING]
         if prefilling:
             target = min(prefilling, key=lambda r: r.arrival_time)
             plan.prefill.append(PrefillWork(target, self.chunk_tokens))
         elif waiting and len(running) < ctx.max_running:
             plan.prefill.append(PrefillWork(waiting[0], self.chunk_tokens))
+        self._decode_only = self.decode_steps - 1 if plan.prefill else 0
         return plan
 
 
 PolicyFactory = Callable[..., SchedulerPolicy]  # (chunk_tokens, **options) -> policy
 
 POLICIES: dict[str, PolicyFactory] = {
-    "fcfs": lambda chunk_tokens, **_opts: FcfsPolicy(chunk_tokens),
+    "fcfs": lambda chunk_tokens, decode_steps="1", **_opts: FcfsPolicy(
+        chunk_tokens, int(decode_steps)),
 }
 
 # Policies that live with the prefill role (services/prefill), loaded on first use:

@@ -130,6 +130,35 @@ def test_fcfs_interleaves_decodes_and_queues_beyond_max_running(engine_factory):
                       FcfsPolicy)
 
 
+def test_decode_steps_interleave_decode_only_steps_between_prefill_chunks(engine_factory):
+    """fcfs?decode_steps=3 on the real engine: while one request decodes, a prefilling one gets
+    a chunk every third step, and both still come out identical to running alone."""
+    alone = run(engine_factory(), request("b", prompt(1100, seed=31), max_tokens=3))
+    parts = engine_factory()
+    core = parts.core
+    core.policy = make_policy("fcfs?decode_steps=3", 256)
+    core.add(request("a", prompt(300, seed=30), max_tokens=12))
+    while not any(r.output_token_ids for r in core.running):  # "a" is decoding
+        core.step()
+        core.run_deferred()
+    core.add(request("b", prompt(1100, seed=31), max_tokens=3))
+    kinds, b_tokens = [], []
+    while core.has_work():
+        b = next((r for r in [*core.running, *core.waiting] if r.req_id == "b"), None)
+        before = b.num_computed if b is not None else 0
+        decoding = any(r.req_id == "a" for r in core.running)
+        outs = core.step()
+        core.run_deferred()
+        b_tokens += [t.token_id for o in outs if o.req_id == "b" for t in o.tokens]
+        if decoding and b is not None:
+            kinds.append("P" if b.num_computed > before else "D")
+    assert "PDDP" in "".join(kinds), kinds  # a chunk, two decode-only steps, a chunk
+    assert "PP" not in "".join(kinds) and "PD" in "".join(kinds)
+    assert b_tokens == alone["tokens"]
+    with __import__("pytest").raises(ValueError):
+        make_policy("fcfs?decode_steps=0", 256)
+
+
 def test_seeded_sampling_is_reproducible_with_reuse(engine_factory):
     parts = engine_factory()
     ids = prompt(600, seed=8)

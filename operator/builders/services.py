@@ -113,6 +113,8 @@ def build_proxy(inst: Instance, image: str, kvindex_url: str) -> list[dict[str, 
         "readinessProbe": http_probe("/readyz", "http", period=5),
         "livenessProbe": http_probe("/healthz", "http", period=10),
     }
+    if proxy.get("localPrefillTokens") is not None:
+        container["command"] += ["--local-prefill-tokens", str(proxy["localPrefillTokens"])]
     if proxy.get("resources"):
         container["resources"] = dict(proxy["resources"])
     return [_deployment(inst, "proxy", proxy["replicas"], container),

@@ -27,18 +27,21 @@ def test_the_two_configurations():
         fleet_spec("other", **kw)
 
 
-def test_only_agentserving_prefill_pods_get_the_prefill_policy(tmp_path):
+def test_each_role_of_agentserving_gets_its_own_worker_and_proxy_flags(tmp_path):
+    from agentserving.replay.bench import DECODE_POD_ARGS
     from agentserving.replay.fleet.topology import build
 
     kw = dict(prefill=1, decode=2, model="tiny", cpu_cache_gib=2.0, disk_cache_gib=0.0,
               worker_args=["--x"], worker_env={}, startup_timeout_s=60,
-              prefill_policy="longcap-dynamic")
+              prefill_policy="longcap-dynamic", proxy_args=["--local-prefill-tokens=0"])
     argv = {p.name: p.argv for p in build(fleet_spec("agentserving", **kw), tmp_path)}
     assert argv["prefill-0"][-3:] == ["--x", "--scheduler-policy", "longcap-dynamic"]
-    for name in ("decode-0", "decode-1"):
-        assert "--scheduler-policy" not in argv[name] and argv[name][-1] == "--x"
+    for name in ("decode-0", "decode-1"):  # they prefill short appends: decode-first steps
+        assert argv[name][-len(DECODE_POD_ARGS) - 1:] == ["--x", *DECODE_POD_ARGS]
+    assert argv["proxy"][-1] == "--local-prefill-tokens=0"
     base = build(fleet_spec("baseline", **kw), tmp_path)
     assert not any("--scheduler-policy" in p.argv for p in base)  # the engine's fcfs
+    assert not any("--local-prefill-tokens=0" in p.argv for p in base)
 
 
 def test_worker_metrics_are_scraped_and_summarised():
@@ -79,11 +82,14 @@ def test_per_turn_breakdown_splits_pd_and_colocated_time():
         {"prefill-0": {"request_seconds_sum": 4.0, "prefill_seconds_sum": 2.0,
                        "kv_load_seconds_sum": 1.0},
          "decode-0": {"kv_load_seconds_sum": 1.0, "decode_seconds_sum": 3.0,
-                      "completion_tokens_total": 30},
+                      "completion_tokens_total": 30, "prefill_seconds_sum": 0.4},
          "decode-1": {"decode_seconds_sum": 1.0, "completion_tokens_total": 10}},
-        {"routing_seconds_sum": 0.002, "routing_seconds_count": 4}, turns=4)
-    assert pd == {"proxy_routing_ms": 0.5, "prefill_pod_s": 1.0, "prefill_compute_s": 0.5,
-                  "kv_load_s": 0.5, "decode_compute_s": 1.0, "decode_per_token_s": 0.1}
+        {"routing_seconds_sum": 0.002, "routing_seconds_count": 4,
+         "routing_decisions_total{pod=decode-0,policy=kv-aware,stage=local}": 1.0,
+         "routing_decisions_total{pod=prefill-0,policy=kv-aware,stage=prefill}": 3.0}, turns=4)
+    assert pd == {"proxy_routing_ms": 0.5, "prefill_pod_s": 1.0, "prefill_compute_s": 0.6,
+                  "kv_load_s": 0.5, "decode_compute_s": 1.0, "decode_per_token_s": 0.1,
+                  "local_prefill_share": 0.25}
     both = per_turn_breakdown(
         {"worker-0": {"ttft_seconds_sum": 6.0, "request_seconds_sum": 9.0,
                       "prefill_seconds_sum": 5.0, "decode_seconds_sum": 2.0,

@@ -98,12 +98,13 @@ class EnginePolicy:
 
 ENGINE_POLICIES = ("fcfs-nochunk", "fcfs-chunk", "longcap-dynamic", "shadow")
 _INT_OPTS = {"step_tokens", "short_tokens", "min_chunk", "max_long_running", "chunk_align",
-             "long_chunk_max", "short_step",
+             "long_chunk_max", "short_step", "shorts_per_step",
              "lookahead", "prefetch_window", "kv_capacity_tokens", "block_size",
              "chunk_tokens"}
 
 
-_FLOAT_OPTS = {"long_cap", "context_cost", "split_overhead"}
+_FLOAT_OPTS = {"long_cap", "context_cost", "split_overhead", "attention_cost", "step_cost",
+               "robust"}
 
 
 def make_engine_policy(name: str, chunk_tokens: int, **options: Any) -> EnginePolicy:
@@ -114,6 +115,8 @@ def make_engine_policy(name: str, chunk_tokens: int, **options: Any) -> EnginePo
             for k, v in options.items()}
     lookahead = opts.pop("lookahead", 5 if name == "shadow" else 0)
     window = opts.pop("prefetch_window", 1)
+    shadow_kw = {"robust": opts.pop("robust", 0.0),
+                 "commit": str(opts.pop("commit", "0")).lower() in ("1", "true", "yes")}
     engine_kw = {k: opts.pop(k) for k in ("kv_capacity_tokens", "block_size") if k in opts}
     base = opts.pop("base", "longcap-dynamic") if name == "shadow" else name
     if base == "fcfs-chunk":
@@ -123,5 +126,5 @@ def make_engine_policy(name: str, chunk_tokens: int, **options: Any) -> EnginePo
     if base == "longcap-dynamic":
         opts.setdefault("min_chunk", chunk_tokens)
     policy = build_policy(base, **opts)
-    shadow = ShadowScheduler(policy, lookahead, window) if lookahead else None
+    shadow = ShadowScheduler(policy, lookahead, window, **shadow_kw) if lookahead else None
     return EnginePolicy(policy, shadow=shadow, **engine_kw)

@@ -148,6 +148,9 @@ def nonneg_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 class Prediction:
     offset: int        # predicted admission at step N + offset
     eta_s: float       # predicted seconds from now until that step starts
+    # the estimated chance that no arrival during step N overtakes it (offset 1 with
+    # ``robust`` on; 1.0 otherwise)
+    p_admit: float = 1.0
 
 
 @dataclasses.dataclass
@@ -155,6 +158,9 @@ class ShadowResult:
     decision: Decision
     predictions: dict[str, Prediction]
     prefetch: list[tuple[str, tuple[str, ...]]]  # (req_id, disk chunk hashes) to start now
+    # the requests predicted for admission within ``prefetch_window`` steps (the N+1 window
+    # by default): the prediction the prefetch acts on, and the one the bench scores
+    window: frozenset[str] = frozenset()
 
 
 class ShadowScheduler:
@@ -164,13 +170,28 @@ class ShadowScheduler:
     arrivals (a phantom request once the running expectation reaches one half) of the
     recent arrivals' median remaining length. Without it a turn the policy would let a
     newcomer overtake (``longcap-dynamic`` with ``short_order=shortest``) is predicted as if
-    nobody came: the N+1 window's precision drops. Phantoms are never reported."""
+    nobody came: the N+1 window's precision drops. Phantoms are never reported.
+
+    ``robust=θ`` (0: off) puts a request in the N+1 window only if it is likely to survive
+    the arrivals of step N: the deterministic look-ahead assumes nobody comes, but under a
+    shortest- or cheapest-first order any newcomer the policy would rank ahead takes the
+    slot. The shadow keeps snapshots of the recent arrivals (the arrival process's sizes),
+    asks the policy, once per sample, which requests it would still admit at N+1 if that
+    arrival had come (``robust_samples`` samples, spread over the recent arrivals' sizes),
+    and estimates the chance that none of the Poisson arrivals of step N (rate from the
+    recent arrivals, duration from the step-time model) overtakes the request:
+    ``p = exp(-rate * step_s * share_that_overtakes)``. Only requests with ``p >= θ`` enter
+    the window (and are prefetched); the others are prefetched on a later step when their
+    admission is likely. The prediction stays a prediction: the decision is the policy's."""
 
     def __init__(self, policy: PurePolicy, lookahead: int = 5, prefetch_window: int = 1,
                  model: StepTimeModel | None = None, arrivals: bool = False,
-                 arrival_window: int = 64) -> None:
+                 arrival_window: int = 64, robust: float = 0.0,
+                 robust_samples: int = 8, commit: bool = False) -> None:
         if lookahead < 1 or not 1 <= prefetch_window <= lookahead:
             raise ValueError("need 1 <= prefetch_window <= lookahead")
+        if not 0.0 <= robust < 1.0 or robust_samples < 1:
+            raise ValueError("need 0 <= robust < 1 and robust_samples >= 1")
         self.policy = policy
         self.name = f"shadow({policy.name})"
         self.chunk_align = policy.chunk_align
@@ -180,15 +201,21 @@ class ShadowScheduler:
         self.prefetched: set[str] = set()
         self.last: dict[str, Prediction] = {}
         self.arrivals = arrivals
+        self.robust = robust
+        self.robust_samples = robust_samples
+        self.commit = commit
+        self._window: frozenset[str] = frozenset()   # the last step's N+1 window
+        self._known: frozenset[str] = frozenset()    # ids waiting at the last step
         self._seen: set[str] = set()
-        self._recent: collections.deque[tuple[float, int]] = collections.deque(
+        # (arrival time, remaining tokens, the request as it arrived) of recent arrivals
+        self._recent: collections.deque[tuple[float, int, ReqView]] = collections.deque(
             maxlen=max(2, arrival_window))
 
     def _note_arrivals(self, state: SchedState, decision: Decision) -> None:
         for w in state.waiting:
             if w.req_id not in self._seen:
                 self._seen.add(w.req_id)
-                self._recent.append((w.arrival, w.remaining))
+                self._recent.append((w.arrival, w.remaining, w))
         self._seen.difference_update(decision.admit)
 
     def arrival_rate(self) -> float:
@@ -203,13 +230,20 @@ class ShadowScheduler:
 
     def step(self, state: SchedState) -> ShadowResult:
         decision = self.policy.decide(state)
-        if self.arrivals:
+        if self.commit:
+            decision = self._keep_commitments(state, decision)
+        if self.arrivals or self.robust:
             self._note_arrivals(state, decision)
         predictions = self.look_ahead(state, decision)
+        if self.robust:
+            predictions = self._with_survival(state, decision, predictions)
+        window = frozenset(rid for rid, pred in predictions.items()
+                           if pred.offset <= self.prefetch_window
+                           and pred.p_admit >= self.robust)
         waiting = {w.req_id: w for w in state.waiting}
         prefetch = []
-        for rid, pred in predictions.items():
-            if pred.offset <= self.prefetch_window and rid not in self.prefetched:
+        for rid in predictions:  # (in prediction order: the caller's I/O order)
+            if rid in window and rid not in self.prefetched:
                 w = waiting[rid]
                 self.prefetched.add(rid)
                 if w.disk_chunks:
@@ -217,7 +251,56 @@ class ShadowScheduler:
         # requests admitted now no longer need their bookkeeping
         self.prefetched.difference_update(decision.admit)
         self.last = predictions
-        return ShadowResult(decision, predictions, prefetch)
+        if self.commit:
+            self._window = window
+            self._known = frozenset(waiting)
+        return ShadowResult(decision, predictions, prefetch, window)
+
+    def _keep_commitments(self, state: SchedState, decision: Decision) -> Decision:
+        """With ``commit``: the requests of the last step's N+1 window (their prefetch is
+        under way) are admitted now, as predicted. A newcomer that arrived during the last
+        step and would take one's place waits one step: the decision is the policy's on the
+        queue without the newcomers (the state the look-ahead saw, so it admits the window;
+        if it does not, the policy's own decision stands)."""
+        waiting = {w.req_id for w in state.waiting}
+        owed = (self._window & waiting) - set(decision.admit)
+        if not owed:
+            return decision
+        held = dataclasses.replace(state, waiting=tuple(
+            w for w in state.waiting if w.req_id in self._known))
+        kept = self.policy.decide(held)
+        return kept if owed <= set(kept.admit) else decision
+
+    def arrival_samples(self) -> list[ReqView]:
+        """Up to ``robust_samples`` recent arrivals, evenly spread over their sizes."""
+        views = sorted((v for _, _, v in self._recent), key=lambda v: (v.remaining, v.computed))
+        k = min(self.robust_samples, len(views))
+        return [views[(2 * i + 1) * len(views) // (2 * k)] for i in range(k)]
+
+    def _with_survival(self, state: SchedState, decision: Decision,
+                       predictions: dict[str, Prediction]) -> dict[str, Prediction]:
+        """``predictions`` with ``p_admit`` set on the N+1 ones (see the class docstring)."""
+        first = [rid for rid, p in predictions.items() if p.offset == 1]
+        rate = self.arrival_rate()
+        if not first or rate <= 0:
+            return predictions
+        s1 = advance(state, decision)
+        samples = self.arrival_samples()
+        overtaken = dict.fromkeys(first, 0)
+        for i, v in enumerate(samples):
+            phantom = dataclasses.replace(v, req_id=f"{PHANTOM}s{i}", arrival=float("inf"),
+                                          running=False)
+            admitted = set(self.policy.decide(
+                dataclasses.replace(s1, waiting=s1.waiting + (phantom,))).admit)
+            for rid in first:
+                overtaken[rid] += rid not in admitted
+        step_s = max(0.0, self.model.predict_step(decision, state))
+        out = dict(predictions)
+        for rid in first:
+            share = overtaken[rid] / len(samples)
+            out[rid] = dataclasses.replace(predictions[rid],
+                                           p_admit=float(np.exp(-rate * step_s * share)))
+        return out
 
     def look_ahead(self, state: SchedState, decision: Decision) -> dict[str, Prediction]:
         out: dict[str, Prediction] = {}
@@ -226,7 +309,7 @@ class ShadowScheduler:
             return out  # nothing left waiting: nothing to predict (or to fit the model for)
         eta = self.model.predict_step(decision, state)
         rate = self.arrival_rate() if self.arrivals else 0.0
-        size = int(np.median([n for _, n in self._recent])) if rate else 0
+        size = int(np.median([n for _, n, _ in self._recent])) if rate else 0
         expected, step_s, phantoms = 0.0, eta, 0
         for k in range(1, self.lookahead + 1):
             if not s.waiting:

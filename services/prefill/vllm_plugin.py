@@ -124,7 +124,8 @@ def policy_from_env(default: str) -> PurePolicy:
     opts: dict[str, Any] = {}
     for k, v in urllib.parse.parse_qsl(query):
         opts[k] = (int(v) if v.lstrip("-").isdigit() else
-                   float(v) if k in ("long_cap", "context_cost", "split_overhead") else v)
+                   float(v) if k in ("long_cap", "context_cost", "split_overhead",
+                                     "attention_cost", "step_cost") else v)
     return build_policy(name, **opts)
 
 

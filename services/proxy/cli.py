@@ -38,6 +38,13 @@ from agentserving.proxy.settings import ProxySettings, RoutingName
         help="kv-aware: cached tokens worth giving up to avoid one more in-flight turn.")
 @option("--chunk-size", type=click.IntRange(min=1), default=256,
         help="Tokens per KV chunk (turns kvindex scores into tokens).")
+@option("--local-prefill-tokens", type=click.IntRange(min=0), default=2048,
+        help="P/D: a turn whose decode pod already holds the session's context and would "
+             "compute at most this many prompt tokens runs there, skipping the prefill pod and "
+             "the KV hand-off (conditional disaggregation); 0 always disaggregates.")
+@option("--max-prefill-backlog", type=click.IntRange(min=0), default=0,
+        help="P/D: when every prefill pod already has this many turns in flight, run the turn "
+             "whole on a decode pod instead of queueing it (0: no limit).")
 @option("--prefetch-lead", "prefetch_lead_s", type=click.FloatRange(min=0), default=0.5,
         help="Seconds before a tool call's predicted return to prefetch the session's KV.")
 @option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),

@@ -3,14 +3,16 @@
 The flow, as vLLM's disaggregated proxy examples run it: the prefill pod gets the request with
 ``max_tokens: 1`` and ``kv_transfer_params: {"do_remote_decode": true}`` and answers with where
 its KV is; the decode pod gets the original request with those params and generates. With no
-decode pool, the prefill pod does both. A pod that fails before the caller saw a byte is retried
-on the next pod of the policy's ranking; the caller always gets an answer or an OpenAI-shaped
-error, never silence.
+decode pool, the prefill pod does both. A turn whose decode pod already holds the session's
+context and would compute only a few prompt tokens skips the prefill pod (``disagg``). A pod
+that fails before the caller saw a byte is retried on the next pod of the policy's ranking; the
+caller always gets an answer or an OpenAI-shaped error, never silence.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +27,7 @@ from agentserving.core.logging import get_logger
 from agentserving.core.schemas import LookupRequest, PodPrefix, PodRole, PrefetchRequest
 from agentserving.core.service import ApiError
 from agentserving.proxy import memory_hooks
+from agentserving.proxy.disagg import HeldContext, prefill_on_decode_pod, prompt_size
 from agentserving.proxy.memory_hooks import AgentMemory
 from agentserving.proxy.metrics import ProxyMetrics
 from agentserving.proxy.pods import PodPool
@@ -50,6 +53,10 @@ H_DECODE = "x-agentserving-decode-pod"
 H_ROUTING = "x-agentserving-routing"
 H_DEGRADED = "x-agentserving-degraded"
 H_NEXT_TOOL = "x-agentserving-next-tool"
+H_PD = "x-agentserving-pd"  # "disaggregated", or "local": prefilled on the decode pod
+
+
+Attempt = tuple[Candidate, Candidate | None]  # (pod that prefills, decode pod or None)
 
 
 @dataclass
@@ -98,13 +105,15 @@ class Orchestrator:
             await memory_hooks.before_turn(self.kvindex, turn.session_id, turn.memory,
                                            self._record_hook)
         prefill_order, decode_order = await self._route(turn, state)
-        if not prefill_order:
+        attempts = self._attempts(prefill_order, decode_order,
+                                  await self._local_pod(turn, state, prefill_order, decode_order))
+        if not attempts:
             self.metrics.failures.labels("no_pods").inc()
             raise ApiError(503, "no worker pods available", type="service_unavailable",
                            code="no_pods")
         if turn.stream:
-            return await self._run_streaming(turn, state, prefill_order, decode_order)
-        return await self._run_blocking(turn, state, prefill_order, decode_order)
+            return await self._run_streaming(turn, state, attempts)
+        return await self._run_blocking(turn, state, attempts)
 
     # ------------------------------------------------------------------ routing
     async def _route(self, turn: Turn, state: SessionState
@@ -137,20 +146,58 @@ class Orchestrator:
         self.metrics.overhead.observe(time.perf_counter() - t0)
         return prefill_order, decode_order
 
+    async def _local_pod(self, turn: Turn, state: SessionState,
+                         prefill_order: list[Candidate], decode_order: list[Candidate]
+                         ) -> Candidate | None:
+        """Conditional disaggregation: the decode pod this turn runs whole on, or None for P/D.
+        The session's own decode pod is chosen even when another one has fewer turns in flight:
+        moving the session would cost a pull of its whole context. A turn with no decode pod of
+        its own (a first turn) runs on the least-loaded one, when the prefill pool is
+        saturated. A long append asks the kvindex how much of the context the prefill pod
+        holds: after local turns, it may lack what the decode pod computed."""
+        own = next((c for c in decode_order if c.name == state.last_decode_pod), None)
+        held = None if own is None or state.prompt_tokens is None else HeldContext(
+            state.prompt_tokens, state.prompt_chars, self.settings.chunk_size)
+        size = prompt_size(turn.endpoint, turn.body)
+        decide = functools.partial(
+            prefill_on_decode_pod, size, held, self.settings.local_prefill_tokens,
+            min((c.inflight for c in prefill_order), default=0),
+            self.settings.max_prefill_backlog)
+        local = decide()
+        if not local and held is not None and prefill_order and size.tokens is not None:
+            remote = await self._prefill_pod_lacks(state, prefill_order[0], size.tokens)
+            local = remote is not None and decide(remote_tokens=remote)
+        if not local or not decode_order:
+            return None
+        return own or decode_order[0]
+
+    async def _prefill_pod_lacks(self, state: SessionState, pod: Candidate, tokens: int
+                                 ) -> int | None:
+        """Prompt tokens ``pod`` would compute for this turn, by the kvindex (None: unknown)."""
+        if self.kvindex is None or not state.chunk_hashes:
+            return None
+        try:
+            found = await self.kvindex.lookup(LookupRequest(chunk_hashes=state.chunk_hashes,
+                                                            pods=[pod.name]))
+        except (ServiceUnavailable, RequestRejected):
+            return None
+        held = max((p.prefix_chunks for p in found.pods if p.pod == pod.name), default=0)
+        return tokens - held * self.settings.chunk_size
+
     async def _ensure_pods(self) -> None:
         if not self.pool.prefill_candidates():
             await self.pool.refresh()
 
     # ------------------------------------------------------------------ blocking
-    async def _run_blocking(self, turn: Turn, state: SessionState,
-                            prefill_order: list[Candidate], decode_order: list[Candidate]
+    async def _run_blocking(self, turn: Turn, state: SessionState, attempts: list[Attempt]
                             ) -> JSONResponse:
         outcome = TurnOutcome()
         last_error = "no attempt made"
-        for prefill, decode in self._attempts(prefill_order, decode_order):
+        for prefill, decode in attempts:
             try:
                 if decode is None:
-                    resp = await self._call(prefill, "prefill", post_json, turn.body, turn)
+                    resp = await self._call(prefill, self._solo_stage(prefill), post_json,
+                                            turn.body, turn)
                     prefill_cached = None
                 else:
                     params, prefill_cached = await self._prefill_for_decode(turn, prefill)
@@ -179,14 +226,14 @@ class Orchestrator:
                        type="upstream_error", code="all_pods_failed", headers=turn.headers)
 
     # ------------------------------------------------------------------ streaming
-    async def _run_streaming(self, turn: Turn, state: SessionState,
-                             prefill_order: list[Candidate], decode_order: list[Candidate]
+    async def _run_streaming(self, turn: Turn, state: SessionState, attempts: list[Attempt]
                              ) -> JSONResponse | StreamingResponse:
         last_error = "no attempt made"
-        for prefill, decode in self._attempts(prefill_order, decode_order):
+        for prefill, decode in attempts:
             try:
                 if decode is None:
-                    resp = await self._call(prefill, "prefill", open_stream, turn.body, turn)
+                    resp = await self._call(prefill, self._solo_stage(prefill), open_stream,
+                                            turn.body, turn)
                     cached_override = None
                 else:
                     params, cached_override = await self._prefill_for_decode(turn, prefill)
@@ -235,16 +282,25 @@ class Orchestrator:
             await resp.aclose()
 
     # ------------------------------------------------------------------ P/D pieces
-    def _attempts(self, prefill_order: list[Candidate], decode_order: list[Candidate]
-                  ) -> list[tuple[Candidate, Candidate | None]]:
-        """(prefill, decode) pairs to try in order; decode pods rotate with the attempts."""
+    def _attempts(self, prefill_order: list[Candidate], decode_order: list[Candidate],
+                  local_pod: Candidate | None = None) -> list[Attempt]:
+        """(prefill, decode) pairs to try in order; decode pods rotate with the attempts. A
+        turn run whole on its decode pod is ``(decode pod, None)``, tried first; the P/D pairs
+        follow it as fallbacks."""
         n = self.settings.max_attempts
-        pairs: list[tuple[Candidate, Candidate | None]] = []
+        pairs: list[Attempt] = [(local_pod, None)] if local_pod is not None else []
+        if not prefill_order:
+            return pairs
         for i in range(min(n, max(len(prefill_order), len(decode_order) or 1))):
             prefill = prefill_order[i % len(prefill_order)]
             decode = decode_order[i % len(decode_order)] if decode_order else None
             pairs.append((prefill, decode))
-        return pairs
+        return pairs[:n]
+
+    def _solo_stage(self, pod: Candidate) -> str:
+        """A pod serving a turn alone: a prefill pod (no decode pool), or a decode pod."""
+        return "local" if any(pod.name == d.name for d in self.pool.decode_candidates()) \
+            else "prefill"
 
     async def _prefill_for_decode(self, turn: Turn, prefill: Candidate
                                   ) -> tuple[dict[str, Any], int | None]:
@@ -273,7 +329,12 @@ class Orchestrator:
 
     async def _call(self, pod: Candidate, stage: str, fn, body: dict[str, Any], turn: Turn
                     ) -> Any:  # type: ignore[no-untyped-def]
-        turn.headers[H_PREFILL if stage == "prefill" else H_DECODE] = pod.name
+        if stage == "local":  # the decode pod prefills too
+            turn.headers.update({H_PREFILL: pod.name, H_DECODE: pod.name, H_PD: "local"})
+        else:
+            turn.headers[H_PREFILL if stage == "prefill" else H_DECODE] = pod.name
+            if stage == "decode":
+                turn.headers[H_PD] = "disaggregated"
         self.metrics.routed.labels(stage, pod.name, self.policy.name).inc()
         self.pool.acquire(pod.name)
         try:
@@ -302,6 +363,8 @@ class Orchestrator:
             state.last_decode_pod = decode.name
         if outcome.chunk_hashes is not None:
             state.chunk_hashes = outcome.chunk_hashes
+        state.prompt_tokens = outcome.prompt_tokens
+        state.prompt_chars = prompt_size(turn.endpoint, turn.body).chars
         state.last_turn_end = time.monotonic()
         tool = turn.next_tool or (outcome.tool_names[0] if outcome.tool_names else None)
         state.pending_tool = tool if (tool or outcome.finish_reason == "tool_calls") else None
@@ -363,6 +426,8 @@ class Orchestrator:
         if parent is not None:
             state.chunk_hashes = list(parent.chunk_hashes)
             state.last_pod = parent.last_pod
+            state.last_decode_pod = parent.last_decode_pod
+            state.prompt_tokens, state.prompt_chars = parent.prompt_tokens, parent.prompt_chars
         if self.kvindex is not None and turn.session_id:
             try:
                 await self.kvindex.fork(turn.parent_session_id, turn.session_id)

@@ -15,6 +15,8 @@ class SessionState:
     chunk_hashes: list[str] = field(default_factory=list)
     last_pod: str | None = None
     last_decode_pod: str | None = None  # P/D: it holds the session's chunks from last turn
+    prompt_tokens: int | None = None  # the previous turn's prompt, from its usage
+    prompt_chars: int | None = None  # ... and its size in characters (text prompts)
     turns: int = 0
     last_turn_end: float | None = None
     pending_tool: str | None = None  # the tool the previous turn called

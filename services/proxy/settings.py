@@ -31,6 +31,14 @@ class ProxySettings(BaseModel):
         default=2048, ge=0,
         description="Tokens of cached prefix one in-flight request on a pod is worth giving up.")
     chunk_size: int = Field(default=256, gt=0)
+    local_prefill_tokens: int = Field(
+        default=2048, ge=0,
+        description="Skip the prefill pod when the session's decode pod would compute at most "
+                    "this many prompt tokens itself (0: always disaggregate).")
+    max_prefill_backlog: int = Field(
+        default=0, ge=0,
+        description="Run a turn whole on a decode pod when every prefill pod already has this "
+                    "many turns in flight (0: no limit).")
     prefetch_lead_s: float = Field(default=0.5, ge=0)
     max_sessions: int = Field(default=100_000, gt=0)
     log_level: str = "info"

@@ -158,6 +158,10 @@ def test_proxy_and_kvindex_command_lines(settings):
         "agentserving", "proxy", "--host", "0.0.0.0", "--port", "8080", "--kvindex",
         "http://demo-kvindex.ns1.svc:8300", "--routing", "session"]
     assert children[("Service", "demo-proxy")]["spec"]["type"] == "LoadBalancer"
+    spec["proxy"]["localPrefillTokens"] = 0  # always disaggregate
+    command = by_key(build_children(make_instance(spec), settings))[
+        ("Deployment", "demo-proxy")]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[-2:] == ["--local-prefill-tokens", "0"]
     kvi = children[("Deployment", "demo-kvindex")]
     assert kvi["spec"]["template"]["spec"]["containers"][0]["command"] == [
         "agentserving", "kvindex", "--host", "0.0.0.0", "--port", "8300", "--store", "memory"]

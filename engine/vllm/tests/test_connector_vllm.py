@@ -27,26 +27,41 @@ pytestmark = pytest.mark.skipif(
                             "which `make test` does)")
 
 
+# LMCache 0.5.6's ZMQ threads can abort the process while the connector shuts down (libzmq
+# "Assertion failed: pfd.revents & POLLIN (src/signaler.cpp)": a socket used from two threads
+# at teardown, inside LMCache). Seen once in a few dozen runs on a loaded host; the probe is
+# run again then, and only then.
+ZMQ_TEARDOWN_ABORT = "signaler.cpp"
+
+
+def run_probe(tmp: Path, kvi: str) -> tuple[int, str, str, int]:
+    start = free_port_run(2)
+    env = {**os.environ, "PYTHONHASHSEED": "0", "LMCACHE_LOG_LEVEL": "WARNING",
+           "LMCACHE_DISABLE_BANNER": "1"}
+    proc = subprocess.Popen([sys.executable, str(PROBE), str(ENV_DIR), str(tmp), str(start),
+                             kvi], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+    try:  # the probe dumps its stacks and exits by itself if it hangs (faulthandler)
+        stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    return proc.returncode, stdout, stderr, start
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("vllm")
-    with kvindex(tmp) as kvi:
-        start = free_port_run(2)
-        env = {**os.environ, "PYTHONHASHSEED": "0", "LMCACHE_LOG_LEVEL": "WARNING",
-               "LMCACHE_DISABLE_BANNER": "1"}
-        proc = subprocess.Popen([sys.executable, str(PROBE), str(ENV_DIR), str(tmp), str(start),
-                                 kvi], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env)
-        try:  # the probe dumps its stacks and exits by itself if it hangs (faulthandler)
-            stdout, stderr = proc.communicate(timeout=240)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            stdout, stderr = proc.communicate()
-        lines = [ln for ln in stdout.splitlines() if ln.startswith("PROBE-REPORT ")]
-        assert proc.returncode == 0 and lines, (stdout[-3000:] + stderr[-8000:])
-        out = json.loads(lines[-1].removeprefix("PROBE-REPORT "))
-        out["port"] = start
-        return out
+    for attempt in range(2):
+        tmp = tmp_path_factory.mktemp(f"vllm{attempt}")
+        with kvindex(tmp) as kvi:
+            code, stdout, stderr, start = run_probe(tmp, kvi)
+        if code >= 0 or ZMQ_TEARDOWN_ABORT not in stderr:
+            break
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("PROBE-REPORT ")]
+    assert code == 0 and lines, (stdout[-3000:] + stderr[-8000:])
+    out = json.loads(lines[-1].removeprefix("PROBE-REPORT "))
+    out["port"] = start
+    return out
 
 
 def test_vllm_loads_it_from_the_module_path(report):

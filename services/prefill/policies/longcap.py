@@ -14,7 +14,18 @@ Requests are banded by remaining prefill length: *short* (at most ``short_tokens
   band itself queues (most agent turns are short, and they arrive faster than one step drains
   them); FCFS inside it makes a 200-token turn wait behind 3,000-token ones, which is where the
   P85 latency went. Shortest-first is the classic mean/percentile-latency optimum; the long
-  band's cap and the band split keep the longest turns from starving.
+  band's cap and the band split keep the longest turns from starving. ``"cost"``: cheapest
+  remaining *work* first (``cost``: the step-time model's ratios ``context_cost`` = c/b and
+  ``attention_cost`` = d/b). Why: when re-reading the context costs (c > 0), a turn's seconds
+  follow its context more than its new tokens (900 new tokens over 25k of context take ~8x
+  the seconds of 900 over none), so ranking by tokens queues cheap turns behind dear ones.
+- One short per step (``shorts_per_step=1``): every turn in a step finishes when the step
+  does, so a second short in the step delays the first by its whole chunk and saves only the
+  per-step overhead ``a`` (0 in this session's fits): serving the head alone is serial
+  shortest-work-first. The default (0) fills the step as first built.
+- ``step_cost`` (new-token units, 0: off): the head short's chunk is as large as fits that
+  predicted cost (``tokens_within``), never below ``short_step`` or its ``min_split``: a
+  shallow turn runs in a few large chunks, a deep one in small ones.
 - Dynamic Chunk: the step budget and the long band's chunk follow the queue and the free KV.
   While shorts are pending a step carries at most ``short_step`` tokens (default:
   ``step_tokens``): every turn in a step finishes only when the step does, so a small step
@@ -34,6 +45,8 @@ from agentserving.prefill.policies.base import Planner, free_tokens, max_advance
 from agentserving.prefill.policies.fcfs import _Base
 from agentserving.prefill.policies.types import SchedState
 
+SHORT_ORDERS = ("fcfs", "shortest", "cost")
+
 
 class LongcapDynamic(_Base):
     name = "longcap-dynamic"
@@ -42,7 +55,9 @@ class LongcapDynamic(_Base):
                  long_cap: float = 0.25, min_chunk: int = 512, max_long_running: int = 1,
                  chunk_align: int = 0, long_chunk_max: int | None = None,
                  short_step: int | None = None, short_order: str = "fcfs",
-                 context_cost: float = 0.0, split_overhead: float = 0.25) -> None:
+                 context_cost: float = 0.0, split_overhead: float = 0.25,
+                 attention_cost: float = 0.0, shorts_per_step: int = 0,
+                 step_cost: float = 0.0) -> None:
         if not 0.0 < long_cap <= 1.0:
             raise ValueError("long_cap must be in (0, 1]")
         long_chunk_max = step_tokens if long_chunk_max is None else long_chunk_max
@@ -53,8 +68,11 @@ class LongcapDynamic(_Base):
             raise ValueError("need 0 < short_step <= step_tokens")
         if min(min_chunk, short_step) < chunk_align:  # no aligned chunk would fit: a stall
             raise ValueError("min_chunk and short_step must be >= chunk_align")
-        if short_order not in ("shortest", "fcfs"):
-            raise ValueError("short_order must be 'shortest' or 'fcfs'")
+        if short_order not in SHORT_ORDERS:
+            raise ValueError(f"short_order must be one of {SHORT_ORDERS}")
+        if min(context_cost, attention_cost, step_cost, shorts_per_step) < 0:
+            raise ValueError("context_cost, attention_cost, step_cost and shorts_per_step "
+                             "must be >= 0")
         self.step_tokens = step_tokens
         self.short_tokens = step_tokens if short_tokens is None else short_tokens
         self.long_cap = long_cap
@@ -66,6 +84,9 @@ class LongcapDynamic(_Base):
         self.short_order = short_order
         self.context_cost = context_cost
         self.split_overhead = split_overhead
+        self.attention_cost = attention_cost
+        self.shorts_per_step = shorts_per_step
+        self.step_cost = step_cost
 
     def long_chunk(self, state: SchedState, shorts_left: int, shorts_pending: bool,
                    budget: int | None = None) -> int:
@@ -81,8 +102,25 @@ class LongcapDynamic(_Base):
         """The smallest non-final chunk worth cutting for ``r``: every extra chunk re-reads the
         request's context, ``context_cost * computed`` new-token-equivalents (``c / b`` of the
         step-time model ``a + b*new + c*context + ...``); a chunk is cut only if that stays
-        within ``split_overhead`` of its own size. 0 when context reads are free."""
-        return int(self.context_cost * r.computed / self.split_overhead)
+        within ``split_overhead`` of its own cost: its size times a new token's cost there,
+        ``1 + attention_cost * computed`` (deep in a context a token is dearer, so a smaller
+        chunk is already worth cutting). 0 when context reads are free."""
+        per_token = 1.0 + self.attention_cost * r.computed  # a new token's cost there
+        return int(self.context_cost * r.computed / (self.split_overhead * per_token))
+
+    def cost(self, r, state: SchedState) -> float:  # noqa: ANN001
+        """``r``'s remaining work in new-token equivalents, by the step-time model's ratios:
+        its remaining tokens, one context re-read (``context_cost * computed``) per chunk
+        still to run (two when the executor splits the trailing partial chunk off), and the
+        attention pairs (``attention_cost``, d / b). The ``cost`` short order sorts by it."""
+        start, total = r.computed, r.prompt_len
+        n = total - start
+        chunks = 1
+        if state.split_tail and state.quantum > 1:
+            full_end = total - total % state.quantum
+            chunks += start < full_end < total
+        return (n + self.context_cost * start * chunks
+                + self.attention_cost * n * (start + (n + 1) / 2))
 
     def step_budget(self, shorts: list) -> int:
         """The step's token budget (Dynamic Chunk): ``step_tokens`` with no short pending,
@@ -91,8 +129,23 @@ class LongcapDynamic(_Base):
         if not shorts:
             return self.step_tokens
         head = shorts[0]
-        return min(self.step_tokens, max(self.short_step, min(head.remaining,
-                                                              self.min_split(head))))
+        step = self.short_step
+        if self.step_cost:
+            step = max(step, self.tokens_within(head, self.step_cost))
+        return min(self.step_tokens, max(step, min(head.remaining, self.min_split(head))))
+
+    def tokens_within(self, r, cost: float) -> int:  # noqa: ANN001
+        """The most new tokens one chunk of ``r`` carries for at most ``cost`` new-token
+        equivalents, its context re-read and attention pairs included (0 if the re-read
+        alone exceeds it): the positive root of ``n + ac*n*(s + (n+1)/2) = cost - cc*s``."""
+        s, cc, ac = r.computed, self.context_cost, self.attention_cost
+        left = cost - cc * s
+        if left <= 0:
+            return 0
+        k = 1.0 + ac * (s + 0.5)
+        if ac <= 0:
+            return int(left / k)
+        return int((-k + (k * k + 2.0 * ac * left) ** 0.5) / ac)
 
     def _plan(self, state: SchedState, p: Planner) -> None:
         short_tokens = self.short_tokens
@@ -104,7 +157,10 @@ class LongcapDynamic(_Base):
         wait_long = []
         for w in state.waiting:
             (shorts if w.remaining <= short_tokens else wait_long).append(w)
-        if self.short_order == "shortest":
+        if self.short_order == "cost":
+            # cheapest remaining work first (SRPT on the model's cost, not on token counts)
+            shorts.sort(key=lambda x: (self.cost(x, state), not x.running, x.arrival))
+        elif self.short_order == "shortest":
             # running before waiting among equals: a started short is never overtaken by a twin
             shorts.sort(key=lambda x: (x.remaining, not x.running, x.arrival))
         else:
@@ -135,8 +191,9 @@ class LongcapDynamic(_Base):
         #    (a short's partial chunk below its ``min_split`` is not cut: it waits whole)
         #    (the first short is exempt: the budget was sized for it)
         admitting = True
+        served = 0
         for i, r in enumerate(shorts):
-            if left <= 0:
+            if left <= 0 or (self.shorts_per_step and served >= self.shorts_per_step):
                 break
             if i and self.context_cost:
                 n = max_advance(r, left, state, self.chunk_align)
@@ -145,11 +202,14 @@ class LongcapDynamic(_Base):
                     admitting = admitting and r.running
                     continue
             if r.running:
-                left -= p.grant(r, left)
+                n = p.grant(r, left)
             elif admitting:
                 n = p.admit(r, left)
                 admitting = n > 0
-                left -= n
+            else:
+                n = 0
+            left -= n
+            served += n > 0
 
         # 3. work conserving: what the shorts left goes back to the running longs, up to
         #    the band's ``long_chunk_max`` in all

@@ -73,3 +73,15 @@ def test_a_chunk_smaller_than_the_alignment_is_refused():
         FcfsChunk(chunk_tokens=64, chunk_align=128)
     with pytest.raises(ValueError, match="chunk_align"):
         LongcapDynamic(step_tokens=1024, min_chunk=64, chunk_align=128)
+
+
+def test_cost_and_shadow_options_parse_from_the_policy_spec():
+    spec = ("shadow?short_order=cost&context_cost=0.08&attention_cost=0.0001&shorts_per_step=1"
+            "&step_cost=3072&robust=0.5&commit=1&lookahead=3")
+    pol = make_policy(spec, 256)
+    assert isinstance(pol.pure, LongcapDynamic) and pol.pure.short_order == "cost"
+    assert pol.pure.attention_cost == 0.0001 and pol.pure.step_cost == 3072.0
+    assert pol.pure.shorts_per_step == 1
+    assert pol.shadow.robust == 0.5 and pol.shadow.commit and pol.shadow.lookahead == 3
+    plain = make_policy("shadow", 256)
+    assert plain.shadow.robust == 0.0 and not plain.shadow.commit

@@ -35,6 +35,11 @@ POLICIES = {
                                                min_chunk=256, long_chunk_max=512,
                                                short_step=768, max_long_running=2,
                                                short_order="shortest"),
+    "longcap-cost": lambda: LongcapDynamic(step_tokens=2048, short_tokens=1024, min_chunk=256,
+                                           long_chunk_max=512, short_step=256,
+                                           short_order="cost", context_cost=0.08,
+                                           attention_cost=1e-4, shorts_per_step=1,
+                                           step_cost=1500),
 }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -199,6 +200,11 @@ POLICIES = [
     lambda a: LongcapDynamic(step_tokens=2048, short_tokens=1024, long_cap=0.25,
                              min_chunk=256, long_chunk_max=1024, short_step=512,
                              short_order="shortest", context_cost=0.1, chunk_align=a),
+    # the bench's tuned shape: cheapest-first, one short per step, a cost-sized step
+    lambda a: LongcapDynamic(step_tokens=2048, short_tokens=1024, long_cap=0.25,
+                             min_chunk=256, long_chunk_max=1024, short_step=256,
+                             short_order="cost", context_cost=0.08, attention_cost=1e-4,
+                             shorts_per_step=1, step_cost=1500, chunk_align=a),
 ]
 
 jobs = st.lists(st.tuples(st.integers(1, 6000), st.integers(0, 3000), st.integers(0, 20),
@@ -373,3 +379,133 @@ def test_arrival_aware_look_ahead_expects_newcomers_to_overtake():
     with_arrivals = run(True)
     assert with_arrivals["big"].offset == 2  # a 300-token newcomer is expected to go first
     assert all(not rid.startswith("\x00") for rid in with_arrivals)  # phantoms never reported
+
+
+# ------------------------------------------------------------------ cost-aware short band
+
+COST = dict(step_tokens=8192, short_tokens=4096, min_chunk=256, short_step=256,
+            long_chunk_max=2048, short_order="cost", context_cost=0.08, attention_cost=1e-4,
+            split_overhead=0.25)
+
+
+def test_cost_order_serves_the_cheapest_work_first_not_the_fewest_tokens():
+    # 300 new tokens over 20k of context cost more than 900 over none: each chunk re-reads
+    # the context (0.08 * 20480 per chunk) and attends to it (1e-4 * 300 * 20630)
+    deep = w("deep", 20480 + 300, 0, cached=20480)
+    fresh = w("fresh", 900, 1)
+    p = LongcapDynamic(**COST, shorts_per_step=1)
+    assert p.cost(deep, state()) == pytest.approx(300 + 0.08 * 20480 + 1e-4 * 300 * 20630.5)
+    assert p.cost(fresh, state()) < p.cost(deep, state())
+    assert p.decide(state([deep, fresh])).admit == ("fresh",)
+    # the token count alone would have run the deep turn first
+    tok = LongcapDynamic(**{**COST, "short_order": "shortest"}, shorts_per_step=1)
+    assert tok.decide(state([deep, fresh])).admit == ("deep",)
+
+
+def test_cost_counts_the_context_re_read_of_an_engine_split_tail():
+    p = LongcapDynamic(**COST)
+    r = w("r", 8192 + 300, 0, cached=8192)  # 256 full + a 44-token tail
+    one = p.cost(r, state())
+    two = p.cost(r, state(quantum=256, split_tail=True))
+    assert two - one == pytest.approx(0.08 * 8192)
+    aligned = w("a", 8192 + 512, 0, cached=8192)  # no partial tail: one chunk either way
+    assert p.cost(aligned, state(quantum=256, split_tail=True)) == p.cost(aligned, state())
+
+
+def test_shorts_per_step_runs_one_short_per_step_while_shorts_wait():
+    queue = [w("a", 200, 0), w("b", 100, 1), w("c", 300, 2)]
+    one = LongcapDynamic(**{**COST, "short_step": 1024}, shorts_per_step=1)
+    d = one.decide(state(queue))
+    assert d.admit == ("b",) and dict(d.prefill) == {"b": 100}
+    many = LongcapDynamic(**{**COST, "short_step": 1024})
+    assert many.decide(state(queue)).admit == ("b", "a", "c")
+    # a running long keeps its band share beside the one short
+    long = ReqView("L", 0, 40000, computed=0, running=True)
+    grants = dict(one.decide(state(queue, [long])).prefill)
+    assert set(grants) == {"L", "b"} and grants["L"] >= 256
+
+
+def test_attention_cost_lowers_min_split_where_a_new_token_is_dearer():
+    # a token at deep context costs 1 + ac * context new-token units: the re-read is a
+    # smaller share of a chunk there, so a smaller chunk is already worth cutting
+    r = w("r", 20480 + 4000, 0, cached=20480)
+    plain = LongcapDynamic(**{**COST, "attention_cost": 0.0})
+    att = LongcapDynamic(**COST)
+    assert plain.min_split(r) == int(0.08 * 20480 / 0.25)
+    assert att.min_split(r) == int(0.08 * 20480 / (0.25 * (1 + 1e-4 * 20480)))
+    assert att.min_split(r) < plain.min_split(r)
+
+
+def test_step_cost_sizes_the_head_chunk_by_its_predicted_cost():
+    p = LongcapDynamic(**COST, shorts_per_step=1, step_cost=3000)
+    shallow = w("s", 4000, 0)  # (short band: at most short_tokens=4096 left)
+    n = p.tokens_within(shallow, 3000)
+    chunk_cost = lambda r, k: k + 0.08 * r.computed + 1e-4 * k * (r.computed + (k + 1) / 2)  # noqa: E731
+    assert chunk_cost(shallow, n) <= 3000 < chunk_cost(shallow, n + 1)
+    assert dict(p.decide(state([shallow])).prefill) == {"s": n}
+    # deep context: the re-read eats the cost budget, min_split still sets the floor
+    deep = w("d", 40960 + 4000, 0, cached=40960)
+    assert p.tokens_within(deep, 3000) == 0
+    assert dict(p.decide(state([deep])).prefill) == {"d": p.min_split(deep)}
+
+
+def test_cost_options_are_validated():
+    with pytest.raises(ValueError, match="short_order"):
+        LongcapDynamic(short_order="random")
+    with pytest.raises(ValueError, match="attention_cost"):
+        LongcapDynamic(attention_cost=-1.0)
+    with pytest.raises(ValueError, match="shorts_per_step"):
+        LongcapDynamic(shorts_per_step=-1)
+
+
+# ------------------------------------------------------------------ shadow: robust, commit
+
+def _sh_queue():
+    """Step N runs R; "mid" (600 tokens) is next by cost. The recent arrivals were all
+    100-token turns, ~10 a second: any of them would overtake "mid"."""
+    pol = LongcapDynamic(**{**COST, "short_step": 512}, shorts_per_step=1)
+    return pol, [w(f"x{i}", 100, i / 10) for i in range(10)]
+
+
+def test_robust_window_leaves_out_a_turn_a_likely_newcomer_would_overtake():
+    def window(robust: float, history):
+        pol, _ = _sh_queue()
+        sh = ShadowScheduler(pol, lookahead=3, robust=robust)
+        sh.model.coef = [0.0, 1e-3, 0.0, 0.0]  # 1 ms a token: step N (R, 512) takes 0.5 s
+        if history:
+            s = state(history)
+            while s.waiting or s.running:  # let the history arrive and drain
+                s = advance(s, sh.step(s).decision)
+        busy = ReqView("R", 1.0, 512, running=True)
+        return sh.step(state([w("mid", 600, 1.0, disk=("h",))], [busy]))
+
+    _, small = _sh_queue()
+    plain = window(0.0, small)
+    assert plain.window == {"mid"} and plain.prefetch == [("mid", ("h",))]
+    # 10 arrivals/s for the 0.512 s of step N; of 8 samples of the recent arrivals (the 10
+    # small turns and "mid" itself) 7 would overtake: p = exp(-10 * 0.512 * 7/8)
+    robust = window(0.5, small)
+    assert robust.predictions["mid"].offset == 1
+    assert robust.predictions["mid"].p_admit == pytest.approx(math.exp(-10 * 0.512 * 7 / 8))
+    assert robust.window == frozenset() and robust.prefetch == []
+    # recent arrivals that would not overtake it (bigger turns): p = 1, in the window
+    big = [w(f"y{i}", 3000, i / 10) for i in range(10)]
+    assert window(0.5, big).window == {"mid"}
+
+
+def test_commit_admits_the_n_plus_1_window_and_the_newcomer_waits_one_step():
+    pol, _ = _sh_queue()
+    busy = ReqView("R", 0.0, 512, running=True)
+    s0 = state([w("mid", 600, 0.5, disk=("h",))], [busy])
+    for commit, first in ((False, "new"), (True, "mid")):
+        sh = ShadowScheduler(pol, lookahead=3, commit=commit)
+        res = sh.step(s0)
+        assert res.window == {"mid"}
+        s1 = advance(s0, res.decision)
+        s1 = dataclasses.replace(s1, waiting=s1.waiting + (w("new", 100, 0.7),))
+        d1 = sh.step(s1).decision
+        assert d1.admit == (first,)
+        # the plain policy would have let the newcomer overtake; commit holds it one step
+        assert pol.decide(s1).admit == ("new",)
+        if commit:
+            assert sh.step(advance(s1, d1)).decision.admit == ("new",)

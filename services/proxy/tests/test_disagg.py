@@ -1,0 +1,167 @@
+"""Conditional disaggregation: which turns skip the prefill pod, and the proxy's attempt order."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from agentserving.core.schemas import LookupResponse, PodPrefix
+from agentserving.proxy.disagg import (
+    HeldContext,
+    PromptSize,
+    local_prefill_tokens,
+    prefill_on_decode_pod,
+    prompt_size,
+)
+from agentserving.proxy.metrics import ProxyMetrics
+from agentserving.proxy.orchestrator import Orchestrator, Turn
+from agentserving.proxy.pods import PodPool
+from agentserving.proxy.routing import make_policy
+from agentserving.proxy.sessions import SessionState
+from agentserving.proxy.settings import ProxySettings
+
+
+def test_prompt_size_of_each_request_shape():
+    assert prompt_size("/v1/completions", {"prompt": [1, 2, 3]}) == PromptSize(3, None)
+    assert prompt_size("/v1/completions", {"prompt": "hello"}) == PromptSize(None, 5)
+    assert prompt_size("/v1/completions", {"prompt": [[1], [2]]}) == PromptSize(None, None)
+    chat = {"messages": [{"role": "system", "content": "abc"},
+                         {"role": "user", "content": [{"type": "text", "text": "de"},
+                                                      {"type": "image_url"}]}]}
+    assert prompt_size("/v1/chat/completions", chat) == PromptSize(None, 5)
+    assert prompt_size("/v1/chat/completions", {}) == PromptSize(None, None)
+
+
+def test_token_prompts_count_what_the_decode_pod_lacks():
+    held = HeldContext(prompt_tokens=1000, prompt_chars=None, chunk_size=256)
+    assert held.held_tokens == 768  # the partial chunk is not kept
+    assert local_prefill_tokens(PromptSize(1300, None), held) == 1300 - 768
+    assert prefill_on_decode_pod(PromptSize(1200, None), held, threshold=512)
+    assert not prefill_on_decode_pod(PromptSize(1400, None), held, threshold=512)
+    assert not prefill_on_decode_pod(PromptSize(1200, None), held, threshold=0)  # disabled
+
+
+def test_text_prompts_are_sized_by_the_sessions_own_tokens_per_char():
+    held = HeldContext(prompt_tokens=1024, prompt_chars=4096, chunk_size=256)  # 4 chars/token
+    assert local_prefill_tokens(PromptSize(None, 4096 + 800), held) == 200
+    no_ratio = HeldContext(prompt_tokens=1024, prompt_chars=None, chunk_size=256)
+    assert local_prefill_tokens(PromptSize(None, 5000), no_ratio) is None
+    assert not prefill_on_decode_pod(PromptSize(None, 5000), no_ratio, threshold=10_000)
+
+
+def test_unsizable_or_shrunk_prompts_go_through_the_prefill_pod():
+    held = HeldContext(prompt_tokens=2000, prompt_chars=None, chunk_size=256)
+    assert not prefill_on_decode_pod(PromptSize(None, None), held, threshold=10_000)
+    assert not prefill_on_decode_pod(PromptSize(1500, None), held, threshold=10_000)  # compacted
+    assert not prefill_on_decode_pod(PromptSize(2100, None), None, threshold=10_000)  # no history
+
+
+@given(prev=st.integers(1, 50_000), grow=st.integers(0, 5000), chunk=st.sampled_from([16, 256]),
+       threshold=st.integers(0, 4096))
+def test_the_decision_is_the_threshold_on_uncomputed_tokens(prev, grow, chunk, threshold):
+    held = HeldContext(prev, None, chunk)
+    n = local_prefill_tokens(PromptSize(prev + grow, None), held)
+    assert n is not None and grow <= n < grow + chunk
+    assert prefill_on_decode_pod(PromptSize(prev + grow, None), held, threshold) == \
+        (threshold > 0 and n <= threshold)
+
+
+def attempts_for(state: SessionState, prompt_len: int, threshold: int = 512,
+                 max_backlog: int = 0, prefill_inflight: int = 0,
+                 kvindex: object = None) -> list[tuple[str, str | None]]:
+    async def go() -> list[tuple[str, str | None]]:
+        settings = ProxySettings(prefill_urls=["http://p0"], decode_urls=["http://d0", "http://d1"],
+                                 local_prefill_tokens=threshold,
+                                 max_prefill_backlog=max_backlog)
+        async with aiohttp.ClientSession() as http:
+            pool = PodPool(settings.prefill_urls, settings.decode_urls, None)
+            for _ in range(prefill_inflight):
+                pool.acquire("http://p0")
+            orch = Orchestrator(settings, pool, kvindex, make_policy("kv-aware"), http,  # type: ignore[arg-type]
+                                ProxyMetrics(CollectorRegistry()))
+            turn = Turn(endpoint="/v1/completions", body={"prompt": [1] * prompt_len},
+                        session_id="s", session_key="s")
+            prefill, decode = await orch._route(turn, state)
+            local = await orch._local_pod(turn, state, prefill, decode)
+            pairs = orch._attempts(prefill, decode, local)
+        return [(p.name, d.name if d else None) for p, d in pairs]
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("pod", ["http://d0", "http://d1"])
+def test_a_short_append_runs_first_on_the_sessions_decode_pod(pod):
+    state = SessionState(last_decode_pod=pod, prompt_tokens=3000)
+    pairs = attempts_for(state, 3000 + 200)
+    assert pairs[0] == (pod, None)  # whole turn on the pod holding the context
+    assert pairs[1][0] == "http://p0" and pairs[1][1] is not None  # P/D is the fallback
+    assert len(pairs) <= ProxySettings().max_attempts
+
+
+def test_long_appends_first_turns_and_disabled_threshold_disaggregate():
+    long_append = attempts_for(SessionState(last_decode_pod="http://d0", prompt_tokens=3000),
+                               3000 + 2000)
+    first_turn = attempts_for(SessionState(), 3000)
+    disabled = attempts_for(SessionState(last_decode_pod="http://d0", prompt_tokens=3000),
+                            3100, threshold=0)
+    gone = attempts_for(SessionState(last_decode_pod="http://d9", prompt_tokens=3000), 3100)
+    for pairs in (long_append, first_turn, disabled, gone):
+        assert pairs[0][0] == "http://p0" and pairs[0][1] is not None
+
+
+def test_a_saturated_prefill_pool_sends_turns_to_a_decode_pod():
+    busy = dict(max_backlog=2, prefill_inflight=2)
+    first = attempts_for(SessionState(), 3000, **busy)
+    assert first[0][1] is None and first[0][0].startswith("http://d")  # least-loaded decode pod
+    own = attempts_for(SessionState(last_decode_pod="http://d1", prompt_tokens=3000), 9000,
+                       **busy)
+    assert own[0] == ("http://d1", None)  # a long append too, on the session's own pod
+    calm = attempts_for(SessionState(), 3000, max_backlog=2, prefill_inflight=1)
+    assert calm[0][0] == "http://p0"
+
+
+@given(backlog=st.integers(0, 5), limit=st.integers(0, 5))
+def test_the_backlog_rule_alone(backlog, limit):
+    local = prefill_on_decode_pod(PromptSize(None, None), None, 512, backlog, limit)
+    assert local == (limit > 0 and backlog >= limit)
+
+
+def test_a_long_append_stays_local_when_the_prefill_pod_lacks_the_context():
+    held = HeldContext(prompt_tokens=5000, prompt_chars=None, chunk_size=256)  # 4864 held
+    size = PromptSize(5000 + 3000, None)  # 3136 to compute locally: over the threshold
+    assert not prefill_on_decode_pod(size, held, 2048)
+    # the prefill pod holds only the first turn's 2048 tokens: it would compute 5952
+    assert prefill_on_decode_pod(size, held, 2048, remote_tokens=8000 - 2048)
+    # it holds nearly all of it: P/D
+    assert not prefill_on_decode_pod(size, held, 2048, remote_tokens=8000 - 4608)
+
+
+class PrefixIndex:
+    """A stand-in kvindex: every pod asked about holds ``chunks`` leading chunks."""
+
+    def __init__(self, chunks: int) -> None:
+        self.chunks, self.lookups = chunks, 0
+
+    async def lookup(self, req):  # type: ignore[no-untyped-def]
+        self.lookups += 1
+        return LookupResponse(num_chunks=len(req.chunk_hashes), best_pod=req.pods[0], pods=[
+            PodPrefix(pod=p, prefix_chunks=self.chunks, tiers={}, score=self.chunks)
+            for p in req.pods])
+
+
+@pytest.mark.parametrize("prefill_chunks, local", [(8, True), (19, False)])
+def test_the_orchestrator_asks_the_kvindex_before_a_long_append(prefill_chunks, local):
+    state = SessionState(last_decode_pod="http://d0", prompt_tokens=5000,
+                         chunk_hashes=[f"{i:064x}" for i in range(19)])
+    index = PrefixIndex(prefill_chunks)
+    pairs = attempts_for(state, 8000, threshold=2048, kvindex=index)
+    assert index.lookups == 1
+    assert (pairs[0] == ("http://d0", None)) == local
+    short = PrefixIndex(prefill_chunks)
+    assert attempts_for(state, 5200, threshold=2048, kvindex=short)[0] == ("http://d0", None)
+    assert short.lookups == 0  # a short append needs no lookup

@@ -76,6 +76,9 @@ from agentserving.core.schemas import PodRole
 @option("--kv-transfer-timeout", "kv_transfer_timeout_s", type=click.FloatRange(min=0.01),
         default=60.0, help="Seconds a prefill keeps KV pinned for a decode pod that never "
         "pulls it.")
+@option("--prefetch-wait", "prefetch_wait_s", type=click.FloatRange(min=0), default=2.0,
+        help="Seconds a KV fetch waits for a chunk's in-flight disk -> DRAM prefetch (the "
+        "ShadowScheduler's) before reading and verifying the disk itself.")
 @option("--kv-pull-timeout", "kv_pull_timeout_s", type=click.FloatRange(min=0.01),
         default=30.0, help="Seconds a decode waits on a KV pull before recomputing.")
 @option("--heartbeat-interval", "heartbeat_interval_s", type=click.FloatRange(min=0.01),

@@ -60,6 +60,9 @@ class WorkerSettings(BaseModel):
     # -- P/D hand-off
     kv_transfer_timeout_s: float = Field(default=60.0, gt=0)
     kv_pull_timeout_s: float = Field(default=30.0, gt=0)
+    prefetch_wait_s: float = Field(
+        default=2.0, ge=0, description="Longest a KV fetch waits for a chunk's in-flight "
+                                       "disk -> DRAM prefetch before reading the disk itself.")
     # -- kvindex
     kvindex_url: str | None = None
     heartbeat_interval_s: float = Field(default=5.0, gt=0)

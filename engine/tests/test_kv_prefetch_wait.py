@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import types
 
 import pytest
 import torch
@@ -18,6 +19,16 @@ from agentserving.engine.kv import layerwise
 from agentserving.engine.kv.paged import KVBlockPool
 from agentserving.engine.model.runner import ModelRunner
 from agentserving.engine.testing import prompt, request, run
+
+
+def fake_chunks(tiny, n: int, seed: int) -> list:  # type: ignore[no-untyped-def]
+    """``n`` LMCache-like memory objects of random 256-token chunks (``.tensor`` is
+    ``[2, layers, tokens, kv_heads * head_dim]``)."""
+    g = torch.Generator().manual_seed(seed)
+    width = tiny.num_kv_heads * tiny.head_dim
+    return [types.SimpleNamespace(tensor=torch.randn(2, tiny.num_layers, 256, width,
+                                                     generator=g).to(tiny.dtype))
+            for _ in range(n)]
 
 
 @pytest.fixture
@@ -161,14 +172,7 @@ def test_layer_copy_lands_every_chunk_on_both_table_kinds(tiny, fragmented):
             kv.release()
     kv = pool.reserve(3 * 256 + 10)
     assert kv.consecutive is not fragmented
-    g = torch.Generator().manual_seed(7)
-    width = tiny.num_kv_heads * tiny.head_dim
-
-    class Obj:
-        def __init__(self) -> None:
-            self.tensor = torch.randn(2, tiny.num_layers, 256, width, generator=g).to(tiny.dtype)
-
-    objs = [Obj() for _ in range(3)]
+    objs = fake_chunks(tiny, 3, seed=7)
     copy = layerwise.chunk_copier(objs, kv, 256)
     for layer in range(tiny.num_layers):
         copy(layer)
@@ -234,14 +238,7 @@ def test_forward_copies_a_layer_itself_when_the_loader_has_not_started(tiny):
     handed back once, after every copy has stopped."""
     pool = KVBlockPool(tiny.num_layers, 16, 64, tiny.num_kv_heads, tiny.head_dim, tiny.dtype)
     kv = pool.reserve(512)
-    g = torch.Generator().manual_seed(9)
-    width = tiny.num_kv_heads * tiny.head_dim
-
-    class Obj:
-        def __init__(self) -> None:
-            self.tensor = torch.randn(2, tiny.num_layers, 256, width, generator=g).to(tiny.dtype)
-
-    objs = [Obj() for _ in range(2)]
+    objs = fake_chunks(tiny, 2, seed=9)
     inner = layerwise.chunk_copier(objs, kv, 256)
     copies: list[tuple[int, str]] = []
 

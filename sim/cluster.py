@@ -166,6 +166,10 @@ class Pod:
         self.decode_wait: deque[Req] = deque()
         self.decoding: dict[str, Req] = {}
         self.decode_kv = 0
+        # turns in flight (waiting + prefilling + decode_wait + decoding), kept as they enter
+        # and leave (routing reads every candidate's load for every turn)
+        self.n_inflight = 0
+        self._cands: dict[int, Candidate] = {}   # routing's view of this pod, per load
         self.busy = False
         self.pending = None          # the scheduled end of the current step/run
         self.run_start = 0.0         # decode-only run: when it started, step length, steps
@@ -184,8 +188,17 @@ class Pod:
 
     @property
     def inflight(self) -> int:
+        """Turns in flight, counted (``n_inflight`` is the kept count the hot paths read)."""
         return len(self.waiting) + len(self.prefilling) + len(self.decode_wait) + \
             len(self.decoding)
+
+    def candidate(self) -> Candidate:
+        """This pod as the proxy's routing ``Candidate`` (frozen: one per load, reused)."""
+        n = self.n_inflight
+        c = self._cands.get(n)
+        if c is None:
+            c = self._cands[n] = Candidate(self.name, self.name, n)
+        return c
 
     # ------------------------------------------------------------------ arrivals
     def submit_prefill(self, r: Req) -> None:
@@ -201,6 +214,7 @@ class Pod:
         r.view = ReqView(r.rid, r.send, r.prompt, computed=r.cached, disk_chunks=r.disk,
                          decode_left=(r.out - 1) if self.role == PodRole.BOTH else 0)
         self.waiting[r.rid] = r
+        self.n_inflight += 1
         if self._wviews is not None:
             self._wviews += (r.view,)
         if r.disk:
@@ -214,6 +228,7 @@ class Pod:
             self.c.finish(r, self.c.loop.now)
             return
         self.decode_wait.append(r)
+        self.n_inflight += 1
         self._kick(self.c.loop.now)
 
     # ------------------------------------------------------------------ stepping
@@ -342,7 +357,7 @@ class Pod:
         """Admission: read the cached prefix (still resident) from its tiers; seconds it takes
         (a prefix evicted since arrival is recomputed)."""
         p = self.c.profile
-        n, _ = self.tiers.prefix(r.turn.chunks, r.cached // self.c.cfg.chunk)
+        n = self.tiers.prefix_len(r.turn.chunks, r.cached // self.c.cfg.chunk)
         src = self.tiers.use(r.turn.chunks[:n])
         r.cached_actual = n * self.c.cfg.chunk
         return self._load_s(src) + p.prefill.b_s * (r.cached - r.cached_actual)
@@ -377,6 +392,12 @@ class Pod:
         if self.decoding:
             dt += p.decode_s(len(self.decoding), sum(r.ctx for r in self.decoding.values()))
         if isinstance(self.policy, ShadowScheduler):
+            # the shadow's features read only the stepped requests' views; with no decodes
+            # in the step those are the prefilling turns' own (the same objects ``state``
+            # holds), so pass just them instead of a saturated pod's whole queue per step
+            if not d.decode:
+                state = dataclasses.replace(state, waiting=(), running=tuple(
+                    self.prefilling[rid].view for rid, _ in d.prefill))  # type: ignore[misc]
             self.policy.observe(*StepTimeModel.features(d, state), dt)
         fwd = dt - load_s
         dt += self._take_extra()
@@ -449,6 +470,7 @@ class Pod:
                                  decode_left=r.view.decode_left)
             if r.computed >= r.prompt:
                 del self.prefilling[rid]
+                self.n_inflight -= 1
                 if self.reuse:
                     new_chunks = self.tiers.store_new(r.turn.chunks)
                     self.extra_s += self.c.store_s(new_chunks)
@@ -499,6 +521,7 @@ class Pod:
                 r.first = now - (k - 1) * dt
             if r.left <= 0:
                 del self.decoding[r.rid]
+                self.n_inflight -= 1
                 self.decode_kv -= r.prompt + r.out
                 if self.reuse and self.role == PodRole.BOTH:
                     self.tiers.store(r.turn.stored_chunks)
@@ -606,11 +629,16 @@ class Cluster:
         self.loop.at(0.0, self.sample)
         wall = time.perf_counter()
         # the workload and the cluster are long-lived: keep them out of the collector's full
-        # passes (each one walks every tracked object; a 100k-session run holds millions)
+        # passes (each one walks every tracked object; a 100k-session run holds millions), and
+        # collect the young generation less often (a run allocates millions of short-lived
+        # containers and makes almost no reference cycles)
         gc.freeze()
+        thresholds = gc.get_threshold()
+        gc.set_threshold(max(thresholds[0], 50_000), *thresholds[1:])
         try:
             self.loop.run()
         finally:
+            gc.set_threshold(*thresholds)
             gc.unfreeze()
         self.stats["wall_s"] = time.perf_counter() - wall
         self.stats["events"] = self.loop.processed
@@ -624,7 +652,7 @@ class Cluster:
         pod.submit_prefill(r)
 
     def route(self, session_id: str, turn: SimTurn) -> Pod:
-        cands = [Candidate(p.name, p.name, p.inflight) for p in self.prefill_pods]
+        cands = [p.candidate() for p in self.prefill_pods]
         prefixes: dict[str, Any] = {}
         if self.routing.name == "kv-aware":
             try:
@@ -677,6 +705,7 @@ class Cluster:
             else:
                 r.state = RequestState.DECODING
                 pod.decoding[r.rid] = r
+                pod.n_inflight += 1
             return
         # the proxy's decode choice (orchestrator: LeastLoaded, the session's last decode pod
         # first among equally loaded ones)
@@ -684,16 +713,15 @@ class Cluster:
         # LeastLoaded sorts by (in flight, not the session's last pod, rendezvous rank), each
         # key a candidate's own, so its first choice is among the least loaded: rank only those
         # (the same choice, without hashing the session with every pod of a large pool)
-        loads = [(p, p.inflight) for p in self.decode_pods]
-        least = min(n for _, n in loads)
-        cands = [Candidate(p.name, p.name, n) for p, n in loads if n == least]
+        least = min(p.n_inflight for p in self.decode_pods)
+        cands = [p.candidate() for p in self.decode_pods if p.n_inflight == least]
         dec = self.pods[self.decode_routing.rank(RouteInput(
             sid, cands, last_pod=self.last_decode.get(sid)))[0].name]
         self.last_decode[sid] = dec.name
         local = 0
         if dec.reuse:
             # the decode pod pulls only what it does not hold from the session's last turn
-            n, _ = dec.tiers.prefix(r.turn.chunks, len(r.turn.chunks))
+            n = dec.tiers.prefix_len(r.turn.chunks, len(r.turn.chunks))
             if n:
                 dec.extra_s += dec._load_s(dec.tiers.use(r.turn.chunks[:n]))
                 self.flush(dec)

@@ -3,6 +3,8 @@
 Ordering contract: events run in time order; events at the same time run in the order they
 were scheduled (FIFO), so a run is a pure function of its inputs. A handle can be cancelled
 (the event is skipped when popped), which is how a pod reschedules its next completion.
+The heap holds ``(time, seq, event)`` tuples: compared in C, where an ``Event.__lt__`` call per
+comparison was ~2% of a large run; ``seq`` is unique, so no two entries compare their events.
 """
 
 from __future__ import annotations
@@ -30,15 +32,16 @@ class Event:
 class EventLoop:
     def __init__(self) -> None:
         self.now = 0.0
-        self._heap: list[Event] = []
+        self._heap: list[tuple[float, int, Event]] = []
         self._seq = itertools.count()
         self.processed = 0
 
     def at(self, time: float, fn: Callable[..., Any], *args: Any) -> Event:
         if time < self.now:
             raise ValueError(f"cannot schedule in the past ({time} < {self.now})")
-        ev = Event(time, next(self._seq), fn, args)
-        heapq.heappush(self._heap, ev)
+        seq = next(self._seq)
+        ev = Event(time, seq, fn, args)
+        heapq.heappush(self._heap, (time, seq, ev))
         return ev
 
     def after(self, delay: float, fn: Callable[..., Any], *args: Any) -> Event:
@@ -46,11 +49,12 @@ class EventLoop:
 
     def run(self, until: float | None = None) -> None:
         heap = self._heap
+        pop = heapq.heappop
         while heap:
-            if until is not None and heap[0].time > until:
+            if until is not None and heap[0][0] > until:
                 self.now = until
                 return
-            ev = heapq.heappop(heap)
+            ev = pop(heap)[2]
             if ev.cancelled:
                 continue
             self.now = ev.time
@@ -58,7 +62,7 @@ class EventLoop:
             ev.fn(*ev.args)
 
     def __len__(self) -> int:
-        return sum(1 for e in self._heap if not e.cancelled)
+        return sum(1 for _, _, e in self._heap if not e.cancelled)
 
 
 def run_sync(coro: Any) -> Any:

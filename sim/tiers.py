@@ -4,6 +4,10 @@ chunk ids, reporting residency changes to the kvindex the way a worker does (eve
 Simplifications (docs/sim.md): a chunk lives in exactly one tier; eviction demotes device ->
 DRAM -> disk -> gone; a hit is promoted to the device tier. Every move is counted as
 transfer volume of its kind.
+
+Speed: a 100k-session run makes ~10^8 residency changes, so the per-change paths (``_place``'s
+eviction cascade, ``store``, ``use``) are written as flat loops over local names, with no call
+per change; ``log`` (tests) records the raw change sequence they net.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ _DEMOTE = {Tier.DEVICE: Tier.CPU, Tier.CPU: Tier.DISK}
 _MOVE_KIND = {(Tier.DEVICE, Tier.CPU): "device_to_dram", (Tier.CPU, Tier.DISK): "dram_to_disk",
               (Tier.CPU, Tier.DEVICE): "dram_to_device", (Tier.DISK, Tier.CPU): "disk_to_dram",
               (Tier.DISK, Tier.DEVICE): "disk_to_device"}
+_STORED, _REMOVED = EventOp.STORED, EventOp.REMOVED
+_DEVICE, _DISK = Tier.DEVICE, Tier.DISK
 
 
 class PodTiers:
-    def __init__(self, pod: str, caps: dict[Tier, int], chunk_bytes: int) -> None:
+    def __init__(self, pod: str, caps: dict[Tier, int], chunk_bytes: int,
+                 log: list[tuple[EventOp, Tier, str]] | None = None) -> None:
         self.pod = pod
         self.caps = caps                       # chunks per tier (0: no such tier)
         self.lru: dict[Tier, OrderedDict[str, None]] = {t: OrderedDict() for t in TIERS}
@@ -34,22 +41,44 @@ class PodTiers:
         self.raw_events = 0
         self.flushed_raw = 0                   # raw_events at the last flush
         self.seq = 0
-        # where a new or promoted chunk lands: the device tier, else the first tier below it
-        # that exists (a decode pod, or a pod without a device prefix cache: DRAM)
-        top: Tier | None = Tier.DEVICE
-        while top is not None and caps.get(top, 0) <= 0:
-            top = _DEMOTE.get(top)
-        self.top = top
+        self.log = log                         # if a list: every raw (op, tier, chunk) change
+        # where a chunk placed in a tier lands: that tier, else the first one below it that
+        # exists (a decode pod, or a pod without a device prefix cache: DRAM); None: nowhere
+        self._land: dict[Tier, Tier | None] = {}
+        for t in TIERS:
+            land: Tier | None = t
+            while land is not None and caps.get(land, 0) <= 0:
+                land = _DEMOTE.get(land)
+            self._land[t] = land
+        # where a chunk evicted from a tier goes: the tier right below, if it exists (an
+        # eviction never skips a missing tier: with no DRAM, device victims are dropped)
+        self._below = {t: (_DEMOTE[t] if t in _DEMOTE and caps.get(_DEMOTE[t], 0) > 0
+                           else None) for t in TIERS}
+        # per tier, what its eviction cascade reads: (LRU, capacity, tier below, move kind)
+        self._levels = {t: (self.lru[t], caps.get(t, 0), self._below[t],
+                            _MOVE_KIND.get((t, self._below[t]))) for t in TIERS}
+        self.top = self._land[Tier.DEVICE]     # where a new or promoted chunk lands
 
     # -- queries
     def prefix(self, chunks: list[str], limit: int) -> tuple[int, list[Tier]]:
         tiers = []
+        where = self.where
         for h in chunks[:limit]:
-            t = self.where.get(h)
+            t = where.get(h)
             if t is None:
                 break
             tiers.append(t)
         return len(tiers), tiers
+
+    def prefix_len(self, chunks: list[str], limit: int) -> int:
+        """``prefix(...)[0]`` without the tier list."""
+        where = self.where
+        n = 0
+        for h in chunks:
+            if n >= limit or h not in where:
+                break
+            n += 1
+        return n
 
     def count(self, tier: Tier) -> int:
         return len(self.lru[tier])
@@ -58,30 +87,47 @@ class PodTiers:
     def _note(self, op: EventOp, tier: Tier, h: str) -> None:
         self._net[(h, tier)] = op
         self.raw_events += 1
+        if self.log is not None:
+            self.log.append((op, tier, h))
 
     def _remove(self, h: str) -> Tier | None:
         t = self.where.pop(h, None)
         if t is not None:
             del self.lru[t][h]
-            self._note(EventOp.REMOVED, t, h)
+            self._note(_REMOVED, t, h)
         return t
 
     def _place(self, h: str, tier: Tier) -> None:
-        while tier is not None and self.caps.get(tier, 0) <= 0:
-            tier = _DEMOTE.get(tier)  # type: ignore[assignment]
-        if tier is None:
+        """Put ``h`` (held nowhere) at the head of ``tier`` (or the first tier below that
+        exists); each tier it overflows evicts its least recently used chunk one tier down
+        (or out). The same changes, in the same order, as placing each victim recursively."""
+        land = self._land[tier]
+        if land is None:
             return
-        self.lru[tier][h] = None
-        self.where[h] = tier
-        self._note(EventOp.STORED, tier, h)
-        while len(self.lru[tier]) > self.caps[tier]:
-            victim, _ = self.lru[tier].popitem(last=False)
-            del self.where[victim]
-            self._note(EventOp.REMOVED, tier, victim)
-            lower = _DEMOTE.get(tier)
-            if lower is not None and self.caps.get(lower, 0) > 0:
-                self._count(tier, lower)
-                self._place(victim, lower)
+        tier = land
+        where, net, levels, log = self.where, self._net, self._levels, self.log
+        raw = 0
+        while True:
+            q, cap, lower, kind = levels[tier]
+            q[h] = None
+            where[h] = tier
+            net[(h, tier)] = _STORED
+            raw += 1
+            if log is not None:
+                log.append((_STORED, tier, h))
+            if len(q) <= cap:   # at most one over: every placed chunk was held nowhere
+                break
+            victim = q.popitem(last=False)[0]
+            del where[victim]
+            net[(victim, tier)] = _REMOVED
+            raw += 1
+            if log is not None:
+                log.append((_REMOVED, tier, victim))
+            if lower is None:
+                break
+            self.moved[kind] = self.moved.get(kind, 0) + self.chunk_bytes
+            h, tier = victim, lower
+        self.raw_events += raw
 
     def _count(self, src: Tier, dst: Tier) -> None:
         kind = _MOVE_KIND[(src, dst)]
@@ -90,27 +136,30 @@ class PodTiers:
     def store(self, chunks: list[str]) -> None:
         """Newly computed KV for ``chunks`` (on the device): keep it, most recent first."""
         top = self.top
+        where, lru = self.where, self.lru
+        dev = lru[_DEVICE]
         for h in chunks:
-            t = self.where.get(h)
-            if t is Tier.DEVICE:
-                self.lru[t].move_to_end(h)
+            t = where.get(h)
+            if t is _DEVICE:
+                dev.move_to_end(h)
             elif t is not None and t is top:
-                self._refresh(h, t)
+                lru[t].move_to_end(h)          # _refresh, inlined
             else:
                 if t is not None:
                     self._remove(h)
-                self._place(h, Tier.DEVICE)
+                self._place(h, _DEVICE)
 
     def _refresh(self, h: str, t: Tier) -> None:
         """A chunk stored or reused in the tier it would land in anyway (a decode pod's DRAM):
         it becomes the most recently used, as on the device tier, and nothing else changes —
         no eviction (the tier's size is the same) and no residency event (the engine's tiers
-        report none for a hit; the index would have applied a STORED on a bit already set)."""
+        report none for a hit; the index would have applied a STORED on a bit already set).
+        (Inlined in ``store`` and ``use``.)"""
         self.lru[t].move_to_end(h)
 
     def store_new(self, chunks: list[str]) -> int:
-        """``store``, returning how many of ``chunks`` were not held in any tier (what an
-        engine actually writes)."""
+        """``store``, returning how many of ``chunks`` were not held in any tier before it
+        (what an engine actually writes; storing the first may evict a later one)."""
         where = self.where
         n = sum(1 for h in chunks if h not in where)
         self.store(chunks)
@@ -119,29 +168,30 @@ class PodTiers:
     def use(self, chunks: list[str]) -> dict[Tier, int]:
         """A request reuses ``chunks``: promote them to the device; returns chunks per source."""
         src: dict[Tier, int] = {}
+        where, lru, top = self.where, self.lru, self.top
         for h in chunks:
-            t = self.where.get(h)
+            t = where.get(h)
             if t is None:
                 continue
             src[t] = src.get(t, 0) + 1
-            if t is Tier.DEVICE:
-                self.lru[t].move_to_end(h)
+            if t is _DEVICE:
+                lru[t].move_to_end(h)
                 continue
-            self._count(t, Tier.DEVICE)
-            if t is self.top:
-                self._refresh(h, t)
+            self._count(t, _DEVICE)
+            if t is top:
+                lru[t].move_to_end(h)          # _refresh, inlined
                 continue
             self._remove(h)
-            self._place(h, Tier.DEVICE)
+            self._place(h, _DEVICE)
         return src
 
     def prefetch(self, chunks: tuple[str, ...] | list[str]) -> int:
         """Disk -> DRAM for the chunks still on disk; returns how many moved."""
         n = 0
         for h in chunks:
-            if self.where.get(h) is Tier.DISK and self.caps.get(Tier.CPU, 0) > 0:
+            if self.where.get(h) is _DISK and self.caps.get(Tier.CPU, 0) > 0:
                 self._remove(h)
-                self._count(Tier.DISK, Tier.CPU)
+                self._count(_DISK, Tier.CPU)
                 self._place(h, Tier.CPU)
                 n += 1
         return n

@@ -103,14 +103,17 @@ def test_validation_recovers_a_known_host_load():
     ss = compile_trace(load_trace("bundled:bench-small"), chunk=256)
     truth = simulate(ss, prof, SimConfig(config="baseline", topology="1P2D",
                                          engine_scheduler=True,
-                                         host_background_roles={"both": 1.5}))
+                                         host_background_roles={"both": 2.0}))
     real = {"settings": {"prefill": 1, "decode": 2, "rate": None},
             "configs": {"baseline": _fake_real_report(truth)}}
     assert real_forward_s(real["configs"]["baseline"]) == {
         "both": truth.summary["sim"]["forward_s"]}
     env = fit_environment(ss, prof, "baseline", "1P2D", None,
                           real_forward_s(real["configs"]["baseline"]))
-    assert env["both"] == pytest.approx(1.5, abs=0.05)
+    # (2.0: where forward seconds grow steadily with the load; under processor sharing the
+    # curve has flat stretches, e.g. 1.38-1.5 with the profile re-taken on the paged pool,
+    # where a load cannot be told from its neighbours and the fit may land anywhere in them)
+    assert env["both"] == pytest.approx(2.0, abs=0.05)
     out = validate(real, ss, prof)
     row = out["configs"]["baseline"]
     assert abs(row["fitted"]["req_per_s"]["error"]) < 0.03

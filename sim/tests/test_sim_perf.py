@@ -98,12 +98,7 @@ def test_netted_flush_leaves_index_as_raw_events_would():
     caps = {Tier.DEVICE: 3, Tier.CPU: 4, Tier.DISK: 5}
     ops: list[tuple] = []
 
-    class Recording(PodTiers):
-        def _note(self, op, tier, h):  # noqa: ANN001 - record the raw sequence too
-            ops.append((op, tier, h))
-            super()._note(op, tier, h)
-
-    t = Recording("p0", caps, 1024)
+    t = PodTiers("p0", caps, 1024, log=ops)   # records the raw sequence too
     netted, raw = InMemoryIndex(), InMemoryIndex()
     for ix in (netted, raw):
         run_sync(ix.register_pod(PodRegistration(pod="p0", memory_api_url="http://p0:6999",
@@ -182,3 +177,73 @@ def test_incremental_waiting_queue_matches_a_rebuild(trace, monkeypatch):
     assert checked["steps"] > 100
     assert checked["max_queue"] >= 10    # the queue did build up
     assert checked["disk"] > 0           # and the disk-chunk count was exercised
+
+
+def test_kept_inflight_counts_match_the_queues(trace, monkeypatch):
+    """Routing reads each pod's kept ``n_inflight``; it equals the queues' sizes whenever a
+    turn is routed, and every pod ends at zero (P/D, both pods and the engine scheduler)."""
+    from agentserving.sim.cluster import Cluster
+
+    seen: list[Cluster] = []
+    busiest = [0]
+    route = Cluster.route
+
+    def checked(self, session_id, turn):  # noqa: ANN001
+        for p in self.pods.values():
+            assert p.n_inflight == p.inflight
+            busiest[0] = max(busiest[0], p.inflight)
+        seen.append(self)
+        return route(self, session_id, turn)
+
+    monkeypatch.setattr(Cluster, "route", checked)
+    ss = compile_trace(trace)
+    for name, topo, kw in (("agentserving", "1P3D", {}), ("baseline", "1P3D", {}),
+                           ("agentserving", "1P1D", {"engine_scheduler": True})):
+        seen.clear()
+        busiest[0] = 0
+        prof = "reference-cpu" if kw else "910b3-qwen3-4b"
+        simulate(ss[:60], load_profile(prof), SimConfig(config=name, topology=topo, rate=5.0,
+                                                        **kw))
+        assert len(seen) > 100 and max(p.inflight for p in seen[-1].pods.values()) == 0
+        assert all(p.n_inflight == 0 for p in seen[-1].pods.values())
+        assert busiest[0] > 1   # pods were loaded while routed to
+
+
+# sha256 of `_tiers_script` run on sim/tiers.py as it was before its per-change paths were
+# flattened (the recursive eviction cascade): every result, event batch, counter and LRU order
+TIERS_GOLDEN = "195043a1f3798b15f7520d55d4fa9222c1837cdd4ecae85744b03062d3437b88"
+
+
+def _tiers_script() -> str:
+    import random
+
+    rng = random.Random(7)
+    out = []
+    for caps in ({Tier.DEVICE: 3, Tier.CPU: 5, Tier.DISK: 7},
+                 {Tier.DEVICE: 0, Tier.CPU: 4, Tier.DISK: 6},     # decode pod: DRAM on top
+                 {Tier.DEVICE: 4, Tier.CPU: 0, Tier.DISK: 5},     # no DRAM: victims dropped
+                 {Tier.DEVICE: 2, Tier.CPU: 3, Tier.DISK: 0}):
+        t = PodTiers("p", caps, 100)
+        for _ in range(400):
+            chain = [f"c{rng.randrange(30)}" for _ in range(rng.randrange(1, 9))]
+            op = rng.randrange(4)
+            if op == 0:
+                r = t.store(chain)
+            elif op == 1:
+                r = t.store_new(chain)
+            elif op == 2:
+                r = sorted((k.value, v) for k, v in t.use(chain).items())
+            else:
+                r = t.prefetch(chain)
+            for k in (0, 3, 9):
+                assert t.prefix_len(chain, k) == t.prefix(chain, k)[0]
+            b = t.flush()
+            ev = [(e.op.value, e.tier.value, e.chunk_hashes) for e in b.events] if b else None
+            out.append([r if op != 0 else None, ev, t.raw_events, sorted(t.moved.items()),
+                        {k.value: list(v) for k, v in t.lru.items()},
+                        t.prefix(chain, 5)[0], [x.value for x in t.prefix(chain, 5)[1]]])
+    return hashlib.sha256(json.dumps(out).encode()).hexdigest()
+
+
+def test_tiers_change_exactly_as_before_they_were_flattened():
+    assert _tiers_script() == TIERS_GOLDEN

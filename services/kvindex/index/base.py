@@ -112,10 +112,11 @@ def score(prefix: PrefixCount) -> float:
 
 def rank_prefixes(prefixes: list[PrefixCount]) -> list[PodPrefix]:
     """Best pod first: highest tier-weighted score, then longest prefix, then name (stable)."""
-    ranked = sorted(prefixes, key=lambda p: (-score(p), -p.prefix_chunks, p.pod))
+    scored = sorted(((score(p), p) for p in prefixes),
+                    key=lambda sp: (-sp[0], -sp[1].prefix_chunks, sp[1].pod))  # score once each
     return [
-        PodPrefix(pod=p.pod, prefix_chunks=p.prefix_chunks, tiers=p.tiers, score=round(score(p), 6))
-        for p in ranked
+        PodPrefix(pod=p.pod, prefix_chunks=p.prefix_chunks, tiers=p.tiers, score=round(s, 6))
+        for s, p in scored
     ]
 
 

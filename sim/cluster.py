@@ -40,6 +40,7 @@ from agentserving.kvindex.index.base import rank_prefixes
 from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStore
 from agentserving.prefill.policies import ReqView, SchedState, build_policy
 from agentserving.prefill.shadow import ShadowScheduler, StepTimeModel
+from agentserving.proxy.disagg import HeldContext, PromptSize, prefill_on_decode_pod
 from agentserving.proxy.routing import Candidate, LeastLoaded, RouteInput, make_policy
 from agentserving.replay.metrics import summarize
 from agentserving.sim.events import EventLoop, run_sync
@@ -84,6 +85,14 @@ class SimConfig:
     # A fixed wait per P/D hand-off besides its bytes (request to the decode pod, connection,
     # the pull's header round trip); 0 unless measured (sim/validate.py fits it to a run).
     handoff_latency_s: float = 0.0
+    # The proxy's conditional disaggregation (``agentserving.proxy.disagg``, the same decision
+    # function): a turn whose session's decode pod would compute at most this many prompt
+    # tokens runs whole there; 0: every turn through the prefill pod (the proxy before
+    # session 3, and the validation runs taken then). Decode pods then prefill with their own
+    # scheduler: ``decode_scheduler`` in 256-token chunks (the bench's DECODE_POD_ARGS).
+    local_prefill_tokens: int = 0
+    decode_scheduler: str = "fcfs?decode_steps=3"
+    decode_chunk_tokens: int = 256
 
 
 class RefitEvery(StepTimeModel):
@@ -118,7 +127,7 @@ class Req:
     __slots__ = ("rid", "turn", "send", "prompt", "out", "cached", "computed", "disk",
                  "view", "prefill_pod", "decode_pod", "first", "left", "ctx", "end",
                  "cached_actual", "state", "arrival_time", "handoff_at",
-                 "decode_local")
+                 "decode_local", "local")
 
     def __init__(self, rid: str, turn: SimTurn, send: float) -> None:
         self.rid, self.turn, self.send = rid, turn, send
@@ -136,6 +145,7 @@ class Req:
         self.arrival_time = send
         self.handoff_at: float | None = None   # P/D: when the decode pod got the request
         self.decode_local = 0    # P/D: leading chunks the decode pod already held
+        self.local = False       # prefilled and decoded on the session's decode pod
 
 
 class Pod:
@@ -212,7 +222,8 @@ class Pod:
                            if t is Tier.DISK)
         r.computed = r.cached
         r.view = ReqView(r.rid, r.send, r.prompt, computed=r.cached, disk_chunks=r.disk,
-                         decode_left=(r.out - 1) if self.role == PodRole.BOTH else 0)
+                         decode_left=(r.out - 1) if self.role == PodRole.BOTH or r.local
+                         else 0)
         self.waiting[r.rid] = r
         self.n_inflight += 1
         if self._wviews is not None:
@@ -305,10 +316,12 @@ class Pod:
         now = self.c.loop.now
         if self.role == PodRole.DECODE:
             self._admit_decodes()
+        one_step = False  # a decode-only step the policy interleaves before the next chunk
         if self.waiting or self.prefilling:
             if self.engine_policy is not None:
                 if self._engine_step(now):
                     return
+                one_step = getattr(self.policy, "decode_steps", 1) > 1
             else:
                 state = self._state()
                 pol = self.policy
@@ -330,7 +343,7 @@ class Pod:
                     self._prefill_step(d, state, now)
                     return
         if self.decoding:
-            self._decode_run(now)
+            self._decode_run(now, 1 if one_step else None)
             return
         if self.extra_s:   # deferred KV stores still run on an otherwise idle loop
             extra, self.extra_s = self.extra_s, 0.0
@@ -478,14 +491,14 @@ class Pod:
                 self.c.prefill_done(self, r, now)
         self._step()
 
-    def _decode_run(self, now: float) -> None:
+    def _decode_run(self, now: float, max_steps: int | None = None) -> None:
         p = self.c.profile
         b = len(self.decoding)
-        if self.extra_s:   # owed loads/stores: one step that carries them
+        if self.extra_s or max_steps == 1:   # owed loads/stores: one step that carries them
             k = 1
             fwd = p.decode_s(b, sum(r.ctx for r in self.decoding.values()))
             dt = fwd + self._take_extra()
-            self.fwd_share = fwd / dt
+            self.fwd_share = fwd / dt if dt else 1.0
         else:
             k = min(r.left for r in self.decoding.values())
             dt = p.decode_s(b, sum(r.ctx for r in self.decoding.values()) + b * k // 2)
@@ -576,7 +589,7 @@ class Cluster:
             for i in range(n):
                 name = f"{prefix}-{i}"
                 self.pods[name] = Pod(self, name, role, reuse, self._policy(reuse)
-                                      if role != PodRole.DECODE else None)
+                                      if role != PodRole.DECODE else self._decode_policy())
                 run_sync(self.index.register_pod(PodRegistration(
                     pod=name, memory_api_url=f"http://{name}:6999", role=role,
                     model=profile.model), ttl_s=1e12))
@@ -586,6 +599,7 @@ class Cluster:
         self.itl: list[tuple[float, int]] = []
         self.last_pod: dict[str, str] = {}
         self.last_decode: dict[str, str] = {}
+        self.last_prompt: dict[str, int] = {}   # the session's previous prompt, in tokens
         self.turn_end: dict[tuple[str, int], float] = {}
         self.children: dict[tuple[str, int], list[SimSession]] = {}
         self.remaining = sum(len(s.turns) for s in sessions)
@@ -596,6 +610,16 @@ class Cluster:
                                       "prefetch_chunks": 0, "pod_to_pod_bytes": 0,
                                       "decode_ttft_s": 0.0}
         self.ts: dict[str, list[float]] = {"t": []}
+
+    def _decode_policy(self) -> Any:
+        """Decode pods prefill only the turns kept off the prefill pods (conditional
+        disaggregation): the reference engine's scheduler as the bench's decode pods run it,
+        or the pure chunked FCFS policy with the same chunk."""
+        if not self.cfg.local_prefill_tokens:
+            return None
+        if self.engine_policy is not None:
+            return make_engine_policy(self.cfg.decode_scheduler, self.cfg.decode_chunk_tokens)
+        return build_policy("fcfs-chunk", chunk_tokens=self.cfg.decode_chunk_tokens)
 
     def _policy(self, reuse: bool) -> Any:
         if self.engine_policy is not None:
@@ -648,8 +672,32 @@ class Cluster:
         turn = s.turns[k]
         now = self.loop.now
         r = Req(f"{s.session_id}/{k}", turn, now)
-        pod = self.route(s.session_id, turn)
+        pod = self.local_pod(s, k)
+        if pod is not None:
+            r.local = True
+            r.decode_local = len(turn.chunks)  # computed here: nothing to store at the end
+            self.last_pod[s.session_id] = pod.name
+        else:
+            pod = self.route(s.session_id, turn)
         pod.submit_prefill(r)
+
+    def local_pod(self, s: SimSession, k: int) -> Pod | None:
+        """The proxy's conditional disaggregation (``Orchestrator._local_pod`` without its
+        kvindex check of long appends): the session's decode pod, when this turn should run
+        whole there. A branch starts from its parent's state, as the proxy's fork copies it."""
+        if not self.cfg.local_prefill_tokens or not self.decode_pods:
+            return None
+        sid = s.session_id if k or s.parent is None else s.parent[0]
+        name, prev = self.last_decode.get(sid), self.last_prompt.get(sid)
+        if name is None or prev is None:
+            return None
+        held = HeldContext(prev, None, self.cfg.chunk)
+        if not prefill_on_decode_pod(PromptSize(s.turns[k].prompt_len, None), held,
+                                     self.cfg.local_prefill_tokens):
+            return None
+        if sid != s.session_id:
+            self.last_decode[s.session_id] = name
+        return self.pods[name]
 
     def route(self, session_id: str, turn: SimTurn) -> Pod:
         cands = [p.candidate() for p in self.prefill_pods]
@@ -695,7 +743,7 @@ class Cluster:
         self.stats["index_chunk_ops"] += res.chunk_events
 
     def prefill_done(self, pod: Pod, r: Req, now: float) -> None:
-        if pod.role == PodRole.BOTH:
+        if pod.role == PodRole.BOTH or r.local:
             r.first = now
             r.decode_pod = pod.name
             r.left = r.out - 1
@@ -706,6 +754,8 @@ class Cluster:
                 r.state = RequestState.DECODING
                 pod.decoding[r.rid] = r
                 pod.n_inflight += 1
+                if r.local:
+                    pod.decode_kv += r.prompt + r.out
             return
         # the proxy's decode choice (orchestrator: LeastLoaded, the session's last decode pod
         # first among equally loaded ones)
@@ -753,7 +803,10 @@ class Cluster:
         r.end = now
         if r.handoff_at is not None:   # what a decode worker's ttft_seconds metric measures
             self.stats["decode_ttft_s"] += (r.first or now) - r.handoff_at
+        elif r.local:                  # ... for a turn it prefilled itself: from arrival
+            self.stats["decode_ttft_s"] += (r.first or now) - r.send
         t = r.turn
+        self.last_prompt[t.session_id] = r.prompt
         self.remaining -= 1
         self.records.append({
             "session_id": t.session_id, "turn": t.index, "last_turn": t.last, "ok": True,

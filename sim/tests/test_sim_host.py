@@ -121,3 +121,33 @@ def test_validation_recovers_a_known_host_load():
     # without the host's load the same fleet looks much faster
     assert row["idle_host"]["req_per_s"]["error"] > 0.2
     assert out["within_15pct"]
+
+
+def test_conditional_disaggregation_runs_short_appends_on_the_decode_pod():
+    """The proxy's rule in the simulator: turn 1 goes P/D; a 200-token append runs whole on
+    the session's decode pod (its context cached there); a 3000-token append goes P/D again.
+    Off (0), every turn is P/D. The real report's settings say which applies."""
+    from agentserving.sim.validate import local_prefill_tokens_of
+
+    trace = sessions_from([{"session_id": "s", "start_s": 0.0, "turns": [
+        {"input": {"length": 1000}, "output_tokens": 4, "tool_gap_s": 0.1},
+        {"input": {"length": 200}, "output_tokens": 4, "tool_gap_s": 0.1},
+        {"input": {"length": 3000}, "output_tokens": 4}]}], block_size=256)
+
+    def pods(local: int) -> list[tuple[str, str]]:
+        res = simulate(compile_trace(trace), toy(), SimConfig(
+            config="agentserving", topology="1P2D", engine_scheduler=True,
+            local_prefill_tokens=local))
+        recs = sorted(res.records, key=lambda r: r["turn"])
+        assert [r["ok"] for r in recs] == [True] * 3
+        return [(r["prefill_pod"], r["decode_pod"]) for r in recs]
+
+    on = pods(2048)
+    assert on[0][0] == "prefill-0" and on[1] == (on[0][1], on[0][1])  # local, same pod
+    assert on[2][0] == "prefill-0"
+    assert all(p == "prefill-0" for p, _ in pods(0))
+    assert local_prefill_tokens_of({"settings": {"proxy_args": ["--local-prefill-tokens=0"]},
+                                    "configs": {}}) == 0
+    assert local_prefill_tokens_of({"configs": {"agentserving": {"per_turn": {
+        "local_prefill_share": 0.8}}}}) == 2048
+    assert local_prefill_tokens_of({"configs": {"agentserving": {"per_turn": {}}}}) == 0

@@ -81,13 +81,18 @@ def _engine(tmp: Path, bundle: Any, **overrides: Any) -> Any:
     return build_engine(settings, bundle=bundle)
 
 
-def load_section(args: argparse.Namespace, bundle: Any, tmp: Path) -> dict[str, Any]:
-
-    parts = _engine(tmp / "load", bundle)
+def _on_fresh_engine(tmp: Path, bundle: Any, rows: Any, args: argparse.Namespace
+                     ) -> dict[str, Any]:
+    """``rows(args, parts)`` on an engine of its own, closed afterwards."""
+    parts = _engine(tmp, bundle)
     try:
-        return _load_rows(args, parts)
+        return rows(args, parts)
     finally:
         parts.close()
+
+
+def load_section(args: argparse.Namespace, bundle: Any, tmp: Path) -> dict[str, Any]:
+    return _on_fresh_engine(tmp / "load", bundle, _load_rows, args)
 
 
 def _load_rows(args: argparse.Namespace, parts: Any) -> dict[str, Any]:
@@ -310,12 +315,7 @@ def decode_section(args: argparse.Namespace, bundle: Any) -> dict[str, Any]:
 
 def pull_prefix_section(args: argparse.Namespace, bundle: Any, tmp: Path) -> dict[str, Any]:
     """What reading a decode pod's local prefix costs the step loop, before and after."""
-
-    parts = _engine(tmp / "pull", bundle)
-    try:
-        return _pull_rows(args, parts)
-    finally:
-        parts.close()
+    return _on_fresh_engine(tmp / "pull", bundle, _pull_rows, args)
 
 
 def _pull_rows(args: argparse.Namespace, parts: Any) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from typing import Any
 import click
 
 from agentserving.core.cli import option
+from agentserving.engine.scheduler.policy import DECODE_POD_CHUNK_TOKENS, DECODE_POD_POLICY
 
 CONFIGS = ("baseline", "agentserving", "baseline-apc")
 # agentserving's prefill-pod scheduling policy (measured: docs/replay.md)
@@ -37,7 +38,8 @@ PREFILL_POLICY = "fcfs"
 # Decode pods prefill the short appends the proxy keeps off the prefill pod (conditional
 # disaggregation): small chunks, each followed by decode-only steps, so the turns decoding beside
 # them keep their pace (measured: docs/replay.md).
-DECODE_POD_ARGS = ["--prefill-chunk-tokens", "256", "--scheduler-policy", "fcfs?decode_steps=3"]
+DECODE_POD_ARGS = ["--prefill-chunk-tokens", str(DECODE_POD_CHUNK_TOKENS),
+                   "--scheduler-policy", DECODE_POD_POLICY]
 
 
 def fleet_spec(config: str, *, prefill: int, decode: int, model: str, cpu_cache_gib: float,

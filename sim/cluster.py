@@ -33,7 +33,11 @@ from typing import Any
 import numpy as np
 
 from agentserving.core.schemas import PodRegistration, PodRole, Tier
-from agentserving.engine.scheduler.policy import SchedulerContext
+from agentserving.engine.scheduler.policy import (
+    DECODE_POD_CHUNK_TOKENS,
+    DECODE_POD_POLICY,
+    SchedulerContext,
+)
 from agentserving.engine.scheduler.policy import make_policy as make_engine_policy
 from agentserving.engine.scheduler.request import RequestState
 from agentserving.kvindex.index.base import rank_prefixes
@@ -91,8 +95,8 @@ class SimConfig:
     # session 3, and the validation runs taken then). Decode pods then prefill with their own
     # scheduler: ``decode_scheduler`` in 256-token chunks (the bench's DECODE_POD_ARGS).
     local_prefill_tokens: int = 0
-    decode_scheduler: str = "fcfs?decode_steps=3"
-    decode_chunk_tokens: int = 256
+    decode_scheduler: str = DECODE_POD_POLICY
+    decode_chunk_tokens: int = DECODE_POD_CHUNK_TOKENS
 
 
 class RefitEvery(StepTimeModel):

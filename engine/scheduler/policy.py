@@ -104,6 +104,12 @@ class FcfsPolicy:
         return plan
 
 
+# What a decode pod runs when the proxy sends it whole turns (conditional disaggregation): one
+# 256-token chunk, then two decode-only steps. The bench's decode pods and the simulator's
+# model of them both take it from here.
+DECODE_POD_POLICY = "fcfs?decode_steps=3"
+DECODE_POD_CHUNK_TOKENS = 256
+
 PolicyFactory = Callable[..., SchedulerPolicy]  # (chunk_tokens, **options) -> policy
 
 POLICIES: dict[str, PolicyFactory] = {

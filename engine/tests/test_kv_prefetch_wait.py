@@ -31,6 +31,16 @@ def fake_chunks(tiny, n: int, seed: int) -> list:  # type: ignore[no-untyped-def
             for _ in range(n)]
 
 
+def assert_holds_chunks(kv, objs: list, tiny) -> None:  # type: ignore[no-untyped-def]
+    """Every layer of ``kv`` holds ``objs``' chunks, in order, bit for bit."""
+    for layer in range(tiny.num_layers):
+        k, v = kv.view(layer, 256 * len(objs), copy=True)
+        for j, obj in enumerate(objs):
+            want = obj.tensor.view(2, tiny.num_layers, 256, tiny.num_kv_heads, tiny.head_dim)
+            assert torch.equal(k[0, :, j * 256:(j + 1) * 256], want[0, layer].transpose(0, 1))
+            assert torch.equal(v[0, :, j * 256:(j + 1) * 256], want[1, layer].transpose(0, 1))
+
+
 @pytest.fixture
 def on_disk(engine_factory, tiny):
     """An engine whose store holds the 3 full chunks of a 900-token prompt on disk only."""
@@ -176,12 +186,7 @@ def test_layer_copy_lands_every_chunk_on_both_table_kinds(tiny, fragmented):
     copy = layerwise.chunk_copier(objs, kv, 256)
     for layer in range(tiny.num_layers):
         copy(layer)
-    for layer in range(tiny.num_layers):
-        k, v = kv.view(layer, 768, copy=True)
-        for j, obj in enumerate(objs):
-            want = obj.tensor.view(2, tiny.num_layers, 256, tiny.num_kv_heads, tiny.head_dim)
-            assert torch.equal(k[0, :, j * 256:(j + 1) * 256], want[0, layer].transpose(0, 1))
-            assert torch.equal(v[0, :, j * 256:(j + 1) * 256], want[1, layer].transpose(0, 1))
+    assert_holds_chunks(kv, objs, tiny)
 
 
 def test_shadow_prefetch_serves_queued_disk_turns_from_dram_bit_identical(engine_factory):
@@ -265,12 +270,7 @@ def test_forward_copies_a_layer_itself_when_the_loader_has_not_started(tiny):
     assert exits == [1] and load.done()
     assert sorted(layer for layer, _ in copies) == list(range(tiny.num_layers))  # once each
     assert [name for layer, name in copies if layer < 2] == [threading.current_thread().name] * 2
-    for layer in range(tiny.num_layers):
-        k, v = kv.view(layer, 512, copy=True)
-        for j, obj in enumerate(objs):
-            want = obj.tensor.view(2, tiny.num_layers, 256, tiny.num_kv_heads, tiny.head_dim)
-            assert torch.equal(k[0, :, j * 256:(j + 1) * 256], want[0, layer].transpose(0, 1))
-            assert torch.equal(v[0, :, j * 256:(j + 1) * 256], want[1, layer].transpose(0, 1))
+    assert_holds_chunks(kv, objs, tiny)
 
 
 def test_a_failing_helped_copy_fails_the_load_and_still_exits_once(tiny):

@@ -16,20 +16,8 @@ from agentserving.replay.trace import sessions_from
 from agentserving.sim import SimConfig, load_profile, simulate
 from agentserving.sim.cluster import Cluster, parse_topology, weighted_percentile
 from agentserving.sim.events import EventLoop
-from agentserving.sim.profile import Profile
+from agentserving.sim.testing import toy_profile
 from agentserving.sim.workload import compile_trace
-
-
-def toy_profile(**kw) -> Profile:
-    base = dict(name="toy", accelerator="toy", model="toy", kv_bytes_per_token=1000,
-                prefill={"a_s": 0.1, "b_s": 0.001, "c_s": 0.0},
-                decode={"a_s": 0.01, "b_s": 0.0, "c_s": 0.0},
-                memory={"hbm_kv_gib": 1.0, "dram_gib": 1.0, "ssd_gib": 0.0,
-                        "device_cache_fraction": 0.0},
-                bandwidth={"disk_to_dram_gbps": 1.0, "dram_to_device_gbps": 1.0,
-                           "pod_to_pod_gbps": 1.0})
-    base.update(kw)
-    return Profile.model_validate(base)
 
 
 def test_event_order_time_then_fifo_and_cancel():

@@ -12,21 +12,15 @@ from agentserving.sim.calibrate import build_profile
 from agentserving.sim.events import EventLoop
 from agentserving.sim.host import Host
 from agentserving.sim.profile import Profile
+from agentserving.sim.testing import toy_profile
 from agentserving.sim.validate import fit_environment, real_forward_s, validate
 from agentserving.sim.workload import compile_trace
 
 
 def toy(**kw) -> Profile:
-    base = dict(name="toy", accelerator="toy", model="toy", kv_bytes_per_token=1000,
-                prefill={"a_s": 0.1, "b_s": 0.001, "c_s": 0.0},
-                decode={"a_s": 0.01, "b_s": 0.0, "c_s": 0.0},
-                memory={"hbm_kv_gib": 1.0, "dram_gib": 1.0, "ssd_gib": 0.0,
-                        "device_cache_fraction": 0.0},
-                bandwidth={"disk_to_dram_gbps": 1.0, "dram_to_device_gbps": 1.0,
-                           "pod_to_pod_gbps": 1.0},
-                engine={"scheduler": "fcfs", "prefill_chunk_tokens": 512, "max_running": 16})
-    base.update(kw)
-    return Profile.model_validate(base)
+    """The toy profile with the reference engine's scheduler section."""
+    return toy_profile(**{"engine": {"scheduler": "fcfs", "prefill_chunk_tokens": 512,
+                                     "max_running": 16}, **kw})
 
 
 def test_processor_sharing_hand_computed():

@@ -31,6 +31,10 @@ def fake_chunks(tiny, n: int, seed: int) -> list:  # type: ignore[no-untyped-def
             for _ in range(n)]
 
 
+def test_the_worker_setting_sets_how_long_a_fetch_waits(engine_factory):
+    assert engine_factory(prefetch_wait_s=0.25).store.config.prefetch_wait_s == 0.25
+
+
 def assert_holds_chunks(kv, objs: list, tiny) -> None:  # type: ignore[no-untyped-def]
     """Every layer of ``kv`` holds ``objs``' chunks, in order, bit for bit."""
     for layer in range(tiny.num_layers):

@@ -149,3 +149,18 @@ def test_cli_writes_report(tmp_path):
     assert report["ratios"]["req_per_s"] is not None
     assert "occupancy_bytes_cpu" in report["timeseries"]["agentserving"]
     assert report["configs"]["agentserving"]["prefix_hit_rate"] > 0.5
+
+
+def test_cli_local_prefill_tokens_reaches_the_simulated_proxy(tmp_path):
+    from agentserving.sim.cli import command
+    out = tmp_path / "run"
+    res = CliRunner().invoke(command, ["--profile", "reference-cpu", "--topology", "1P2D",
+                                       "--configs", "agentserving", "--engine-scheduler",
+                                       "--local-prefill-tokens", "2048", "--limit", "4",
+                                       "--out", str(out), "--no-plots"])
+    assert res.exit_code == 0, res.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["local_prefill_tokens"] == 2048
+    turns = [json.loads(line) for line in
+             (out / "agentserving" / "turns.jsonl").read_text().splitlines()]
+    assert any(t["prefill_pod"].startswith("decode-") for t in turns)  # whole on decode pods

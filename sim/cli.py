@@ -15,7 +15,8 @@ from agentserving.core.cli import option
 def run_pair(trace_spec: str, profile_spec: str, topology: str, policy: str, shadow: bool,
              configs: list[str], rate: float | None, time_scale: float, limit: int | None,
              seed: int, sample_s: float, engine_scheduler: bool = False,
-             env: dict[str, dict[str, float]] | None = None, local_prefill_tokens: int = 0
+             env: dict[str, dict[str, float]] | None = None,
+             proxy: dict[str, int] | None = None
              ) -> tuple[dict[str, Any], dict[str, Any], Any]:
     from agentserving.replay.loader import load_trace
     from agentserving.sim.cluster import SimConfig, simulate
@@ -31,12 +32,12 @@ def run_pair(trace_spec: str, profile_spec: str, topology: str, policy: str, sha
         cfg = SimConfig(config=name, topology=topology, policy=policy, shadow=shadow,
                         rate=rate, time_scale=time_scale, seed=seed, sample_s=sample_s,
                         engine_scheduler=engine_scheduler, host_background_roles=e or None,
-                        handoff_latency_s=latency, local_prefill_tokens=local_prefill_tokens)
+                        handoff_latency_s=latency, **(proxy or {}))
         results[name] = simulate(compile_trace(trace), profile, cfg)
     settings = {"trace": trace_spec, "profile": profile.name, "topology": topology,
                 "policy": policy, "shadow": shadow, "rate": rate, "time_scale": time_scale,
                 "limit": limit, "seed": seed, "engine_scheduler": engine_scheduler,
-                "environment": env, "local_prefill_tokens": local_prefill_tokens}
+                "environment": env, **(proxy or {})}
     return results, settings, profile
 
 
@@ -71,13 +72,18 @@ def run_pair(trace_spec: str, profile_spec: str, topology: str, policy: str, sha
              "would compute at most this many prompt tokens runs whole there; the proxy's "
              "default is 2048); 0: every turn through the prefill pod. --validate takes the "
              "real run's.")
+@option("--max-prefill-backlog", type=click.IntRange(min=0), default=0,
+        help="agentserving: the proxy's prefill-queue rule (any turn prefills on a decode pod "
+             "once every prefill pod has this many turns in flight); 0: no limit, the proxy's "
+             "default. --validate takes the real run's.")
 @option("--plots/--no-plots", default=True)
 @click.pass_context
 def command(ctx: click.Context, trace_spec: str, profile_spec: str, topology: str, policy: str,
             shadow: bool, configs: str, rate: float | None, time_scale: float,
             limit: int | None, seed: int, sample_s: float, sweep: str | None,
             sweep_topologies: str, engine_scheduler: bool, validate_path: Path | None,
-            out: Path | None, local_prefill_tokens: int, plots: bool) -> None:
+            out: Path | None, local_prefill_tokens: int, max_prefill_backlog: int,
+            plots: bool) -> None:
     """Simulate a cluster running the real routing/scheduling/index code; write report.json."""
     if ctx.invoked_subcommand is not None:
         return
@@ -85,6 +91,8 @@ def command(ctx: click.Context, trace_spec: str, profile_spec: str, topology: st
     from agentserving.sim.report import draw, draw_sweep, write_run
 
     out = out or Path("runs") / time.strftime("sim-%Y%m%d-%H%M%S")
+    proxy = {"local_prefill_tokens": local_prefill_tokens,
+             "max_prefill_backlog": max_prefill_backlog}
     names = [c.strip() for c in configs.split(",") if c.strip()]
     if sweep:
         rows = []
@@ -92,8 +100,7 @@ def command(ctx: click.Context, trace_spec: str, profile_spec: str, topology: st
             for ips in [float(x) for x in sweep.split(",")]:
                 results, _, _ = run_pair(trace_spec, profile_spec, topo, policy, shadow, names,
                                          ips, time_scale, limit, seed, sample_s,
-                                         engine_scheduler,
-                                         local_prefill_tokens=local_prefill_tokens)
+                                         engine_scheduler, proxy=proxy)
                 for name, r in results.items():
                     rows.append({"config": name, "topology": topo, "ips": ips,
                                  **{k: r.summary.get(k) for k in
@@ -122,10 +129,10 @@ def command(ctx: click.Context, trace_spec: str, profile_spec: str, topology: st
         check = validate(real, compile_trace(load_trace(trace_spec, limit=limit)),
                          load_profile(profile_spec))
         env = {k: row["environment"] for k, row in check["configs"].items()}
-        local_prefill_tokens = check["local_prefill_tokens"]
+        proxy = check["proxy"]
     results, settings, profile = run_pair(trace_spec, profile_spec, topology, policy, shadow,
                                           names, rate, time_scale, limit, seed, sample_s,
-                                          engine_scheduler, env, local_prefill_tokens)
+                                          engine_scheduler, env, proxy)
     extra: dict[str, Any] = {"settings": settings, "simulated": True,
                              "profile": profile.model_dump(mode="json", exclude={"measured"})}
     if check is not None:

@@ -95,6 +95,9 @@ class SimConfig:
     # session 3, and the validation runs taken then). Decode pods then prefill with their own
     # scheduler: ``decode_scheduler`` in 256-token chunks (the bench's DECODE_POD_ARGS).
     local_prefill_tokens: int = 0
+    # ... and the proxy's --max-prefill-backlog: any turn runs on a decode pod once every
+    # prefill pod has this many turns in flight (0: no limit, the proxy's default)
+    max_prefill_backlog: int = 0
     decode_scheduler: str = DECODE_POD_POLICY
     decode_chunk_tokens: int = DECODE_POD_CHUNK_TOKENS
 
@@ -674,38 +677,50 @@ class Cluster:
 
     def start_turn(self, s: SimSession, k: int) -> None:
         turn = s.turns[k]
-        now = self.loop.now
-        r = Req(f"{s.session_id}/{k}", turn, now)
-        pod = self.local_pod(s, k)
-        if pod is not None:
+        r = Req(f"{s.session_id}/{k}", turn, self.loop.now)
+        pod, prefix = self.route(s.session_id, turn)
+        local = self.local_pod(s, k, pod, prefix)
+        if local is not None:
             r.local = True
             r.decode_local = len(turn.chunks)  # computed here: nothing to store at the end
-            self.last_pod[s.session_id] = pod.name
-        else:
-            pod = self.route(s.session_id, turn)
+            self.last_pod[s.session_id] = local.name
+            pod = local
         pod.submit_prefill(r)
 
-    def local_pod(self, s: SimSession, k: int) -> Pod | None:
-        """The proxy's conditional disaggregation (``Orchestrator._local_pod`` without its
-        kvindex check of long appends): the session's decode pod, when this turn should run
-        whole there. A branch starts from its parent's state, as the proxy's fork copies it."""
-        if not self.cfg.local_prefill_tokens or not self.decode_pods:
+    def local_pod(self, s: SimSession, k: int, prefill: Pod, prefix: int | None) -> Pod | None:
+        """The proxy's conditional disaggregation, step for step as ``Orchestrator._local_pod``
+        takes it after routing: the session's decode pod when it holds the context and would
+        compute at most ``local_prefill_tokens``; a long append when the routed prefill pod
+        would compute ``local_prefill_tokens`` more (by the kvindex: ``prefix``, its chunks of
+        the session's previous prompt); any turn, on the least-loaded decode pod when it has
+        none of its own, once every prefill pod has ``max_prefill_backlog`` turns in flight.
+        A branch starts from its parent's state, as the proxy's fork copies it."""
+        cfg = self.cfg
+        if not (cfg.local_prefill_tokens or cfg.max_prefill_backlog) or not self.decode_pods:
             return None
         sid = s.session_id if k or s.parent is None else s.parent[0]
         name, prev = self.last_decode.get(sid), self.last_prompt.get(sid)
-        if name is None or prev is None:
+        held = None if name is None or prev is None else HeldContext(prev, None, cfg.chunk)
+        size = PromptSize(s.turns[k].prompt_len, None)
+        decide = functools.partial(
+            prefill_on_decode_pod, size, held, cfg.local_prefill_tokens,
+            min(p.n_inflight for p in self.prefill_pods), cfg.max_prefill_backlog)
+        local = decide()
+        if not local and held is not None and prefix is not None:
+            local = decide(remote_tokens=size.tokens - prefix * cfg.chunk)  # type: ignore[operator]
+        if not local:
             return None
-        held = HeldContext(prev, None, self.cfg.chunk)
-        if not prefill_on_decode_pod(PromptSize(s.turns[k].prompt_len, None), held,
-                                     self.cfg.local_prefill_tokens):
-            return None
-        if sid != s.session_id:
-            self.last_decode[s.session_id] = name
-        return self.pods[name]
+        pod = self.pods[name] if name is not None else self.least_loaded_decode(sid)
+        if sid != s.session_id or name is None:
+            self.last_decode[s.session_id] = pod.name
+        return pod
 
-    def route(self, session_id: str, turn: SimTurn) -> Pod:
+    def route(self, session_id: str, turn: SimTurn) -> tuple[Pod, int | None]:
+        """The proxy's prefill choice; with it, the chosen pod's prefix of the session's
+        previous chunks by the kvindex (None when there was no lookup)."""
         cands = [p.candidate() for p in self.prefill_pods]
         prefixes: dict[str, Any] = {}
+        looked = False
         if self.routing.name == "kv-aware":
             try:
                 chunks = run_sync(self.store.get_intent(session_id, "last"))
@@ -720,16 +735,26 @@ class Cluster:
                 self.stats["lookups"] += 1
                 self.stats["lookup_chunks"] += len(chunks)
                 prefixes = {p.pod: p for p in ranked}
+                looked = True
         order = self.routing.rank(RouteInput(session_id, cands, prefixes,
                                              self.last_pod.get(session_id), True))
         pod = self.pods[order[0].name]
+        chosen = prefixes[pod.name].prefix_chunks if pod.name in prefixes else 0
         if prefixes:
-            best = max(p.prefix_chunks for p in prefixes.values())
-            chosen = prefixes[pod.name].prefix_chunks if pod.name in prefixes else 0
-            self.stats["route_best_tokens"] += best
+            self.stats["route_best_tokens"] += max(p.prefix_chunks for p in prefixes.values())
             self.stats["route_chosen_tokens"] += chosen
         self.last_pod[session_id] = pod.name
-        return pod
+        return pod, chosen if looked else None
+
+    def least_loaded_decode(self, sid: str) -> Pod:
+        """The proxy's decode choice (``LeastLoaded``: fewest in flight, then the session's
+        last decode pod, then rendezvous order). Its sort keys are each candidate's own, so its
+        first choice is among the least loaded: only those are ranked (the same choice, without
+        hashing the session with every pod of a large pool)."""
+        least = min(p.n_inflight for p in self.decode_pods)
+        cands = [p.candidate() for p in self.decode_pods if p.n_inflight == least]
+        return self.pods[self.decode_routing.rank(RouteInput(
+            sid, cands, last_pod=self.last_decode.get(sid)))[0].name]
 
     def flush(self, pod: Pod) -> None:
         raw = pod.tiers.raw_events
@@ -761,16 +786,8 @@ class Cluster:
                 if r.local:
                     pod.decode_kv += r.prompt + r.out
             return
-        # the proxy's decode choice (orchestrator: LeastLoaded, the session's last decode pod
-        # first among equally loaded ones)
         sid = r.turn.session_id
-        # LeastLoaded sorts by (in flight, not the session's last pod, rendezvous rank), each
-        # key a candidate's own, so its first choice is among the least loaded: rank only those
-        # (the same choice, without hashing the session with every pod of a large pool)
-        least = min(p.n_inflight for p in self.decode_pods)
-        cands = [p.candidate() for p in self.decode_pods if p.n_inflight == least]
-        dec = self.pods[self.decode_routing.rank(RouteInput(
-            sid, cands, last_pod=self.last_decode.get(sid)))[0].name]
+        dec = self.least_loaded_decode(sid)
         self.last_decode[sid] = dec.name
         local = 0
         if dec.reuse:

@@ -42,31 +42,37 @@ def real_decode_ttft_s(summary: dict[str, Any]) -> float:
                if roles.get(name) == "decode")
 
 
-def local_prefill_tokens_of(real: dict[str, Any]) -> int:
-    """The proxy's conditional-disaggregation threshold in a real run: its ``--proxy-arg``
-    flag, else the proxy's default for a run that had the feature (its report counts local
-    turns), else 0 (a run from before it: every turn through P/D)."""
+def proxy_knobs_of(real: dict[str, Any]) -> dict[str, int]:
+    """The proxy's conditional-disaggregation settings in a real run (``SimConfig`` fields):
+    its ``--proxy-arg`` flags, else the proxy's defaults for a run that had the feature (its
+    report counts local turns), else none (a run from before it: every turn through P/D)."""
     from agentserving.proxy.settings import ProxySettings
 
-    args = (real.get("settings") or {}).get("proxy_args") or []
-    for i, arg in enumerate(args):
-        if arg.startswith("--local-prefill-tokens="):
-            return int(arg.split("=", 1)[1])
-        if arg == "--local-prefill-tokens" and i + 1 < len(args):
-            return int(args[i + 1])
     per_turn = real.get("configs", {}).get("agentserving", {}).get("per_turn", {})
-    return ProxySettings().local_prefill_tokens if "local_prefill_share" in per_turn else 0
+    had = "local_prefill_share" in per_turn
+    args = (real.get("settings") or {}).get("proxy_args") or []
+    out = {}
+    for field in ("local_prefill_tokens", "max_prefill_backlog"):
+        flag = "--" + field.replace("_", "-")
+        value = getattr(ProxySettings(), field) if had else 0
+        for i, arg in enumerate(args):
+            if arg.startswith(flag + "="):
+                value = int(arg.split("=", 1)[1])
+            elif arg == flag and i + 1 < len(args):
+                value = int(args[i + 1])
+        out[field] = value
+    return out
 
 
 def run_config(sessions: list[SimSession], profile: Profile, config: str, topology: str,
-               rate: float | None, env: dict[str, float], local: int = 0) -> SimResult:
+               rate: float | None, env: dict[str, float], proxy: dict[str, int] | None = None
+               ) -> SimResult:
     env = dict(env)
     latency = env.pop("handoff_latency_s", 0.0)
     return simulate(sessions, profile, SimConfig(config=config, topology=topology, rate=rate,
                                                  engine_scheduler=True,
                                                  host_background_roles=env,
-                                                 handoff_latency_s=latency,
-                                                 local_prefill_tokens=local))
+                                                 handoff_latency_s=latency, **(proxy or {})))
 
 
 def _bisect(measure: Any, want: float, hi: float, iters: int) -> float:
@@ -88,7 +94,7 @@ def _bisect(measure: Any, want: float, hi: float, iters: int) -> float:
 def fit_environment(sessions: list[SimSession], profile: Profile, config: str,
                     topology: str, rate: float | None, forward: dict[str, float],
                     decode_ttft: float = 0.0, iters: int = 12, rounds: int = 3,
-                    local: int = 0) -> dict[str, float]:
+                    proxy: dict[str, int] | None = None) -> dict[str, float]:
     """What the run's host was like, from the engines' own metrics:
     - per pod role, the background load at which the simulated forward seconds of that
       role's pods match the real ones (they grow with it: every step runs slower);
@@ -109,7 +115,7 @@ def fit_environment(sessions: list[SimSession], profile: Profile, config: str,
     for _ in range(rounds if len(targets) > 1 else 1):
         for key, want, hi in targets:
             env[key] = _bisect(lambda x, key=key: metric(key, run_config(
-                sessions, profile, config, topology, rate, {**env, key: x}, local)),
+                sessions, profile, config, topology, rate, {**env, key: x}, proxy)),
                 want, hi, iters)
     return env
 
@@ -121,21 +127,21 @@ def validate(real: dict[str, Any], sessions: list[SimSession], profile: Profile,
     settings = real.get("settings", {})
     topo = f"{settings.get('prefill', 1)}P{settings.get('decode', 2)}D"
     rate = settings.get("rate")
-    local = local_prefill_tokens_of(real)
+    proxy = proxy_knobs_of(real)
     out: dict[str, Any] = {"topology": topo, "profile": profile.name, "configs": {},
-                           "local_prefill_tokens": local}
+                           "proxy": proxy}
     for name, summary in real["configs"].items():
         if name not in ("baseline", "agentserving"):
             continue
         target = real_forward_s(summary)
         dttft = real_decode_ttft_s(summary)
         bg = fit_environment(sessions, profile, name, topo, rate, target, dttft,
-                             local=local) if fit and target else {}
+                             proxy=proxy) if fit and target else {}
         row: dict[str, Any] = {"environment": {k: round(v, 3) for k, v in bg.items()},
                                "real_forward_s": {k: round(v, 3) for k, v in target.items()},
                                "real_decode_ttft_s": round(dttft, 3)}
         for label, b in (("fitted", bg), ("idle_host", {})):
-            res = run_config(sessions, profile, name, topo, rate, b, local)
+            res = run_config(sessions, profile, name, topo, rate, b, proxy)
             row[label] = {"forward_s": {k: round(v, 3) for k, v in
                                         res.summary["sim"]["forward_s_by_role"].items()},
                           "decode_ttft_s": round(res.summary["sim"]["decode_ttft_s"], 3), **{

@@ -91,13 +91,13 @@ def test_routing_matches_proxy_policy_on_same_inputs():
     cluster.flush(pods[1])
     from agentserving.sim.events import run_sync
     run_sync(cluster.store.put_intent("sX", "last", chunks))
-    chosen = cluster.route("sX", cluster.sessions[0].turns[0])
+    chosen, prefix = cluster.route("sX", cluster.sessions[0].turns[0])
     found = run_sync(cluster.index.lookup(chunks, role=PodRole.PREFILL))
     from agentserving.kvindex.index.base import rank_prefixes
     prefixes = {p.pod: p for p in rank_prefixes(found)}
     expect = KvAware().rank(RouteInput("sX", [Candidate(p.name, p.name, 0) for p in pods],
                                        prefixes))[0].name
-    assert chosen.name == expect == "prefill-1"
+    assert chosen.name == expect == "prefill-1" and prefix == 3
     assert cluster.stats["lookups"] == 1
 
 
@@ -157,10 +157,12 @@ def test_cli_local_prefill_tokens_reaches_the_simulated_proxy(tmp_path):
     res = CliRunner().invoke(command, ["--profile", "reference-cpu", "--topology", "1P2D",
                                        "--configs", "agentserving", "--engine-scheduler",
                                        "--local-prefill-tokens", "2048", "--limit", "4",
+                                       "--max-prefill-backlog", "5",
                                        "--out", str(out), "--no-plots"])
     assert res.exit_code == 0, res.output
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["local_prefill_tokens"] == 2048
+    assert report["settings"]["max_prefill_backlog"] == 5
     turns = [json.loads(line) for line in
              (out / "agentserving" / "turns.jsonl").read_text().splitlines()]
     assert any(t["prefill_pod"].startswith("decode-") for t in turns)  # whole on decode pods

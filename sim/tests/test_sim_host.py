@@ -121,7 +121,7 @@ def test_conditional_disaggregation_runs_short_appends_on_the_decode_pod():
     """The proxy's rule in the simulator: turn 1 goes P/D; a 200-token append runs whole on
     the session's decode pod (its context cached there); a 3000-token append goes P/D again.
     Off (0), every turn is P/D. The real report's settings say which applies."""
-    from agentserving.sim.validate import local_prefill_tokens_of
+    from agentserving.sim.validate import proxy_knobs_of
 
     trace = sessions_from([{"session_id": "s", "start_s": 0.0, "turns": [
         {"input": {"length": 1000}, "output_tokens": 4, "tool_gap_s": 0.1},
@@ -140,8 +140,49 @@ def test_conditional_disaggregation_runs_short_appends_on_the_decode_pod():
     assert on[0][0] == "prefill-0" and on[1] == (on[0][1], on[0][1])  # local, same pod
     assert on[2][0] == "prefill-0"
     assert all(p == "prefill-0" for p, _ in pods(0))
-    assert local_prefill_tokens_of({"settings": {"proxy_args": ["--local-prefill-tokens=0"]},
-                                    "configs": {}}) == 0
-    assert local_prefill_tokens_of({"configs": {"agentserving": {"per_turn": {
-        "local_prefill_share": 0.8}}}}) == 2048
-    assert local_prefill_tokens_of({"configs": {"agentserving": {"per_turn": {}}}}) == 0
+    assert proxy_knobs_of({"settings": {"proxy_args": ["--local-prefill-tokens=0"]},
+                           "configs": {}})["local_prefill_tokens"] == 0
+    had = {"configs": {"agentserving": {"per_turn": {"local_prefill_share": 0.8}}}}
+    assert proxy_knobs_of(had) == {"local_prefill_tokens": 2048, "max_prefill_backlog": 0}
+    assert proxy_knobs_of({**had, "settings": {"proxy_args": [
+        "--max-prefill-backlog", "3"]}}) == {"local_prefill_tokens": 2048,
+                                              "max_prefill_backlog": 3}
+    assert proxy_knobs_of({"configs": {"agentserving": {"per_turn": {}}}}) == {
+        "local_prefill_tokens": 0, "max_prefill_backlog": 0}
+
+
+def _pods_by_turn(trace, **cfg) -> list[tuple[str, str]]:
+    res = simulate(compile_trace(trace), toy(), SimConfig(
+        config="agentserving", topology="1P2D", engine_scheduler=True, **cfg))
+    recs = sorted(res.records, key=lambda r: (r["session_id"], r["turn"]))
+    assert all(r["ok"] for r in recs)
+    return [(r["prefill_pod"], r["decode_pod"]) for r in recs]
+
+
+def test_a_long_append_stays_on_the_decode_pod_when_the_prefill_pod_lacks_more():
+    """The proxy's kvindex check, simulated: after eight local turns the prefill pod holds only
+    the first turn's 3 chunks, so a 2,300-token append (2,372 tokens to compute on the decode
+    pod, over the threshold) would cost the prefill pod 4,932 — at least 2,048 more — and runs
+    locally. Without local turns before it the same append goes P/D."""
+    turns = [{"input": {"length": 1000}, "output_tokens": 4, "tool_gap_s": 0.1}]
+    turns += [{"input": {"length": 300}, "output_tokens": 4, "tool_gap_s": 0.1}] * 8
+    turns += [{"input": {"length": 2300}, "output_tokens": 4}]
+    pods = _pods_by_turn(sessions_from([{"session_id": "s", "start_s": 0.0, "turns": turns}],
+                                       block_size=256), local_prefill_tokens=2048)
+    assert pods[0][0] == "prefill-0"
+    assert all(p == d == pods[0][1] for p, d in pods[1:])  # the last one included
+    short = [turns[0], turns[-1]]
+    pods = _pods_by_turn(sessions_from([{"session_id": "s", "start_s": 0.0, "turns": short}],
+                                       block_size=256), local_prefill_tokens=2048)
+    assert [p for p, _ in pods] == ["prefill-0", "prefill-0"]
+
+
+def test_a_saturated_prefill_pool_sends_first_turns_to_a_decode_pod():
+    """--max-prefill-backlog 1: the second of two sessions arriving together finds the prefill
+    pod with a turn in flight and prefills whole on the least-loaded decode pod; with no limit
+    both go P/D."""
+    trace = sessions_from([{"session_id": f"s{i}", "start_s": 0.0, "turns": [
+        {"input": {"length": 1000}, "output_tokens": 4}]} for i in range(2)], block_size=256)
+    pods = _pods_by_turn(trace, local_prefill_tokens=2048, max_prefill_backlog=1)
+    assert pods[0][0] == "prefill-0" and pods[1][0] == pods[1][1] != "prefill-0"
+    assert [p for p, _ in _pods_by_turn(trace, local_prefill_tokens=2048)] == ["prefill-0"] * 2

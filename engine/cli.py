@@ -92,6 +92,10 @@ from agentserving.core.schemas import PodRole
 @option("--log-json/--log-console", default=True, help="JSON log lines, or readable ones.")
 @option("--lmcache-log-level", type=click.Choice(["debug", "info", "warning", "error"]),
         default="warning", help="LMCache's own log level.")
+@option("--step-log-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+        help="Write every engine step as a JSON line to DIR/POD-K.jsonl (wall and CPU "
+             "seconds, prefill chunks, decodes and their context): what `agentserving sim "
+             "check-steps` prices against a simulator profile. Off by default.")
 def command(**kwargs: object) -> None:
     """Run a worker: the OpenAI-compatible API, the memory API, and engine processes holding
     the model and its KV tiers (LMCache CPU DRAM + local disk)."""

@@ -83,12 +83,16 @@ class EngineCoreStats:
 
 @dataclasses.dataclass
 class StepRecord:
-    """One step's time split (benchmarks read ``EngineCore.step_records``)."""
+    """One step's time split and shape (benchmarks read ``EngineCore.step_records``; the
+    worker's ``--step-log-dir`` writes them, to check a simulator profile's step prices)."""
 
     forward_s: float  # model compute, waits excluded
     exposed_kv_s: float  # KV load time on the step's critical path
     prefill_tokens: int
     decode_tokens: int
+    cpu_s: float = 0.0  # the step loop thread's CPU seconds (wall minus waiting for a core)
+    chunks: tuple[tuple[int, int], ...] = ()  # prefill forwards: (start, tokens)
+    decode_context: int = 0  # KV tokens the step's decodes attended to, summed
 
 
 @dataclasses.dataclass
@@ -130,6 +134,7 @@ class EngineCore:
         self._pull_opener = concurrent.futures.ThreadPoolExecutor(2, "kv-pull-open")
         self._loads: list[LayerLoad] = []  # layer-wise copies that may still be running
         self._step_exposed = 0.0
+        self._step_chunks: list[tuple[int, int]] = []  # this step's prefill forwards
         self.record_steps = False  # benchmarks: keep a StepRecord per step
         self.step_records: list[StepRecord] = []
         self.eos_token_id = bundle.tokenizer.eos_token_id
@@ -199,25 +204,27 @@ class EngineCore:
                                now=self.clock(), lookup_tiers=self._lookup_tiers,
                                prefetch=self._prefetch_hint)
         plan = self.policy.schedule(list(self.waiting), list(self.running), ctx)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         self._step_exposed = 0.0
-        prefill_tokens = 0
+        self._step_chunks = []
         for work in plan.prefill:
             if not work.request.aborted:
-                before = work.request.num_computed
                 self._prefill(work.request, work.num_tokens, outputs)
-                prefill_tokens += max(0, work.request.num_computed - before)
-        decoded = 0
+        chunks = self._step_chunks
+        prefill_tokens = sum(n for _, n in chunks)
+        decoded = context = 0
         for req in plan.decode:
             if not req.aborted and req.state is RequestState.DECODING:
+                context += req.num_prompt_tokens + len(req.output_token_ids)
                 self._decode(req, outputs)
                 decoded += 1
         self._prepare_head()
         seconds = time.perf_counter() - t0
         self.stats.kv_load_exposed_seconds += self._step_exposed
         if self.record_steps and not plan.empty:
-            self.step_records.append(StepRecord(seconds - self._step_exposed,
-                                                self._step_exposed, prefill_tokens, decoded))
+            self.step_records.append(StepRecord(
+                seconds - self._step_exposed, self._step_exposed, prefill_tokens, decoded,
+                time.thread_time() - c0, tuple(chunks), context))
         observe = getattr(self.policy, "observe_step", None)
         if observe is not None and not plan.empty:  # e.g. a step-time model fitted online
             observe(plan, seconds)
@@ -393,6 +400,7 @@ class EngineCore:
             return
         req.prefill_seconds += time.perf_counter() - t0
         req.num_computed = end
+        self._step_chunks.append((start, end - start))
         self.stats.prefill_tokens_computed += end - start
         if end < total:
             return

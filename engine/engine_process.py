@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import json
 import os
 import signal
 import sys
@@ -120,6 +122,7 @@ def _serve(settings, index, in_addr, out_addr, parent_pid, zctx, out, log) -> in
         backends=store.backends)))
     log.info("engine_ready", memory_port=port, model=parts.bundle.name)
 
+    step_log = _open_step_log(settings, index, core)
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
@@ -142,6 +145,8 @@ def _serve(settings, index, in_addr, out_addr, parent_pid, zctx, out, log) -> in
                 break
             if core.has_work():
                 _step(core, out, index, log)
+                if step_log is not None:
+                    _write_steps(core, step_log)
             now = time.monotonic()
             if now - last_parent_check > 1.0:
                 last_parent_check = now
@@ -150,11 +155,29 @@ def _serve(settings, index, in_addr, out_addr, parent_pid, zctx, out, log) -> in
                     break
     finally:
         stop.set()
+        if step_log is not None:
+            step_log.close()
         server.should_exit = True
         http.join(5)
         inbox.close()
         parts.close()
     return 0
+
+
+def _open_step_log(settings, index, core):  # noqa: ANN001, ANN202
+    """``--step-log-dir``: keep a record of every step, written after it."""
+    if settings.step_log_dir is None:
+        return None
+    settings.step_log_dir.mkdir(parents=True, exist_ok=True)
+    core.record_steps = True
+    return open(settings.step_log_dir / f"{settings.pod_name}-{index}.jsonl", "a",  # noqa: SIM115
+                buffering=1)
+
+
+def _write_steps(core, f) -> None:  # noqa: ANN001
+    for rec in core.step_records:
+        f.write(json.dumps({"t": time.time(), **dataclasses.asdict(rec)}) + "\n")
+    core.step_records.clear()
 
 
 def _add(core, msg, out, index) -> None:  # noqa: ANN001

@@ -75,6 +75,9 @@ class WorkerSettings(BaseModel):
     log_level: str = "info"
     log_json: bool = True
     lmcache_log_level: str = "warning"
+    step_log_dir: Path | None = Field(
+        default=None, description="Write every engine step (wall and CPU seconds, prefill "
+        "chunks, decodes and their context) as a JSON line to DIR/POD-K.jsonl.")
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:

@@ -57,10 +57,17 @@ def stack(tmp_path_factory):
                             "--disk-cache-dir", str(tmp / "kv"), "--disk-cache-gib", "0.5",
                             "--kvindex", kv.url, "--heartbeat-interval", "0.3",
                             "--event-flush-interval", "0.05", "--residency-interval", "0.05",
-                            name="w-http") as w:
+                            "--step-log-dir", str(tmp / "steps"), name="w-http") as w:
             yield w, kv
     finally:
         kv.stop()
+
+
+def steps_logged(w) -> list[dict]:
+    import json
+
+    return [json.loads(line) for f in sorted((w.log_path.parent / "steps").glob("w-http-*.jsonl"))
+            for line in f.read_text().splitlines()]
 
 
 def wait_for(pred, timeout=10.0, what="condition"):
@@ -111,6 +118,18 @@ def test_second_turn_reuses_kv_with_identical_output(stack):
     # the same turn as text: byte tokens, its own chunk chain
     text = w.complete(prompt="hello " * 100, max_tokens=3)
     assert len(text["kv_transfer_params"]["chunk_hashes"]) == 2
+    # --step-log-dir: each engine step's shape and time, as the simulator's check-steps reads
+    # them (a step is written just after its outputs are sent): the cold turn prefilled 700
+    # tokens in 512-token chunks, the warm one only the 188 after its cached 512; each
+    # decode of their 4 later tokens read the prompt and the tokens before it
+    def contexts() -> set[int]:
+        return {s["decode_context"] for s in steps_logged(w) if s["decode_tokens"] == 1}
+    wait_for(lambda: {701, 702, 703, 704} <= contexts(), what="the decodes' step records")
+    steps = steps_logged(w)
+    chunks = [tuple(c) for s in steps for c in s["chunks"]]
+    # ... and the text turn's 601 tokens in two chunks
+    assert sorted(chunks) == sorted([(0, 512), (512, 188), (512, 188), (0, 512), (512, 89)])
+    assert all(s["cpu_s"] > 0 and s["forward_s"] > 0 for s in steps)
 
 
 def test_reuse_from_disk_via_memory_api_is_identical(stack):

@@ -51,13 +51,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def pair(trace: Any, profile: str, topology: str, rate: float | None, **kw: Any) -> dict:
+def pair(trace: Any, profile: str, topology: str, rate: float | None,
+         names: tuple[str, ...] = ("baseline", "agentserving"), **kw: Any) -> dict:
     from agentserving.sim import SimConfig, load_profile, simulate
     from agentserving.sim.workload import compile_trace
 
     prof = load_profile(profile)
     out = {}
-    for name in ("baseline", "agentserving"):
+    for name in names:
         t0 = time.perf_counter()
         r = simulate(compile_trace(trace), prof,
                      SimConfig(config=name, topology=topology, rate=rate, **kw))
@@ -87,6 +88,7 @@ def validation(real: Path | None, profile: str = "reference-cpu") -> dict[str, A
 
 
 def seed_table(quick: bool) -> dict[str, Any]:
+    from agentserving.proxy.settings import ProxySettings
     from agentserving.replay.synthetic import generate_preset
 
     n = 300 if quick else 1999
@@ -98,9 +100,19 @@ def seed_table(quick: bool) -> dict[str, Any]:
         ratios = {k: (a[k] / b[k] if b[k] else None) for k in ("req_per_s", "e2e_p95_s",
                                                                 "itl_p99_s")}
         ratios["prefix_hit_rate"] = a["prefix_hit_rate"]
+        # the same 1P3D with the proxy's default conditional disaggregation (seed 003's 1P3D
+        # sent every turn through P/D): short appends prefill on their decode pods
+        local = pair(trace, prof, "1P3D", 5.0, names=("agentserving",),
+                     local_prefill_tokens=ProxySettings().local_prefill_tokens)["agentserving"]
+        local_ratios = {k: (local[k] / b[k] if b[k] else None) for k in ("req_per_s",
+                                                                        "e2e_p95_s",
+                                                                        "itl_p99_s")}
+        local_ratios["prefix_hit_rate"] = local["prefix_hit_rate"]
         out[prof] = {"sessions": n, "ips": 5.0, "sim": res, "sim_ratios": ratios,
-                     "seed_ratios": seed}
-        print(json.dumps({prof: {"sim": ratios, "seed": seed}}), flush=True)
+                     "seed_ratios": seed, "conditional_disaggregation": {
+                         "sim": local, "sim_ratios": local_ratios}}
+        print(json.dumps({prof: {"sim": ratios, "seed": seed,
+                                 "conditional_disaggregation": local_ratios}}), flush=True)
     return out
 
 
@@ -172,6 +184,11 @@ def main(argv: list[str] | None = None) -> int:
                 for name, row in v.get("configs", {}).items()}
             print(json.dumps({"validation": v.get("real_report"), "errors": brief,
                               "within_15pct": v.get("within_15pct")}), flush=True)
+        if len(out["validation"]) > 1:
+            from agentserving.sim.validate import across_runs
+
+            out["validation_across_runs"] = across_runs(out["validation"])
+            print(json.dumps({"across_runs": out["validation_across_runs"]}), flush=True)
     if "2" in parts:
         out["seed_003"] = seed_table(args.quick)
     if "3" in parts:

@@ -28,11 +28,11 @@ def run_pair(trace_spec: str, profile_spec: str, topology: str, policy: str, sha
     results = {}
     for name in configs:
         e = dict((env or {}).get(name, {}))
-        latency = e.pop("handoff_latency_s", 0.0)
+        overhead = e.pop("handoff_overhead_s", 0.0)
         cfg = SimConfig(config=name, topology=topology, policy=policy, shadow=shadow,
                         rate=rate, time_scale=time_scale, seed=seed, sample_s=sample_s,
                         engine_scheduler=engine_scheduler, host_background_roles=e or None,
-                        handoff_latency_s=latency, **(proxy or {}))
+                        handoff_overhead_s=overhead, **(proxy or {}))
         results[name] = simulate(compile_trace(trace), profile, cfg)
     settings = {"trace": trace_spec, "profile": profile.name, "topology": topology,
                 "policy": policy, "shadow": shadow, "rate": rate, "time_scale": time_scale,
@@ -161,7 +161,8 @@ def command(ctx: click.Context, trace_spec: str, profile_spec: str, topology: st
 @command.command("calibrate")
 @option("--model", default="tiny", help="Reference-engine model to measure.")
 @option("--from-run", type=click.Path(exists=True, path_type=Path), default=None,
-        help="A real bench report.json: fit the P/D hand-off and decode overhead from it.")
+        help="A real bench report.json: take the host's cores from it and record its "
+             "worker figures beside the measurements.")
 @option("--name", default="reference-cpu")
 @option("--full/--quick", default=False, help="More calibration points.")
 @option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -180,3 +181,22 @@ def calibrate_command(model: str, from_run: Path | None, name: str, full: bool,
                            "decode": prof.decode.model_dump(),
                            "bandwidth": prof.bandwidth.model_dump()}, indent=1))
     click.echo(f"profile: {path}")
+
+
+@command.command("check-steps")
+@click.argument("step_log_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@option("--profile", "profile_spec", default="reference-cpu",
+        help="Accelerator profile: a name in sim/profiles/ or a YAML path.")
+def check_steps_command(step_log_dir: Path, profile_spec: str) -> None:
+    """Price the steps real engines logged (worker --step-log-dir DIR) with a profile: per
+    engine and step kind, the profile's seconds against the loop's CPU and wall seconds."""
+    from agentserving.sim.profile import load_profile
+    from agentserving.sim.steps import load_step_logs, price_steps
+
+    profile = load_profile(profile_spec)
+    logs = load_step_logs(step_log_dir)
+    if not logs:
+        raise click.UsageError(f"no *.jsonl step logs in {step_log_dir}")
+    out = {name: price_steps(profile, steps) for name, steps in logs.items()}
+    out["all"] = price_steps(profile, [s for steps in logs.values() for s in steps])
+    click.echo(json.dumps(out, indent=1))

@@ -86,9 +86,11 @@ class SimConfig:
     host_sharing: bool = True
     host_background: float = 0.0
     host_background_roles: dict[str, float] | None = None   # per pod role ("prefill", ...)
-    # A fixed wait per P/D hand-off besides its bytes (request to the decode pod, connection,
-    # the pull's header round trip); 0 unless measured (sim/validate.py fits it to a run).
-    handoff_latency_s: float = 0.0
+    # Work per P/D hand-off besides its bytes, 0 unless measured (sim/validate.py fits it to a
+    # run). On a shared host it is CPU work of the pull, slowed like the loops and slowing them:
+    # on the reference engine a decode pod's loop polls every millisecond while a pull is on the
+    # wire, and both ends frame, checksum and copy in Python; with no host, a plain wait.
+    handoff_overhead_s: float = 0.0
     # The proxy's conditional disaggregation (``agentserving.proxy.disagg``, the same decision
     # function): a turn whose session's decode pod would compute at most this many prompt
     # tokens runs whole there; 0: every turn through the prefill pod (the proxy before
@@ -803,15 +805,14 @@ class Cluster:
         dt = self.profile.transfer_s(nbytes, self.profile.bandwidth.pod_to_pod_gbps)
         r.decode_pod = dec.name
         r.handoff_at = now
-        wait = self.cfg.handoff_latency_s
+        extra = self.cfg.handoff_overhead_s
         if self.host is None:
-            self.loop.at(now + wait + dt, dec.submit_decode, r)
+            self.loop.at(now + extra + dt, dec.submit_decode, r)
         else:
-            # on a shared host the pull is CPU work too (framing, checksums, copies at both
-            # ends), slowed like the loops and slowing them
-            self.loop.at(now + wait, functools.partial(
-                self.host.start, ("pull", r.rid), dt, dec.submit_decode, r,
-                background=dec.background))
+            # on a shared host the pull is CPU work (framing, checksums, copies at both ends,
+            # the decode pod's loop polling for it), slowed like the loops and slowing them
+            self.host.start(("pull", r.rid), dt + extra, dec.submit_decode, r,
+                            background=dec.background)
 
     def store_s(self, chunks: int) -> float:
         """Step-loop seconds to write ``chunks`` newly computed chunks into the KV tiers."""

@@ -68,11 +68,11 @@ def run_config(sessions: list[SimSession], profile: Profile, config: str, topolo
                rate: float | None, env: dict[str, float], proxy: dict[str, int] | None = None
                ) -> SimResult:
     env = dict(env)
-    latency = env.pop("handoff_latency_s", 0.0)
+    overhead = env.pop("handoff_overhead_s", 0.0)
     return simulate(sessions, profile, SimConfig(config=config, topology=topology, rate=rate,
                                                  engine_scheduler=True,
                                                  host_background_roles=env,
-                                                 handoff_latency_s=latency, **(proxy or {})))
+                                                 handoff_overhead_s=overhead, **(proxy or {})))
 
 
 def _bisect(measure: Any, want: float, hi: float, iters: int) -> float:
@@ -98,18 +98,18 @@ def fit_environment(sessions: list[SimSession], profile: Profile, config: str,
     """What the run's host was like, from the engines' own metrics:
     - per pod role, the background load at which the simulated forward seconds of that
       role's pods match the real ones (they grow with it: every step runs slower);
-    - with P/D, the fixed wait per hand-off at which the decode pods' summed TTFT (request in
-      to first token out) matches the real one.
+    - with P/D, the CPU work per hand-off (besides its bytes) at which the decode pods' summed
+      TTFT (request in to first token out) matches the real one.
     Coordinate bisection, a few rounds (they barely interact)."""
     env = {role: 0.0 for role in forward}
     targets: list[tuple[str, float, float]] = [(r, w, 16.0) for r, w in forward.items()]
     if decode_ttft:
-        env["handoff_latency_s"] = 0.0
-        targets.append(("handoff_latency_s", decode_ttft, 5.0))
+        env["handoff_overhead_s"] = 0.0
+        targets.append(("handoff_overhead_s", decode_ttft, 5.0))
 
     def metric(key: str, res: SimResult) -> float:
         st = res.summary["sim"]
-        return st["decode_ttft_s"] if key == "handoff_latency_s" else \
+        return st["decode_ttft_s"] if key == "handoff_overhead_s" else \
             st["forward_s_by_role"].get(key, 0.0)
 
     for _ in range(rounds if len(targets) > 1 else 1):
@@ -154,4 +154,37 @@ def validate(real: dict[str, Any], sessions: list[SimSession], profile: Profile,
             for k in ("req_per_s", "e2e_p95_s") if row["fitted"][k]["error"] is not None]
     out["max_abs_error"] = max(errs) if errs else None
     out["within_15pct"] = bool(errs) and max(errs) <= 0.15
+    return out
+
+
+def across_runs(validations: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several real runs of the same workload, each validated against its own host: per
+    configuration and metric, the errors' range and mean, the real runs' own spread, and the
+    error of the mean prediction against the mean of the real runs (the bench itself varies
+    from run to run, so one run is one draw)."""
+    rows: dict[str, dict[str, Any]] = {}
+    both_ok = 0
+    for v in validations:
+        ok = True
+        for name, row in v.get("configs", {}).items():
+            for k in ("req_per_s", "e2e_p95_s"):
+                m = row["fitted"][k]
+                if m["error"] is None:
+                    continue
+                r = rows.setdefault(name, {}).setdefault(k, {"real": [], "sim": [], "error": []})
+                r["real"].append(m["real"])
+                r["sim"].append(m["sim"])
+                r["error"].append(m["error"])
+                ok = ok and abs(m["error"]) <= 0.15
+        both_ok += ok and bool(v.get("configs"))
+    out: dict[str, Any] = {"runs": len(validations), "runs_within_15pct": both_ok}
+    for name, metrics in rows.items():
+        for k, r in metrics.items():
+            real_mean = sum(r["real"]) / len(r["real"])
+            sim_mean = sum(r["sim"]) / len(r["sim"])
+            out.setdefault(name, {})[k] = {
+                "error_min": min(r["error"]), "error_max": max(r["error"]),
+                "error_mean": sum(r["error"]) / len(r["error"]),
+                "real_min": min(r["real"]), "real_max": max(r["real"]), "real_mean": real_mean,
+                "error_of_means": (sim_mean - real_mean) / real_mean}
     return out

@@ -186,3 +186,70 @@ def test_a_saturated_prefill_pool_sends_first_turns_to_a_decode_pod():
     pods = _pods_by_turn(trace, local_prefill_tokens=2048, max_prefill_backlog=1)
     assert pods[0][0] == "prefill-0" and pods[1][0] == pods[1][1] != "prefill-0"
     assert [p for p, _ in _pods_by_turn(trace, local_prefill_tokens=2048)] == ["prefill-0"] * 2
+
+
+def test_handoff_overhead_is_cpu_work_on_a_shared_host():
+    """On one core, session A's hand-off carries 0.5 s of work besides its 1 ms of bytes; B
+    prefills on the prefill pod meanwhile, so both run at half speed until the pull is done:
+    A's turn ends 2 x 0.501 s after its prefill, and B's prefill takes 0.5 s longer."""
+    trace = sessions_from([{"session_id": s, "start_s": t, "turns": [
+        {"input": {"length": 1000}, "output_tokens": 1}]} for s, t in (("a", 0.0), ("b", 1.3))])
+
+    def run(overhead: float):
+        res = simulate(compile_trace(trace), toy(host_cores=1), SimConfig(
+            config="agentserving", topology="1P1D", engine_scheduler=True,
+            handoff_overhead_s=overhead))
+        return {r["session_id"]: r["e2e_s"] for r in res.records}, \
+            res.summary["sim"]["forward_s_by_role"]["prefill"]
+
+    (e2e0, fwd0), (e2e1, fwd1) = run(0.0), run(0.5)
+    assert e2e0["a"] == pytest.approx(1.3 + 2 * 0.001)
+    assert e2e1["a"] == pytest.approx(1.3 + 2 * 0.501)
+    assert fwd1 - fwd0 == pytest.approx(0.5)
+
+
+def test_across_runs_summarizes_errors_and_the_real_spread():
+    from agentserving.sim.validate import across_runs
+
+    def run(real: float, sim: float) -> dict:
+        m = {"real": real, "sim": sim, "error": (sim - real) / real}
+        return {"configs": {"agentserving": {"fitted": {"req_per_s": m, "e2e_p95_s": m}}}}
+
+    out = across_runs([run(2.0, 1.8), run(2.4, 1.8)])
+    p95 = out["agentserving"]["e2e_p95_s"]
+    assert out["runs"] == 2 and out["runs_within_15pct"] == 1   # -10% passes, -25% does not
+    assert p95["error_min"] == pytest.approx(-0.25) and p95["error_max"] == pytest.approx(-0.1)
+    assert p95["real_mean"] == pytest.approx(2.2)
+    assert p95["error_of_means"] == pytest.approx(1.8 / 2.2 - 1)
+
+
+def test_check_steps_prices_logged_steps_with_the_profile(tmp_path):
+    """Two logged steps priced by the toy profile (prefill 0.1 s + 1 ms/token, decode 10 ms a
+    step): a 512-token chunk beside one decode costs 0.1 + 0.512 + 0.01; a decode-only step
+    0.01. The CLI reads a folder of logs and reports CPU / price and wall / CPU."""
+    import json
+
+    from click.testing import CliRunner
+
+    from agentserving.sim.cli import command
+    from agentserving.sim.steps import price_steps
+
+    steps = [{"chunks": [[0, 512]], "decode_tokens": 1, "decode_context": 900,
+              "cpu_s": 0.6, "forward_s": 1.2, "exposed_kv_s": 0.0},
+             {"chunks": [], "decode_tokens": 2, "decode_context": 1800, "cpu_s": 0.02,
+              "forward_s": 0.02, "exposed_kv_s": 0.0}]
+    out = price_steps(toy(), steps)
+    assert out["prefill"]["price_s"] == pytest.approx(0.622)
+    assert out["prefill"]["wall_over_cpu"] == pytest.approx(2.0)
+    assert out["decode"]["cpu_over_price"] == pytest.approx(2.0)
+    (tmp_path / "pod-0.jsonl").write_text("".join(json.dumps(s) + "\n" for s in steps))
+    prof = tmp_path / "toy.yaml"
+    from agentserving.sim.profile import write_profile
+    write_profile(toy(), prof)
+    res = CliRunner().invoke(command, ["check-steps", str(tmp_path), "--profile", str(prof)])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["pod-0"]["decode"]["steps"] == 1
+    empty = tmp_path / "none"
+    empty.mkdir()
+    res = CliRunner().invoke(command, ["check-steps", str(empty)])
+    assert res.exit_code == 2 and "no *.jsonl step logs" in res.output

@@ -146,7 +146,7 @@ def _serve(settings, index, in_addr, out_addr, parent_pid, zctx, out, log) -> in
             if core.has_work():
                 _step(core, out, index, log)
                 if step_log is not None:
-                    _write_steps(core, step_log)
+                    _write_steps(core, step_log, settings.role.value)
             now = time.monotonic()
             if now - last_parent_check > 1.0:
                 last_parent_check = now
@@ -174,9 +174,9 @@ def _open_step_log(settings, index, core):  # noqa: ANN001, ANN202
                 buffering=1)
 
 
-def _write_steps(core, f) -> None:  # noqa: ANN001
+def _write_steps(core, f, role: str) -> None:  # noqa: ANN001
     for rec in core.step_records:
-        f.write(json.dumps({"t": time.time(), **dataclasses.asdict(rec)}) + "\n")
+        f.write(json.dumps({"t": time.time(), "role": role, **dataclasses.asdict(rec)}) + "\n")
     core.step_records.clear()
 
 

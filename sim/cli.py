@@ -187,16 +187,26 @@ def calibrate_command(model: str, from_run: Path | None, name: str, full: bool,
 @click.argument("step_log_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
 @option("--profile", "profile_spec", default="reference-cpu",
         help="Accelerator profile: a name in sim/profiles/ or a YAML path.")
-def check_steps_command(step_log_dir: Path, profile_spec: str) -> None:
+@option("--fold-into", type=click.Path(dir_okay=False, path_type=Path), default=None,
+        help="Write the per-role CPU / price ratios into this profile YAML as its "
+             "step_cost_factor (the profile read is --profile's, without its old factors).")
+def check_steps_command(step_log_dir: Path, profile_spec: str, fold_into: Path | None
+                        ) -> None:
     """Price the steps real engines logged (worker --step-log-dir DIR) with a profile: per
-    engine and step kind, the profile's seconds against the loop's CPU and wall seconds."""
-    from agentserving.sim.profile import load_profile
-    from agentserving.sim.steps import load_step_logs, price_steps
+    engine and step kind, the profile's seconds against the loop's CPU and wall seconds, and
+    per pod role the factor that would make them agree."""
+    from agentserving.sim.profile import load_profile, write_profile
+    from agentserving.sim.steps import load_step_logs, price_steps, role_factors
 
     profile = load_profile(profile_spec)
     logs = load_step_logs(step_log_dir)
     if not logs:
         raise click.UsageError(f"no *.jsonl step logs in {step_log_dir}")
-    out = {name: price_steps(profile, steps) for name, steps in logs.items()}
+    out: dict[str, Any] = {name: price_steps(profile, steps) for name, steps in logs.items()}
     out["all"] = price_steps(profile, [s for steps in logs.values() for s in steps])
+    out["step_cost_factor"] = role_factors(profile, logs)
     click.echo(json.dumps(out, indent=1))
+    if fold_into is not None:
+        write_profile(profile.model_copy(update={"step_cost_factor": out["step_cost_factor"]}),
+                      fold_into)
+        click.echo(f"profile: {fold_into}")

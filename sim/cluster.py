@@ -202,6 +202,7 @@ class Pod:
         # engine's prefill_seconds + decode_seconds metrics add up; loads/stores excluded)
         self.fwd_share = 1.0
         self.fwd_s = 0.0
+        self.step_factor = p.step_cost_factor.get(role.value, 1.0)
         roles = cluster.cfg.host_background_roles or {}
         self.background = roles.get(role.value, cluster.cfg.host_background)
 
@@ -413,6 +414,8 @@ class Pod:
             dt += p.prefill.d_s * pairs
         if self.decoding:
             dt += p.decode_s(len(self.decoding), sum(r.ctx for r in self.decoding.values()))
+        if self.step_factor != 1.0:
+            dt = load_s + (dt - load_s) * self.step_factor
         if isinstance(self.policy, ShadowScheduler):
             # the shadow's features read only the stepped requests' views; with no decodes
             # in the step those are the prefilling turns' own (the same objects ``state``
@@ -470,6 +473,8 @@ class Pod:
         work += p.prefill.a_s
         if self.decoding:
             work += p.decode_s(len(self.decoding), sum(r.ctx for r in self.decoding.values()))
+        if self.step_factor != 1.0:
+            work = load_s + (work - load_s) * self.step_factor
         fwd = work - load_s
         work += self._take_extra()
         self.fwd_share = fwd / work if work else 1.0
@@ -505,12 +510,13 @@ class Pod:
         b = len(self.decoding)
         if self.extra_s or max_steps == 1:   # owed loads/stores: one step that carries them
             k = 1
-            fwd = p.decode_s(b, sum(r.ctx for r in self.decoding.values()))
+            fwd = p.decode_s(b, sum(r.ctx for r in self.decoding.values())) * self.step_factor
             dt = fwd + self._take_extra()
             self.fwd_share = fwd / dt if dt else 1.0
         else:
             k = min(r.left for r in self.decoding.values())
-            dt = p.decode_s(b, sum(r.ctx for r in self.decoding.values()) + b * k // 2)
+            dt = p.decode_s(b, sum(r.ctx for r in self.decoding.values()) + b * k // 2) \
+                * self.step_factor
             self.fwd_share = 1.0
         self.run_dt, self.run_k = dt, k
         if self.c.host is None:

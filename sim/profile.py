@@ -80,6 +80,12 @@ class Profile(_Model):
         "(processor sharing: n busy engine loops each run at min(1, cores / n) speed); "
         "None: every pod has its own accelerator")
     engine: Engine | None = Field(default=None, description="the engine's own scheduler")
+    step_cost_factor: dict[str, float] = Field(
+        default_factory=dict, description="per pod role (prefill, decode, both): a step's "
+        "forward work times this, measured in a real fleet by `sim check-steps --fold-into` "
+        "(the loop's CPU seconds over the profile's price of the same steps: in-step work the "
+        "standalone calibration does not see, e.g. a prefill pod reading cached prefixes and "
+        "pinning hand-offs); 1 for a role not listed")
     source: str = ""
     assumptions: list[str] = Field(default_factory=list)
     measured: dict[str, Any] = Field(default_factory=dict)

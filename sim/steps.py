@@ -47,3 +47,19 @@ def price_steps(profile: Profile, steps: Iterable[dict[str, Any]]) -> dict[str, 
         row["cpu_over_price"] = row["cpu_s"] / row["price_s"] if row["price_s"] else None
         row["wall_over_cpu"] = row["wall_s"] / row["cpu_s"] if row["cpu_s"] else None
     return out
+
+
+def role_factors(profile: Profile, logs: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
+    """Per pod role, the loop's CPU seconds over the profile's price of all its steps: the
+    ``Profile.step_cost_factor`` that makes the simulated steps cost what the real ones did."""
+    by_role: dict[str, list[dict[str, Any]]] = {}
+    for steps in logs.values():
+        for s in steps:
+            if "role" in s:
+                by_role.setdefault(s["role"], []).append(s)
+    out = {}
+    for role, steps in sorted(by_role.items()):
+        price = sum(step_price(profile, s) for s in steps)
+        if price > 0:
+            out[role] = round(sum(s["cpu_s"] for s in steps) / price, 3)
+    return out

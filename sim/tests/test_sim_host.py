@@ -234,10 +234,10 @@ def test_check_steps_prices_logged_steps_with_the_profile(tmp_path):
     from agentserving.sim.cli import command
     from agentserving.sim.steps import price_steps
 
-    steps = [{"chunks": [[0, 512]], "decode_tokens": 1, "decode_context": 900,
-              "cpu_s": 0.6, "forward_s": 1.2, "exposed_kv_s": 0.0},
-             {"chunks": [], "decode_tokens": 2, "decode_context": 1800, "cpu_s": 0.02,
-              "forward_s": 0.02, "exposed_kv_s": 0.0}]
+    steps = [{"role": "decode", "chunks": [[0, 512]], "decode_tokens": 1,
+              "decode_context": 900, "cpu_s": 0.6, "forward_s": 1.2, "exposed_kv_s": 0.0},
+             {"role": "decode", "chunks": [], "decode_tokens": 2, "decode_context": 1800,
+              "cpu_s": 0.02, "forward_s": 0.02, "exposed_kv_s": 0.0}]
     out = price_steps(toy(), steps)
     assert out["prefill"]["price_s"] == pytest.approx(0.622)
     assert out["prefill"]["wall_over_cpu"] == pytest.approx(2.0)
@@ -246,10 +246,28 @@ def test_check_steps_prices_logged_steps_with_the_profile(tmp_path):
     prof = tmp_path / "toy.yaml"
     from agentserving.sim.profile import write_profile
     write_profile(toy(), prof)
-    res = CliRunner().invoke(command, ["check-steps", str(tmp_path), "--profile", str(prof)])
+    folded = tmp_path / "folded.yaml"
+    res = CliRunner().invoke(command, ["check-steps", str(tmp_path), "--profile", str(prof),
+                                       "--fold-into", str(folded)])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["pod-0"]["decode"]["steps"] == 1
+    report = json.loads(res.output[:res.output.rindex("}") + 1])
+    assert report["pod-0"]["decode"]["steps"] == 1
+    # the decode role's steps cost 0.62 s of CPU for 0.632 s of price
+    assert report["step_cost_factor"] == {"decode": pytest.approx(0.62 / 0.632, abs=1e-3)}
+    assert load_profile(folded).step_cost_factor == report["step_cost_factor"]
     empty = tmp_path / "none"
     empty.mkdir()
     res = CliRunner().invoke(command, ["check-steps", str(empty)])
     assert res.exit_code == 2 and "no *.jsonl step logs" in res.output
+
+
+def test_step_cost_factor_scales_a_roles_forward_work():
+    """A factor of 2 on the baseline pods' role doubles the hand-computed step times of
+    test_engine_fcfs_steps_hand_computed (3 prefill passes + 10 decode steps: 1.4 s -> 2.8 s)."""
+    trace = sessions_from([{"session_id": "s", "start_s": 0.0, "turns": [
+        {"input": {"length": 1000}, "output_tokens": 11}]}])
+    res = simulate(compile_trace(trace), toy(step_cost_factor={"both": 2.0}),
+                   SimConfig(config="baseline", topology="1x1", engine_scheduler=True))
+    (rec,) = res.records
+    assert rec["ttft_s"] == pytest.approx(2 * 1.3)
+    assert res.summary["sim"]["forward_s"] == pytest.approx(2.8)

@@ -87,6 +87,14 @@ def validation(real: Path | None, profile: str = "reference-cpu") -> dict[str, A
     return out
 
 
+def _ratios(agent: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    """Seed 003's columns: agentserving over the baseline, and agentserving's prefix hit."""
+    out = {k: (agent[k] / base[k] if base[k] else None)
+           for k in ("req_per_s", "e2e_p95_s", "itl_p99_s")}
+    out["prefix_hit_rate"] = agent["prefix_hit_rate"]
+    return out
+
+
 def seed_table(quick: bool) -> dict[str, Any]:
     from agentserving.proxy.settings import ProxySettings
     from agentserving.replay.synthetic import generate_preset
@@ -97,17 +105,12 @@ def seed_table(quick: bool) -> dict[str, Any]:
     for prof, seed in SEED_003.items():
         res = pair(trace, prof, "1P3D", 5.0)
         b, a = res["baseline"], res["agentserving"]
-        ratios = {k: (a[k] / b[k] if b[k] else None) for k in ("req_per_s", "e2e_p95_s",
-                                                                "itl_p99_s")}
-        ratios["prefix_hit_rate"] = a["prefix_hit_rate"]
+        ratios = _ratios(a, b)
         # the same 1P3D with the proxy's default conditional disaggregation (seed 003's 1P3D
         # sent every turn through P/D): short appends prefill on their decode pods
         local = pair(trace, prof, "1P3D", 5.0, names=("agentserving",),
                      local_prefill_tokens=ProxySettings().local_prefill_tokens)["agentserving"]
-        local_ratios = {k: (local[k] / b[k] if b[k] else None) for k in ("req_per_s",
-                                                                        "e2e_p95_s",
-                                                                        "itl_p99_s")}
-        local_ratios["prefix_hit_rate"] = local["prefix_hit_rate"]
+        local_ratios = _ratios(local, b)
         out[prof] = {"sessions": n, "ips": 5.0, "sim": res, "sim_ratios": ratios,
                      "seed_ratios": seed, "conditional_disaggregation": {
                          "sim": local, "sim_ratios": local_ratios}}

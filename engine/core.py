@@ -204,7 +204,8 @@ class EngineCore:
                                now=self.clock(), lookup_tiers=self._lookup_tiers,
                                prefetch=self._prefetch_hint)
         plan = self.policy.schedule(list(self.waiting), list(self.running), ctx)
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0 = time.perf_counter()
+        c0 = time.thread_time() if self.record_steps else 0.0
         self._step_exposed = 0.0
         self._step_chunks = []
         for work in plan.prefill:

@@ -21,18 +21,17 @@ def run_pair(trace_spec: str, profile_spec: str, topology: str, policy: str, sha
     from agentserving.replay.loader import load_trace
     from agentserving.sim.cluster import SimConfig, simulate
     from agentserving.sim.profile import load_profile
+    from agentserving.sim.validate import environment_fields
     from agentserving.sim.workload import compile_trace
 
     trace = load_trace(trace_spec, limit=limit)
     profile = load_profile(profile_spec)
     results = {}
     for name in configs:
-        e = dict((env or {}).get(name, {}))
-        overhead = e.pop("handoff_overhead_s", 0.0)
         cfg = SimConfig(config=name, topology=topology, policy=policy, shadow=shadow,
                         rate=rate, time_scale=time_scale, seed=seed, sample_s=sample_s,
-                        engine_scheduler=engine_scheduler, host_background_roles=e or None,
-                        handoff_overhead_s=overhead, **(proxy or {}))
+                        engine_scheduler=engine_scheduler,
+                        **environment_fields((env or {}).get(name)), **(proxy or {}))
         results[name] = simulate(compile_trace(trace), profile, cfg)
     settings = {"trace": trace_spec, "profile": profile.name, "topology": topology,
                 "policy": policy, "shadow": shadow, "rate": rate, "time_scale": time_scale,

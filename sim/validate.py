@@ -51,10 +51,11 @@ def proxy_knobs_of(real: dict[str, Any]) -> dict[str, int]:
     per_turn = real.get("configs", {}).get("agentserving", {}).get("per_turn", {})
     had = "local_prefill_share" in per_turn
     args = (real.get("settings") or {}).get("proxy_args") or []
+    defaults = ProxySettings()
     out = {}
     for field in ("local_prefill_tokens", "max_prefill_backlog"):
         flag = "--" + field.replace("_", "-")
-        value = getattr(ProxySettings(), field) if had else 0
+        value = getattr(defaults, field) if had else 0
         for i, arg in enumerate(args):
             if arg.startswith(flag + "="):
                 value = int(arg.split("=", 1)[1])
@@ -64,15 +65,20 @@ def proxy_knobs_of(real: dict[str, Any]) -> dict[str, int]:
     return out
 
 
+def environment_fields(env: dict[str, float] | None) -> dict[str, Any]:
+    """A fitted environment (per-role background loads and ``handoff_overhead_s``, as
+    ``fit_environment`` returns it) as ``SimConfig`` fields."""
+    roles = dict(env or {})
+    overhead = roles.pop("handoff_overhead_s", 0.0)
+    return {"host_background_roles": roles or None, "handoff_overhead_s": overhead}
+
+
 def run_config(sessions: list[SimSession], profile: Profile, config: str, topology: str,
                rate: float | None, env: dict[str, float], proxy: dict[str, int] | None = None
                ) -> SimResult:
-    env = dict(env)
-    overhead = env.pop("handoff_overhead_s", 0.0)
     return simulate(sessions, profile, SimConfig(config=config, topology=topology, rate=rate,
                                                  engine_scheduler=True,
-                                                 host_background_roles=env,
-                                                 handoff_overhead_s=overhead, **(proxy or {})))
+                                                 **environment_fields(env), **(proxy or {})))
 
 
 def _bisect(measure: Any, want: float, hi: float, iters: int) -> float:

@@ -13,6 +13,20 @@ from agentserving.core.schemas import PodRole
 
 
 @click.command("worker")
+@option("--engine", type=click.Choice(["reference", "vllm"]), default="reference",
+        help="reference: the project's transformers engine in this process tree; vllm: "
+        "`vllm serve` with AgentServing's LMCache connector (flags mapped in "
+        "agentserving.engine.vllm.serve_command).")
+@option("--vllm-python", default=None,
+        help="vLLM engine: interpreter with vLLM installed (default: the cached env of "
+        "scripts/vllm-env.sh, else this interpreter).")
+@option("--vllm-arg", "vllm_args", multiple=True,
+        help="vLLM engine: one extra `vllm serve` argument (repeat), after the generated ones.")
+@option("--enforce-eager/--no-enforce-eager", default=False,
+        help="vLLM engine: run without torch.compile (starts about twice as fast on a CPU).")
+@option("--kv-transfer-url", default=None,
+        help="vLLM engine: LMCache server lm://HOST:PORT through which prefill and decode "
+        "pods hand KV over (P/D); unset: each pod's tiers are its own.")
 @option("--role", type=click.Choice([r.value for r in PodRole]), default="both",
         help="prefill: answers do_remote_decode hand-offs; decode: pulls do_remote_prefill "
         "KV; both: either, and plain requests.")
@@ -58,8 +72,9 @@ from agentserving.core.schemas import PodRole
         "runs (off: all layers before it).")
 @option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE,
         help="Tokens per KV chunk: the unit of storage, hashing and reuse.")
-@option("--hash-scheme", type=click.Choice([s.value for s in HashScheme]), default="blake3",
-        help="Chunk hash chain (see DESIGN.md, chunk_hash); must match the proxy/kvindex.")
+@option("--hash-scheme", type=click.Choice([s.value for s in HashScheme]), default=None,
+        help="Chunk hash chain (see DESIGN.md, chunk_hash); must match the proxy/kvindex. "
+        "Default: blake3 (reference engine), lmcache-builtin (vLLM).")
 @option("--engine-processes", type=click.IntRange(1, 32), default=1,
         help="Engine processes (each: a model copy and its own KV tiers).")
 @option("--scheduler-policy", default="fcfs",
@@ -105,9 +120,17 @@ def command(**kwargs: object) -> None:
     from agentserving.engine.settings import WorkerSettings
     from agentserving.engine.worker import run
 
+    kwargs["vllm_args"] = list(kwargs["vllm_args"])  # type: ignore[call-overload]
     try:
         settings = WorkerSettings(**kwargs)  # type: ignore[arg-type]
     except ValidationError as exc:
         raise click.UsageError(str(exc)) from exc
+    if settings.engine == "vllm":
+        from agentserving.engine.vllm.serve_command import VllmConfigError, exec_vllm
+
+        try:
+            sys.exit(exec_vllm(settings))
+        except VllmConfigError as exc:
+            raise click.UsageError(str(exc)) from exc
     configure_logging(settings.log_level, settings.log_json)
     sys.exit(run(settings))

@@ -7,6 +7,7 @@ No other module of the worker reads the environment.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -19,6 +20,18 @@ GIB = 1024**3
 class WorkerSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
+    # -- which engine runs the model
+    engine: Literal["reference", "vllm"] = "reference"
+    vllm_python: str | None = Field(
+        default=None, description="Interpreter with vLLM installed (default: the project's "
+        "cached vLLM env, else this interpreter).")
+    vllm_args: list[str] = Field(default_factory=list, description="Extra `vllm serve` "
+                                 "arguments, passed verbatim after the generated ones.")
+    enforce_eager: bool = Field(default=False, description="vLLM: no torch.compile / graphs "
+                                "(starts in half the time on a CPU).")
+    kv_transfer_url: str | None = Field(
+        default=None, description="vLLM: LMCache server (lm://HOST:PORT) the prefill and "
+        "decode pods hand KV through.")
     # -- identity and role
     role: PodRole = PodRole.BOTH
     pod_name: str = Field(default="worker-0", min_length=1)
@@ -37,7 +50,9 @@ class WorkerSettings(BaseModel):
     torch_threads: int = Field(default=0, ge=0, description="0: torch's default.")
     # -- KV cache (LMCache tiers)
     chunk_size: int = Field(default=256, gt=0)
-    hash_scheme: HashScheme = HashScheme.BLAKE3
+    hash_scheme: HashScheme | None = Field(
+        default=None, description="Default: blake3 on the reference engine, lmcache-builtin on vLLM "
+        "(what LMCache's vLLM connector computes).")
     cpu_cache_gib: float = Field(default=2.0, gt=0)
     disk_cache_dir: Path | None = None
     disk_cache_gib: float = Field(default=8.0, ge=0)
@@ -81,6 +96,9 @@ class WorkerSettings(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:
+        if self.hash_scheme is None:
+            self.hash_scheme = (HashScheme.LMCACHE_BUILTIN if self.engine == "vllm"
+                                else HashScheme.BLAKE3)
         if self.prefill_chunk_tokens % self.chunk_size:
             raise ValueError(
                 f"prefill_chunk_tokens ({self.prefill_chunk_tokens}) must be a multiple of "

@@ -45,6 +45,15 @@ class IncrementalDecoder(Protocol):
     def flush(self) -> str: ...
 
 
+def word_piece(token_id: int) -> str:
+    """The pseudo-word of an id past the specials: unique per id, so an exported vocabulary
+    (``engine.model.folder``) can list every one of them."""
+    n = token_id - _FIRST_WORD_ID
+    k = len(_SYLLABLES)
+    word = " " + _SYLLABLES[n % k] + _SYLLABLES[(n // k) % k]
+    return word + _SYLLABLES[n // (k * k) - 1] if n >= k * k else word
+
+
 class ByteTokenizer:
     """UTF-8 bytes plus a few specials; see the module docstring."""
 
@@ -77,8 +86,7 @@ class ByteTokenizer:
             return ""
         if token_id < _FIRST_WORD_ID:
             return _SPECIALS[token_id - _SPECIAL_BASE]
-        n = token_id - _FIRST_WORD_ID
-        return " " + _SYLLABLES[n % len(_SYLLABLES)] + _SYLLABLES[(n // 90) % len(_SYLLABLES)]
+        return word_piece(token_id)
 
     def decoder(self) -> _ByteDecoder:
         return _ByteDecoder()

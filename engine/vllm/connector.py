@@ -57,9 +57,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from agentserving.core.logging import get_logger
 
+from . import paged_cpu
 from .hashes import (
     ChunkHashCache,
     RecordingTokenDatabase,
+    external_request_id,
     finished_hashes,
     install_recorder,
     merge_chunk_hashes,
@@ -76,6 +78,7 @@ from .settings import parse_settings, pod_role
 from .storage import LMCacheStorageBackend
 
 log = get_logger(__name__)
+paged_cpu.install()  # vLLM imports this module in every process that builds a connector
 
 
 class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
@@ -86,6 +89,7 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         self._as_settings = parse_settings(ktc.kv_connector_extra_config, os.environ)
         self._as_role = role
         self._as_hashes = ChunkHashCache()
+        self._as_finished = ChunkHashCache(4096)  # wire hashes of finished requests
         self._as_recorder: RecordingTokenDatabase | None = None
         self._as_scheduler: SchedulerServices | None = None
         self._as_worker: WorkerServices | None = None
@@ -109,12 +113,13 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         settings = self._as_settings
 
         def registration() -> Any:
-            return pod_registration(settings, role=pod_role(impl.kv_role), model=model,
+            return pod_registration(settings, role=settings.pod_role or pod_role(impl.kv_role),
+                                    model=model,
                                     chunk_size=int(config.chunk_size),
                                     capacity=capacity_bytes(config), world_size=world)
 
         self._as_scheduler = SchedulerServices(settings, world, configured_backends(config),
-                                               registration)
+                                               registration, finished=self._as_finished)
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -130,6 +135,8 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
             return delay_free, params
         cached = self._as_hashes.pop(request.request_id)
         hashes = finished_hashes(cached, self._recompute(request))
+        if hashes:
+            self._as_finished.put(external_request_id(request.request_id), hashes)
         return delay_free, merge_chunk_hashes(params, hashes)
 
     def _recompute(self, request: Any) -> Any:

@@ -35,24 +35,33 @@ def wire_hash(value: int | bytes) -> str:
     return render_hash(value)
 
 
+def external_request_id(internal: str) -> str:
+    """The id a client sees for a vLLM request: vLLM appends ``-`` and 8 random characters to
+    it internally (``InputProcessor.assign_request_id``); completions add ``-<choice index>``
+    before that, which stays (the stream's ``id`` + ``-0``)."""
+    head, sep, tail = internal.rpartition("-")
+    return head if sep and len(tail) == 8 else internal
+
+
 class ChunkHashCache:
-    """request id -> chunk ints recorded at its lookup; bounded (oldest dropped first)."""
+    """request id -> chunk hashes (ints at lookup, wire strings once finished); bounded, the
+    oldest dropped first."""
 
     def __init__(self, max_requests: int = 65536) -> None:
         self.max_requests = max_requests
-        self._items: collections.OrderedDict[str, list[int]] = collections.OrderedDict()
+        self._items: collections.OrderedDict[str, list[Any]] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
 
-    def put(self, request_id: str, hashes: Sequence[int]) -> None:
+    def put(self, request_id: str, hashes: Sequence[Any]) -> None:
         with self._lock:
             self._items[request_id] = list(hashes)
             self._items.move_to_end(request_id)
             while len(self._items) > self.max_requests:
                 self._items.popitem(last=False)
 
-    def pop(self, request_id: str) -> list[int] | None:
+    def pop(self, request_id: str) -> list[Any] | None:
         with self._lock:
             out = self._items.pop(request_id, None)
             if out is None:
@@ -146,3 +155,17 @@ def prompt_tokens(request: Any) -> list[int]:
     """The tokens a request was looked up with: its prompt (seed 000 falls back to all)."""
     tokens = getattr(request, "prompt_token_ids", None) or getattr(request, "all_token_ids", None)
     return list(tokens or [])
+
+
+def print_lmcache_none_hash() -> None:
+    """Print the chain start (``NONE_HASH``) LMCache uses beside vLLM in this environment: run
+    it in the vLLM env with the pods' ``PYTHONHASHSEED`` (0), then pass the number to
+    ``agentserving chunk-hashes --scheme lmcache-builtin --none-hash N``."""
+    from agentserving.engine.vllm.launch import alias_vllm_distribution
+
+    alias_vllm_distribution()
+    from lmcache.v1 import token_database
+    from lmcache.v1.config import LMCacheEngineConfig
+
+    token_database.ChunkedTokenDatabase(LMCacheEngineConfig.from_defaults(), None)
+    print(token_database.NONE_HASH)

@@ -35,6 +35,7 @@ from agentserving.engine.memory_api import (
 )
 from agentserving.engine.reporter import Change, KvindexReporter, ResidencyBook
 
+from .hashes import ChunkHashCache
 from .settings import ConnectorSettings
 
 log = get_logger(__name__)
@@ -155,11 +156,29 @@ class ResidencyPoller:
         return n
 
 
+def add_finished_hashes_route(app: Any, finished: ChunkHashCache) -> None:
+    """``GET /memory/requests/{request_id}/chunk_hashes``: a finished request's chunk hashes,
+    taken once. vLLM's API server streams no ``kv_transfer_params``; its middleware
+    (``stream_hashes``) asks here for what this process computed at ``request_finished``."""
+    from agentserving.core.service import ApiError
+
+    @app.get("/memory/requests/{request_id}/chunk_hashes", tags=["memory"],
+             summary="A finished request's chunk hashes (taken once; 404 when unknown).")
+    async def finished_hashes(request_id: str) -> dict[str, Any]:
+        hashes = finished.pop(request_id)
+        if hashes is None:
+            raise ApiError(404, f"request_id: no finished request {request_id!r} with chunk "
+                           "hashes", param="request_id", type="not_found_error")
+        return {"request_id": request_id, "chunk_hashes": hashes}
+
+
 class SchedulerServices:
     """Forwarding memory API + residency reporting, on one asyncio loop in its own thread."""
 
     def __init__(self, settings: ConnectorSettings, world_size: int, backends: Sequence[str],
-                 registration: Callable[[], PodRegistration], chunk_bytes: int = 0) -> None:
+                 registration: Callable[[], PodRegistration], chunk_bytes: int = 0,
+                 finished: ChunkHashCache | None = None) -> None:
+        self.finished = finished
         self.settings = settings
         self.world_size = world_size
         self.backends = list(backends)
@@ -184,8 +203,10 @@ class SchedulerServices:
         s = self.settings
         self._stop = asyncio.Event()
         fanout = EngineFanout(s.worker_urls(self.world_size), timeout_s=5.0)
-        server = _Server(uvicorn.Config(forwarding_memory_app(fanout, self.backends),
-                                        host=s.memory_host, port=s.memory_port_start,
+        app = forwarding_memory_app(fanout, self.backends)
+        if self.finished is not None:
+            add_finished_hashes_route(app, self.finished)
+        server = _Server(uvicorn.Config(app, host=s.memory_host, port=s.memory_port_start,
                                         log_level="warning", access_log=False))
         tasks = [asyncio.create_task(server.serve())]
         if s.kvindex_url:

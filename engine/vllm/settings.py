@@ -37,6 +37,7 @@ class ConnectorSettings:
     hash_scheme: HashScheme = HashScheme.LMCACHE_BUILTIN
     report_interval_s: float = 0.5
     heartbeat_interval_s: float = 5.0
+    pod_role: PodRole | None = None  # the kvindex role; None: from vLLM's kv_role
 
     def worker_port(self, rank: int) -> int:
         return self.memory_port_start + 1 + rank
@@ -89,6 +90,12 @@ def parse_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str]) -> C
         raise ConnectorConfigError(
             "hash_scheme", f"{scheme!r} is not one of {[s.value for s in HashScheme]}") from None
     start = _port("memory_port_start", extra.get("memory_port_start", 6999))
+    role = extra.get("pod_role")
+    try:
+        role = PodRole(role) if role is not None else None
+    except ValueError:
+        raise ConnectorConfigError(
+            "pod_role", f"{role!r} is not one of {[r.value for r in PodRole]}") from None
     return ConnectorSettings(
         pod_name=pod,
         public_host=str(extra.get("public_host") or env.get("POD_IP") or host),
@@ -102,6 +109,7 @@ def parse_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str]) -> C
         report_interval_s=_positive("report_interval_s", extra.get("report_interval_s", 0.5)),
         heartbeat_interval_s=_positive("heartbeat_interval_s",
                                        extra.get("heartbeat_interval_s", 5.0)),
+        pod_role=role,
     )
 
 

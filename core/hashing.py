@@ -33,6 +33,13 @@ class HashScheme(StrEnum):
     LMCACHE_ASCEND = "lmcache-ascend"
 
 
+# The chunk-hash scheme each engine computes natively (LMCache inside vLLM chains Python's
+# hash(), LMCache-Ascend its 2-tuple variant): the default wherever an engine is named.
+ENGINE_HASH_SCHEMES: dict[str, HashScheme] = {
+    "reference": HashScheme.BLAKE3, "vllm": HashScheme.LMCACHE_BUILTIN,
+    "vllm-ascend": HashScheme.LMCACHE_ASCEND}
+
+
 def _pack_u32_be(tokens: Any) -> bytes:
     """Tokens as big-endian u32 bytes (``struct.pack('>%dI')``), without a per-token loop."""
     if hasattr(tokens, "numpy"):  # torch tensor
@@ -66,7 +73,7 @@ def _blake3_none_hash() -> bytes:
 _BLAKE3_NONE_HASH = _blake3_none_hash()
 
 
-def _salted_start(scheme: HashScheme, salt: str, none_hash: int) -> int | bytes:
+def salted_start(scheme: HashScheme, salt: str, none_hash: int) -> int | bytes:
     """The chain's start value for a tenant: deterministic, and never equal to an unsalted one."""
     digest = blake3.blake3(b"agentserving-cache-salt\x00" + salt.encode()).digest()
     if scheme is HashScheme.BLAKE3:
@@ -98,7 +105,7 @@ class ChunkHasher:
         self.full_chunks_only = full_chunks_only
         self.none_hash = none_hash
         if cache_salt:
-            self._start: int | bytes = _salted_start(self.scheme, cache_salt, none_hash)
+            self._start: int | bytes = salted_start(self.scheme, cache_salt, none_hash)
         elif self.scheme is HashScheme.BLAKE3:
             self._start = _BLAKE3_NONE_HASH
         else:

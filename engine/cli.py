@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -27,6 +28,12 @@ from agentserving.core.schemas import PodRole
 @option("--kv-transfer-url", default=None,
         help="vLLM engine: LMCache server lm://HOST:PORT through which prefill and decode "
         "pods hand KV over (P/D); unset: each pod's tiers are its own.")
+@option("--tensor-parallel-size", type=click.IntRange(min=1), default=1,
+        help="vLLM engine: GPUs (ranks) one model copy is sharded over; each rank serves its "
+        "memory API on --memory-port-start + 1 + rank. The reference engine has no sharding.")
+@option("--print-command", is_flag=True, default=False,
+        help="vLLM engine: print the `vllm serve` command line and environment this worker "
+        "would run (JSON) and exit.")
 @option("--role", type=click.Choice([r.value for r in PodRole]), default="both",
         help="prefill: answers do_remote_decode hand-offs; decode: pulls do_remote_prefill "
         "KV; both: either, and plain requests.")
@@ -121,16 +128,24 @@ def command(**kwargs: object) -> None:
     from agentserving.engine.worker import run
 
     kwargs["vllm_args"] = list(kwargs["vllm_args"])  # type: ignore[call-overload]
+    print_command = bool(kwargs.pop("print_command"))
     try:
         settings = WorkerSettings(**kwargs)  # type: ignore[arg-type]
     except ValidationError as exc:
         raise click.UsageError(str(exc)) from exc
     if settings.engine == "vllm":
-        from agentserving.engine.vllm.serve_command import VllmConfigError, exec_vllm
+        from agentserving.engine.vllm.serve_command import VllmConfigError, build, exec_vllm
 
         try:
+            if print_command:
+                command = build(settings)
+                click.echo(json.dumps({"argv": command.argv, "env": command.env}, indent=1))
+                return
             sys.exit(exec_vllm(settings))
         except VllmConfigError as exc:
             raise click.UsageError(str(exc)) from exc
+    if print_command or settings.tensor_parallel_size > 1:
+        flag = "--print-command" if print_command else "--tensor-parallel-size"
+        raise click.UsageError(f"{flag}: only the vLLM engine has it (--engine vllm)")
     configure_logging(settings.log_level, settings.log_json)
     sys.exit(run(settings))

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agentserving.core.hashing import HashScheme
+from agentserving.core.hashing import ENGINE_HASH_SCHEMES, HashScheme
 from agentserving.core.schemas import PodRole
 
 GIB = 1024**3
@@ -29,6 +29,8 @@ class WorkerSettings(BaseModel):
                                  "arguments, passed verbatim after the generated ones.")
     enforce_eager: bool = Field(default=False, description="vLLM: no torch.compile / graphs "
                                 "(starts in half the time on a CPU).")
+    tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM: ranks one model "
+                                      "copy is sharded over.")
     kv_transfer_url: str | None = Field(
         default=None, description="vLLM: LMCache server (lm://HOST:PORT) the prefill and "
         "decode pods hand KV through.")
@@ -51,8 +53,8 @@ class WorkerSettings(BaseModel):
     # -- KV cache (LMCache tiers)
     chunk_size: int = Field(default=256, gt=0)
     hash_scheme: HashScheme | None = Field(
-        default=None, description="Default: blake3 on the reference engine, lmcache-builtin on vLLM "
-        "(what LMCache's vLLM connector computes).")
+        default=None, description="Default: the engine's own (blake3 on the reference "
+        "engine, lmcache-builtin on vLLM).")
     cpu_cache_gib: float = Field(default=2.0, gt=0)
     disk_cache_dir: Path | None = None
     disk_cache_gib: float = Field(default=8.0, ge=0)
@@ -97,8 +99,7 @@ class WorkerSettings(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> WorkerSettings:
         if self.hash_scheme is None:
-            self.hash_scheme = (HashScheme.LMCACHE_BUILTIN if self.engine == "vllm"
-                                else HashScheme.BLAKE3)
+            self.hash_scheme = ENGINE_HASH_SCHEMES[self.engine]
         if self.prefill_chunk_tokens % self.chunk_size:
             raise ValueError(
                 f"prefill_chunk_tokens ({self.prefill_chunk_tokens}) must be a multiple of "

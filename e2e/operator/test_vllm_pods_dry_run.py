@@ -22,6 +22,18 @@ from ..k8s.cluster import REPO
 NS = "vllm-dry-run"
 
 
+def _operator_testing():  # tests/operator/operator_testing.py (no package to import from)
+    spec = importlib.util.spec_from_file_location(
+        "agentserving_operator_testing", REPO / "tests" / "operator" / "operator_testing.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def vllm_serve_of(container: dict) -> dict:
+    return _operator_testing().vllm_serve_of(container)
+
+
 def _seed_spec(engine: str) -> dict:
     """The seed-000 spec the operator's unit tests check (tests/operator/seed000.py)."""
     spec = importlib.util.spec_from_file_location(
@@ -91,8 +103,13 @@ def test_rendered_vllm_children_pass_server_dry_run(cluster, namespace, case):
     for pod in pods:
         assert f"pod/{pod['metadata']['name']} created (server dry run)" in out
         worker = pod["spec"]["containers"][0]
-        assert worker["command"][:2] == ["vllm", "serve"]
-        ktc = json.loads(worker["command"][worker["command"].index("--kv-transfer-config") + 1])
+        if engine == "vllm":  # agentserving worker --engine vllm: the vllm serve it runs
+            cmd = vllm_serve_of(worker)["argv"]
+            assert cmd[2:4] == ["agentserving.engine.vllm.launch", "serve"]
+        else:
+            cmd = worker["command"]
+            assert cmd[:2] == ["vllm", "serve"]
+        ktc = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
         assert ktc["kv_connector"] == ("AgentServingConnectorV1" if engine == "vllm"
                                        else "LMCacheAscendConnectorV1Dynamic")
         names = [c["name"] for c in pod["spec"]["containers"]]

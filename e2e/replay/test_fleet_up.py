@@ -60,3 +60,31 @@ def test_up_serves_through_the_proxy_and_stops_clean(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_up_stops_on_repeated_signals(tmp_path):
+    """A burst of SIGTERMs (a supervisor's `timeout` forwards one, pkill sends another) stops
+    `up` and everything it started. (A handler that called Event.set once deadlocked when a
+    second signal landed inside it -- seen with py-spy; the window is too narrow to hit on
+    purpose, so this checks the behaviour, and the handler no longer takes any lock.)"""
+    run_dir = tmp_path / "up"
+    proc = subprocess.Popen([AGENTSERVING, "up", "--prefill", "0", "--decode", "0",
+                             "--run-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (run_dir / "fleet.json").exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        pids = [p["pid"] for p in json.loads((run_dir / "fleet.json").read_text())["processes"]]
+        for _ in range(2000):  # a burst: some land while the handler itself runs
+            proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        assert "SIGTERM: stopping" in out
+        assert not any(pid_alive(p) for p in pids)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

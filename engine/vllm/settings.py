@@ -38,6 +38,7 @@ class ConnectorSettings:
     report_interval_s: float = 0.5
     heartbeat_interval_s: float = 5.0
     pod_role: PodRole | None = None  # the kvindex role; None: from vLLM's kv_role
+    handoff_timeout_s: float = 10.0  # prefill pods: longest wait for the remote KV writes
 
     def worker_port(self, rank: int) -> int:
         return self.memory_port_start + 1 + rank
@@ -110,6 +111,7 @@ def parse_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str]) -> C
         heartbeat_interval_s=_positive("heartbeat_interval_s",
                                        extra.get("heartbeat_interval_s", 5.0)),
         pod_role=role,
+        handoff_timeout_s=_positive("handoff_timeout_s", extra.get("handoff_timeout_s", 10.0)),
     )
 
 

@@ -39,6 +39,32 @@ CPU_BACKEND = TIER_BACKENDS[Tier.CPU]
 DISK_BACKEND = TIER_BACKENDS[Tier.DISK]
 
 
+REMOTE_BACKEND = "RemoteBackend"
+
+
+def flush_remote_puts(storage_manager: Any, barrier_key: Any, timeout_s: float) -> bool:
+    """Block until LMCache's KV server holds every chunk this process handed it (True), or
+    ``timeout_s`` passes (False). LMCache writes to its remote asynchronously, and a finished
+    write only means the bytes were sent; a prefill pod flushes here so that its answer means
+    "the KV is on the shared server", and the decode pod asked next loads all of it instead of
+    racing the writes (a shorter hit, or a load that fails and vLLM recomputes). The barrier is
+    one ``exists`` round trip on the same connection: the server answers it only after the
+    writes sent before it."""
+    backend = (getattr(storage_manager, "storage_backends", None) or {}).get(REMOTE_BACKEND)
+    if backend is None:
+        return True
+    pending = getattr(backend, "put_tasks", None) or set()
+    deadline = time.monotonic() + timeout_s
+    while pending:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    connection = getattr(backend, "connection", None)
+    if connection is not None and hasattr(connection, "exists_sync"):
+        connection.exists_sync(barrier_key)
+    return True
+
+
 class LMCacheKeys:
     """Wire hash <-> ``CacheEngineKey`` for one LMCache engine (one TP rank)."""
 

@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentserving.core.hashing import ENGINE_HASH_SCHEMES, HashScheme
+
 API_VERSION = "agentserving.io/v1alpha1"
 KIND = "AgentServing"
 
@@ -41,18 +43,12 @@ class SpecError(ValueError):
         self.field_path = field_path
 
 
-# The chunk-hash scheme each engine computes natively; the CRD leaves hashScheme unset so that
-# `engine: vllm` alone yields a servable spec (LMCache inside vLLM never hashes with blake3).
-ENGINE_HASH_SCHEMES = {"reference": "blake3", "vllm": "lmcache-builtin",
-                       "vllm-ascend": "lmcache-ascend"}
-
-
 def with_engine_defaults(spec: dict[str, Any]) -> dict[str, Any]:
     """The spec with the defaults that depend on other fields (the CRD's are per field)."""
     kv = dict(spec.get("kvCache") or {})
-    if not kv.get("hashScheme"):
+    if not kv.get("hashScheme"):  # the CRD leaves it unset: `engine: vllm` alone is servable
         engine = (spec.get("engine") or {}).get("type", "reference")
-        kv["hashScheme"] = ENGINE_HASH_SCHEMES.get(engine, "blake3")
+        kv["hashScheme"] = ENGINE_HASH_SCHEMES.get(engine, HashScheme.BLAKE3).value
     return {**spec, "kvCache": kv}
 
 

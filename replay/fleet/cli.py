@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -57,11 +56,13 @@ def command(prefill: int, decode: int, kvindex: str, model: str, engine: str, ro
                      disk_cache_gib=disk_cache_gib, proxy_port=proxy_port,
                      worker_args=list(worker_args), startup_timeout_s=startup_timeout_s)
     fleet = Fleet(build(spec, run_dir), run_dir, on_event=lambda m: click.echo(f"[up] {m}"))
-    stop = threading.Event()
+    # The handler only records the signal: it runs on the main thread between bytecodes, so
+    # anything that takes a lock (Event.set, a buffered write) can deadlock with the very code
+    # it interrupted -- two SIGTERMs in a row hung `up` inside Event.wait.
+    received: list[int] = []
 
     def _on_signal(signum: int, _frame: object) -> None:
-        click.echo(f"[up] {signal.Signals(signum).name}: stopping")
-        stop.set()
+        received.append(signum)
 
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
@@ -74,12 +75,15 @@ def command(prefill: int, decode: int, kvindex: str, model: str, engine: str, ro
     click.echo(f"[up] logs {fleet.log_dir}; endpoints {run_dir / 'fleet.json'}; Ctrl-C stops")
     code = 0
     try:
-        while not stop.wait(0.5):
+        while not received:
+            time.sleep(0.2)
             if fleet.died:
                 name, rc = fleet.died[0]
                 click.echo(f"[up] {name} exited with {rc}: stopping the fleet", err=True)
                 code = 1
                 break
     finally:
+        if received:
+            click.echo(f"[up] {signal.Signals(received[0]).name}: stopping")
         fleet.stop()
     sys.exit(code)

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from agentserving.core.hashing import ENGINE_HASH_SCHEMES
 from agentserving.replay.fleet.process import ProcessSpec
 
 LOOPBACK = "127.0.0.1"
@@ -105,8 +106,7 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
         argv=[*cmd, "kvindex", "--host", LOOPBACK, "--port", str(kv_port),
               "--store", spec.kvindex], startup_timeout_s=30.0))
     engine_args = ["--engine", spec.engine] if spec.engine != "reference" else []
-    if spec.hash_scheme:
-        engine_args += ["--hash-scheme", spec.hash_scheme]
+    engine_args += ["--hash-scheme", spec.hash_scheme or ENGINE_HASH_SCHEMES[spec.engine].value]
     if spec.engine == "vllm" and spec.prefill and spec.decode:
         from agentserving.engine.vllm.serve_command import lmcache_server_argv
 

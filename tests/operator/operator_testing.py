@@ -46,3 +46,19 @@ def make_instance(spec: dict[str, Any] | None = None, name: str = "demo",
 
     return Instance(name=name, namespace=namespace, uid="uid-1234",
                     spec=defaulted(spec or {"model": {"name": "tiny"}}))
+
+
+def vllm_serve_of(container: dict[str, Any]) -> dict[str, Any]:
+    """What an ``agentserving worker --engine vllm`` container runs: its command parsed by the
+    real worker CLI, which prints the ``vllm serve`` argv and environment it would exec."""
+    import json
+
+    from click.testing import CliRunner
+
+    from agentserving.core.cli import main
+
+    cmd = container["command"]
+    assert cmd[:2] == ["agentserving", "worker"], cmd
+    result = CliRunner().invoke(main, [*cmd[1:], "--print-command"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)

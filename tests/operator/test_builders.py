@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import yaml
@@ -16,7 +17,7 @@ from agentserving.operator.builders import (
 from agentserving.operator.builders.common import CONFIG_HASH_ANNOTATION
 from agentserving.operator.settings import OperatorSettings
 
-from .operator_testing import EXAMPLES, defaulted, make_instance
+from .operator_testing import EXAMPLES, defaulted, make_instance, vllm_serve_of
 
 
 def by_key(children):
@@ -238,24 +239,32 @@ def test_proxy_change_touches_only_the_proxy(settings):
     assert {k for k in before if before[k] != after[k]} == {("Deployment", "demo-proxy")}
 
 
-def test_vllm_engine_renders_vllm_serve_with_kv_transfer_config(settings):
+def test_vllm_engine_renders_the_worker_command_that_becomes_vllm_serve(settings):
     spec = {"model": {"name": "Qwen/Qwen2.5-7B", "servedName": "qwen", "maxContext": 32768},
             "engine": {"type": "vllm", "args": ["--enforce-eager"]},
             "kvCache": {"hashScheme": "lmcache-builtin"},
             "prefill": {"accelerator": {"type": "nvidia", "count": 2}, "tensorParallelSize": 2}}
     c = worker(build_children(make_instance(spec), settings), "prefill")
-    cmd = c["command"]
-    assert cmd[:3] == ["vllm", "serve", "Qwen/Qwen2.5-7B"]
+    assert c["command"][:2] == ["agentserving", "worker"]
+    assert c["command"][c["command"].index("--engine") + 1] == "vllm"
+    served = vllm_serve_of(c)  # parsed by the real worker CLI
+    cmd = served["argv"]
+    assert cmd[2:5] == ["agentserving.engine.vllm.launch", "serve", "Qwen/Qwen2.5-7B"]
     assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
     assert cmd[cmd.index("--served-model-name") + 1] == "qwen"
     assert cmd[cmd.index("--max-model-len") + 1] == "32768"
-    assert '"kv_role": "kv_producer"' in cmd[cmd.index("--kv-transfer-config") + 1]
+    assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
+    ktc = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert ktc["kv_role"] == "kv_both"  # decode pods keep what they pull and compute
+    extra = ktc["kv_connector_extra_config"]
+    assert extra["pod_role"] == "prefill" and extra["public_host"] == "$(POD_IP)"
     assert cmd[-1] == "--enforce-eager"
+    assert served["env"]["PYTHONHASHSEED"] == "0"
     assert c["image"] == OperatorSettings().vllm_image
     assert [p["containerPort"] for p in c["ports"]] == [8000, 6999, 7000, 7001]
-    decode = worker(build_children(make_instance(spec), settings), "decode")
-    assert '"kv_role": "kv_consumer"' in decode["command"][
-        decode["command"].index("--kv-transfer-config") + 1]
+    decode = vllm_serve_of(worker(build_children(make_instance(spec), settings), "decode"))
+    dktc = json.loads(decode["argv"][decode["argv"].index("--kv-transfer-config") + 1])
+    assert dktc["kv_connector_extra_config"]["pod_role"] == "decode"
 
 
 def test_engine_image_and_env_overrides(settings):

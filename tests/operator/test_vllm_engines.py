@@ -15,7 +15,7 @@ import yaml
 from agentserving.operator.builders import build_children
 from agentserving.operator.builders.engines import WorkerContext, engine_volumes
 
-from .operator_testing import EXAMPLES, defaulted, make_instance
+from .operator_testing import EXAMPLES, defaulted, make_instance, vllm_serve_of
 from .seed000 import flags, seed_command, seed_spec
 
 CONNECTOR_SOURCE = Path(__file__).parents[2] / "engine" / "vllm" / "connector.py"
@@ -82,29 +82,35 @@ def test_ascend_command_matches_seed(settings, role, kv_role):
 def test_nvidia_command_and_resources(settings):
     kids = children(NVIDIA, settings)
     c = worker(kids, "decode")
-    ktc = json.loads(flag(c["command"], "--kv-transfer-config"))
+    served = vllm_serve_of(c)
+    ktc = json.loads(flag(served["argv"], "--kv-transfer-config"))
     # AgentServing's connector (engine/vllm/connector.py), a subclass of LMCache's
     assert ktc["kv_connector"] == "AgentServingConnectorV1"
     assert ktc["kv_connector_module_path"] == "agentserving.engine.vllm.connector"
     assert importlib.util.find_spec(ktc["kv_connector_module_path"]) is not None
     assert re.search(r"^class AgentServingConnectorV1\(LMCacheConnectorV1Dynamic\)",
                      CONNECTOR_SOURCE.read_text(), re.M)
-    assert ktc["kv_role"] == "kv_consumer"
+    assert ktc["kv_role"] == "kv_both"  # a decode pod keeps what it pulls and computes
     extra = ktc["kv_connector_extra_config"]
-    # what the connector's settings parser reads, and accepts
+    # what the connector's settings parser reads, and accepts (as the pod expands the refs)
     from agentserving.engine.vllm.settings import parse_settings
 
-    parsed = parse_settings(extra, {"POD_NAME": "demo-decode-0", "POD_IP": "10.0.0.9"})
+    pod_env = {"POD_NAME": "demo-decode-0", "POD_IP": "10.0.0.9"}
+    parsed = parse_settings({k: v.replace("$(POD_NAME)", pod_env["POD_NAME"]).replace(
+        "$(POD_IP)", pod_env["POD_IP"]) if isinstance(v, str) else v
+        for k, v in extra.items()}, pod_env)
     assert parsed.kvindex_url == "http://demo-kvindex.ns1.svc:8300"
     assert (parsed.memory_port_start, parsed.api_port, parsed.hash_scheme) == (6999, 8000,
                                                                                "lmcache-builtin")
     assert parsed.public_host == "10.0.0.9" and parsed.pod_name == "demo-decode-0"
+    assert parsed.pod_role.value == "decode"
     e = {x["name"]: x for x in c["env"]}
     assert e["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert "LMCACHE_LMCACHE_INSTANCE_ID" not in e
     assert [x["name"] for x in kids[("StatefulSet", "demo-decode")]["spec"]["template"]["spec"][
         "containers"]] == ["worker"]  # the connector registers the pod itself
-    assert env(c)["PYTHONHASHSEED"] == "0"  # LMCache's builtin chain starts from it
+    assert served["env"]["PYTHONHASHSEED"] == "0"  # LMCache's builtin chain starts from it
+    assert "LMCACHE_LOCAL_DISK" not in served["env"]  # diskGiB 0: no disk tier
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
 
 
@@ -182,8 +188,10 @@ def test_examples_render_their_engine(settings):
             continue
         seen.add(engine)
         c = worker(children(body["spec"], settings), "prefill")
-        assert c["command"][:2] == ["vllm", "serve"]
-        assert json.loads(flag(c["command"], "--kv-transfer-config"))["kv_role"] == "kv_producer"
+        cmd = vllm_serve_of(c)["argv"] if engine == "vllm" else c["command"]
+        assert cmd[cmd.index("serve") - 1:][:1] in (["vllm"], ["agentserving.engine.vllm.launch"])
+        kv_role = json.loads(flag(cmd, "--kv-transfer-config"))["kv_role"]
+        assert kv_role == ("kv_both" if engine == "vllm" else "kv_producer")
     assert seen == {"vllm", "vllm-ascend"}
 
 
@@ -216,12 +224,22 @@ def test_rendered_pod_runs_seed_000s_command(settings, engine, role, kv_role):
     env, argv, urls = seed_command()
     kids = children(seed_spec(engine), settings)
     c = worker(kids, role)
-    cmd = c["command"]
-    assert cmd[:3] == argv[:3]  # vllm serve <model>
+    if engine == "vllm":  # agentserving worker --engine vllm: the vllm serve it runs
+        served = vllm_serve_of(c)
+        cmd, pod_env = served["argv"][2:], {**served["env"], **{
+            x["name"]: x.get("value") for x in c["env"]}}
+        assert cmd[:2] == ["agentserving.engine.vllm.launch", "serve"]
+    else:
+        cmd, pod_env = c["command"], {x["name"]: x.get("value") for x in c["env"]}
+        assert cmd[:2] == argv[:2]  # vllm serve
+    assert cmd[2] == argv[2]  # <model>
     want, got = flags(argv[3:]), flags(cmd[3:])
     for k, v in want.items():
         if k == "--port":  # the pod serves on the worker port the proxy and probes use
             assert got[k] == "8000"
+        elif k == "--no-enable-prefix-caching" and engine == "vllm":
+            # vLLM's prefix cache is the device tier under LMCache's CPU and disk tiers
+            assert k not in got
         elif k == "--kv-transfer-config":
             seed_ktc, ktc = json.loads(v), json.loads(got[k])
             if engine == "vllm-ascend":  # LMCache-Ascend's connector, exactly the seed's
@@ -229,11 +247,13 @@ def test_rendered_pod_runs_seed_000s_command(settings, engine, role, kv_role):
                     {k2: seed_ktc[k2] for k2 in ("kv_connector", "kv_connector_module_path")}
             else:
                 assert ktc["kv_connector_module_path"] == "agentserving.engine.vllm.connector"
-            # the seed runs one pod (kv_both); a P/D pool is producer or consumer
-            assert seed_ktc["kv_role"] == "kv_both" and ktc["kv_role"] == kv_role
+            # the seed runs one pod (kv_both); an LMCache-Ascend P/D pool is producer or
+            # consumer; AgentServing's vLLM pods are kv_both (decode pods keep their KV)
+            want_role = kv_role if engine == "vllm-ascend" else "kv_both"
+            assert seed_ktc["kv_role"] == "kv_both" and ktc["kv_role"] == want_role
         else:
             assert got.get(k, "absent") == v, k
-    e = {x["name"]: x.get("value") for x in c["env"]}
+    e = pod_env
     for k, v in env.items():
         if k != "LMCACHE_CONFIG_FILE":
             assert e[k] == v, k

@@ -1,0 +1,195 @@
+"""The vLLM engine's pure pieces, without vLLM: the ``vllm serve`` command a worker becomes,
+the stream rewriting, request-id mapping and the cache-salt body rewrite. (The real thing runs
+in e2e/vllm against a live ``vllm serve``.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from agentserving.core.cli import main
+from agentserving.core.hashing import HashScheme
+from agentserving.engine.settings import WorkerSettings
+from agentserving.engine.vllm import salting, serve_command, stream_hashes
+from agentserving.engine.vllm.hashes import external_request_id
+
+
+def _build(**kwargs: Any) -> serve_command.ServeCommand:
+    return serve_command.build(WorkerSettings(engine="vllm", vllm_python="/py", **kwargs),
+                               environ={})
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_worker_settings_become_vllm_flags_and_lmcache_env(tmp_path: Any) -> None:
+    cmd = _build(port=9001, host="0.0.0.0", advertise_host="10.0.0.7", pod_name="p1",
+                 memory_port_start=7100, kvindex_url="http://kv:8300", cpu_cache_gib=1.5,
+                 disk_cache_dir=tmp_path, disk_cache_gib=3, kv_cache_gib=1.2,
+                 kv_block_size=128, prefill_chunk_tokens=1024, max_running_requests=8,
+                 max_model_len=4096, enforce_eager=True, kv_transfer_url="lm://kv:65000",
+                 role="decode", vllm_args=["--swap-space", "0"])
+    argv, env = cmd.argv, cmd.env
+    assert argv[:4] == ["/py", "-m", serve_command.LAUNCHER, "serve"]
+    assert _flag(argv, "--port") == "9001" and _flag(argv, "--host") == "0.0.0.0"
+    assert _flag(argv, "--block-size") == "128"
+    assert _flag(argv, "--max-num-batched-tokens") == "1024"
+    assert _flag(argv, "--max-num-seqs") == "8" and _flag(argv, "--max-model-len") == "4096"
+    assert "--enforce-eager" in argv and argv[-2:] == ["--swap-space", "0"]
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--middleware"] == list(
+        serve_command.MIDDLEWARE)
+    ktc = json.loads(_flag(argv, "--kv-transfer-config"))
+    assert ktc["kv_connector"] == "AgentServingConnectorV1" and ktc["kv_role"] == "kv_both"
+    extra = ktc["kv_connector_extra_config"]
+    assert extra["pod_name"] == "p1" and extra["public_host"] == "10.0.0.7"
+    assert extra["memory_port_start"] == 7100 and extra["kvindex_url"] == "http://kv:8300"
+    assert extra["pod_role"] == "decode" and extra["hash_scheme"] == "lmcache-builtin"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"  # whole GiB, rounded up
+    assert env["PYTHONHASHSEED"] == "0"
+    assert env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "1.5"
+    assert env["LMCACHE_LOCAL_DISK"] == f"file://{tmp_path}/engine-0/"
+    assert env["LMCACHE_MAX_LOCAL_DISK_SIZE"] == "3"
+    assert env["LMCACHE_REMOTE_URL"] == "lm://kv:65000"
+    assert env["AGENTSERVING_VLLM_MEMORY_URL"] == "http://127.0.0.1:7100"
+
+
+def test_the_connector_reads_what_the_command_writes() -> None:
+    from agentserving.engine.vllm.settings import parse_settings
+
+    cmd = _build(pod_name="p9", role="prefill", heartbeat_interval_s=2.5)
+    extra = json.loads(_flag(cmd.argv, "--kv-transfer-config"))["kv_connector_extra_config"]
+    s = parse_settings(extra, {})
+    assert (s.pod_name, s.pod_role.value, s.heartbeat_interval_s) == ("p9", "prefill", 2.5)
+    assert s.hash_scheme is HashScheme.LMCACHE_BUILTIN
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    ({"scheduler_policy": "longcap-dynamic"}, "--scheduler-policy"),
+    ({"engine_processes": 2}, "--engine-processes"),
+    ({"hash_scheme": "blake3"}, "--hash-scheme"),
+    ({"kv_block_size": 48, "chunk_size": 96, "prefill_chunk_tokens": 96}, "--kv-block-size"),
+    ({"kv_transfer_url": "http://x:1"}, "--kv-transfer-url"),
+    ({"model": "smollm2"}, "--model"),
+])
+def test_what_vllm_cannot_honour_is_refused_naming_the_flag(kwargs: dict, flag: str) -> None:
+    with pytest.raises(serve_command.VllmConfigError, match=flag):
+        _build(**kwargs)
+
+
+def test_the_worker_cli_refuses_before_starting_anything() -> None:
+    result = CliRunner().invoke(main, ["worker", "--engine", "vllm", "--engine-processes",
+                                       "2"])
+    assert result.exit_code == 2 and "--engine-processes" in result.output
+
+
+def test_hash_scheme_default_follows_the_engine() -> None:
+    assert WorkerSettings().hash_scheme is HashScheme.BLAKE3
+    assert WorkerSettings(engine="vllm").hash_scheme is HashScheme.LMCACHE_BUILTIN
+    assert WorkerSettings(engine="vllm", hash_scheme="lmcache-ascend").hash_scheme is \
+        HashScheme.LMCACHE_ASCEND
+
+
+def test_tiny_maps_to_the_seeded_model_folder() -> None:
+    argv = _build(seed=3).argv
+    assert argv[4] == str(serve_command.MODEL_CACHE / "tiny-seed3")
+
+
+def test_external_request_id_drops_vllms_random_suffix() -> None:
+    assert external_request_id("cmpl-abc123-0-1a2b3c4d") == "cmpl-abc123-0"
+    assert external_request_id("chatcmpl-xyz-9f8e7d6c") == "chatcmpl-xyz"
+    assert external_request_id("plain") == "plain"
+    assert stream_hashes.candidate_ids("cmpl-abc123") == ["cmpl-abc123", "cmpl-abc123-0"]
+
+
+def _sse(*events: dict[str, Any]) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) + \
+        b"data: [DONE]\n\n"
+
+
+def test_stream_rewrite_adds_hashes_to_the_finishing_and_usage_events() -> None:
+    asked: list[str] = []
+
+    async def run() -> bytes:
+        mw = stream_hashes.ChunkHashesMiddleware(app=None, memory_url="http://unused")  # type: ignore[arg-type]
+
+        async def lookup(rid: str) -> list[str]:
+            asked.append(rid)
+            return ["1f", "2e"]
+
+        mw._lookup = lookup  # type: ignore[method-assign]
+        state: dict[str, Any] = {"stream": True, "hashes": None, "asked": False}
+        rw = stream_hashes.SseRewriter(lambda e: mw._edit(e, state))
+        body = _sse({"id": "c1", "choices": [{"text": "a", "finish_reason": None}]},
+                    {"id": "c1", "choices": [{"text": "b", "finish_reason": "length"}]},
+                    {"id": "c1", "choices": [], "usage": {"prompt_tokens": 3}})
+        # split mid-event, as a socket would
+        return await rw.feed(body[:37]) + await rw.feed(body[37:]) + rw.flush()
+
+    out = asyncio.run(run())
+    events = [json.loads(line[6:]) for line in out.split(b"\n\n")
+              if line.startswith(b"data: {")]
+    assert "kv_transfer_params" not in events[0]
+    assert events[1]["kv_transfer_params"] == {"chunk_hashes": ["1f", "2e"]}
+    assert events[2]["kv_transfer_params"] == {"chunk_hashes": ["1f", "2e"]}
+    assert asked == ["c1"]  # one lookup per stream
+    assert out.endswith(b"data: [DONE]\n\n")
+
+
+def test_salted_body_carries_the_salt_to_lmcache_and_leaves_others_alone() -> None:
+    out = salting.salted_body({"prompt": [1], "cache_salt": "t1",
+                               "kv_transfer_params": {"x": 1}})
+    assert out["kv_transfer_params"] == {"x": 1, salting.SALT_KEY: "t1"}
+    assert salting.salted_body({"prompt": [1]}) is None
+    assert salting.salted_body({"prompt": [1], "cache_salt": ""}) is None
+    assert salting.salted_body({"cache_salt": "t", "kv_transfer_params": "bad"}) is None
+    assert salting.salt_of({salting.SALT_KEY: "t1"}) == "t1"
+    assert salting.salt_of(None) is None
+
+
+def test_salt_middleware_rewrites_the_body_and_its_length() -> None:
+    seen: dict[str, Any] = {}
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        msg = await receive()
+        seen["body"] = json.loads(msg["body"])
+        seen["length"] = dict(scope["headers"])[b"content-length"]
+
+    async def run() -> None:
+        raw = json.dumps({"prompt": [1, 2], "cache_salt": "tenant-a"}).encode()
+        parts = [{"type": "http.request", "body": raw[:10], "more_body": True},
+                 {"type": "http.request", "body": raw[10:], "more_body": False}]
+
+        async def receive() -> dict:
+            return parts.pop(0)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+                 "headers": [(b"content-length", str(len(raw)).encode())]}
+        await salting.CacheSaltMiddleware(app)(scope, receive, None)
+
+    asyncio.run(run())
+    assert seen["body"]["kv_transfer_params"] == {salting.SALT_KEY: "tenant-a"}
+    assert int(seen["length"]) == len(json.dumps(seen["body"]).encode())
+
+
+def test_a_prefill_pod_flushes_its_remote_writes() -> None:
+    import threading
+    import types
+
+    from agentserving.engine.vllm.storage import flush_remote_puts
+
+    pending, barriers = {"chunk-1", "chunk-2"}, []
+    remote = types.SimpleNamespace(put_tasks=pending, connection=types.SimpleNamespace(
+        exists_sync=lambda key: barriers.append((key, set(pending)))))
+    storage = types.SimpleNamespace(storage_backends={"LocalCPUBackend": object(),
+                                                      "RemoteBackend": remote})
+    assert not flush_remote_puts(storage, "k0", 0.05)  # still writing: gives up at the timeout
+    assert barriers == []
+    threading.Timer(0.05, pending.clear).start()
+    assert flush_remote_puts(storage, "k0", 5.0)
+    assert barriers == [("k0", set())]  # the round trip comes after the last write
+    assert flush_remote_puts(types.SimpleNamespace(storage_backends={}), "k0", 0.01)

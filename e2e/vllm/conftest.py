@@ -35,6 +35,7 @@ from agentserving.replay.fleet.topology import (
 )
 
 VLLM_PYTHON = DEFAULT_ENV_DIR / "bin" / "python"
+REPO = Path(__file__).resolve().parents[2]
 CHUNK = 256
 # Small pools so the three instances fit in memory; eager start (no torch.compile).
 WORKER_ARGS = ["--enforce-eager", "--kv-cache-gib", "1", "--max-model-len", "20000",
@@ -109,6 +110,8 @@ def vllm_fleet(tmp_path_factory: pytest.TempPathFactory) -> VllmFleet:
         if os.environ.get("CI"):
             pytest.fail(f"the vLLM env is missing ({VLLM_PYTHON}); make test installs it")
         pytest.skip(f"no vLLM env at {DEFAULT_ENV_DIR} (scripts/vllm-env.sh installs it)")
+    # the env links one checkout editable: link this one (quick when it already is)
+    subprocess.run(["bash", str(REPO / "scripts" / "vllm-env.sh")], check=True, timeout=900)
     run_dir = tmp_path_factory.mktemp("vllm-fleet")
     ports = PortAllocator()
     spec = FleetSpec(engine="vllm", prefill=1, decode=1, cpu_cache_gib=0.5,

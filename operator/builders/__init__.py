@@ -24,7 +24,14 @@ from .common import (
 from .config import build_config
 from .engines import ENGINES, WorkerContext, validate_engine
 from .pools import build_pool, build_pool_service, validate_pool
-from .services import build_kvindex, build_proxy, build_redis, wants_redis
+from .services import (
+    build_kvindex,
+    build_kvserver,
+    build_proxy,
+    build_redis,
+    wants_kvserver,
+    wants_redis,
+)
 
 __all__ = [
     "ENGINES", "KIND", "MANAGED_KINDS", "POOLS", "Instance", "SpecError", "WorkerContext",
@@ -62,6 +69,8 @@ def workloads(inst: Instance) -> dict[str, tuple[str, str]]:
     out["kvindex"] = ("Deployment", inst.child_name("kvindex"))
     if wants_redis(inst):
         out["redis"] = ("Deployment", inst.child_name("redis"))
+    if wants_kvserver(inst):
+        out["kvserver"] = ("Deployment", inst.child_name("kvserver"))
     return out
 
 
@@ -86,4 +95,6 @@ def build_children(inst: Instance, settings: OperatorSettings) -> list[dict[str,
     children += build_proxy(inst, settings.image("proxy"), kvindex_url)
     if wants_redis(inst):
         children += build_redis(inst, settings.redis_image)
+    if wants_kvserver(inst):
+        children += build_kvserver(inst, image)
     return children

@@ -29,6 +29,8 @@ KVINDEX_PORT = 8300
 LMCACHE_CONTROLLER_PORT = 8301
 LMCACHE_WORKER_PORT_START = 7200  # LMCache's controller-facing port of TP rank k: 7200 + k
 REDIS_PORT = 6379
+# LMCache's KV server (kvCache.transferBackend: lmcache-server): the P/D hand-off of vLLM pods
+KVSERVER_PORT = 65432
 KVCACHE_DIR = "/kvcache"
 CONFIG_DIR = "/etc/agentserving"
 

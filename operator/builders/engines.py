@@ -33,6 +33,7 @@ class WorkerContext:
     image: str
     kvindex_url: str
     agentserving_image: str = ""  # AgentServing's own image (sidecars next to a vLLM image)
+    kvserver_url: str = ""  # LMCache's KV server, when kvCache.transferBackend names it
 
     @property
     def pool(self) -> dict[str, Any]:
@@ -139,6 +140,8 @@ def vllm_agentserving_worker(ctx: WorkerContext) -> dict[str, Any]:
                "--tensor-parallel-size", str(ctx.tensor_parallel)]
     if ctx.model.get("maxContext"):
         command += ["--max-model-len", str(ctx.model["maxContext"])]
+    if ctx.kvserver_url:
+        command += ["--kv-transfer-url", ctx.kvserver_url]
     vllm_args = list(ctx.engine.get("args") or [])
     if ctx.model.get("source") == "dummy":
         vllm_args = ["--load-format", "dummy", *vllm_args]

@@ -19,6 +19,7 @@ from .common import (
     selector_labels,
 )
 from .engines import ENGINES, WorkerContext, engine_volumes, registrar_sidecar
+from .services import kvserver_url, wants_kvserver
 
 # accelerator type -> the extended resource its device plugin advertises (overridable per pool)
 DEFAULT_RESOURCE_NAMES = {"nvidia": "nvidia.com/gpu", "ascend": "huawei.com/ascend-1980"}
@@ -69,7 +70,8 @@ def build_pool(inst: Instance, role: str, image: str, kvindex_url: str,
     validate_pool(inst, role)
     pool = inst.spec[role]
     ctx = WorkerContext(role=role, spec=inst.spec, image=image, kvindex_url=kvindex_url,
-                        agentserving_image=agentserving_image)
+                        agentserving_image=agentserving_image,
+                        kvserver_url=kvserver_url(inst) if wants_kvserver(inst) else "")
     container = ENGINES[inst.spec["engine"]["type"]](ctx)
     container["volumeMounts"] = [
         {"name": "kvcache", "mountPath": KVCACHE_DIR},

@@ -6,6 +6,7 @@ from typing import Any
 
 from .common import (
     KVINDEX_PORT,
+    KVSERVER_PORT,
     LMCACHE_CONTROLLER_PORT,
     PROXY_PORT,
     REDIS_PORT,
@@ -58,7 +59,7 @@ def _deployment(inst: Instance, component: str, replicas: int, container: dict[s
 
 
 def _service(inst: Instance, component: str, port: int,
-             service_type: str = "ClusterIP") -> dict[str, Any]:
+             service_type: str = "ClusterIP", port_name: str = "http") -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -66,8 +67,8 @@ def _service(inst: Instance, component: str, port: int,
         "spec": {
             "type": service_type,
             "selector": selector_labels(inst, component),
-            "ports": [{"name": "http" if component != "redis" else "redis", "port": port,
-                       "targetPort": port, "protocol": "TCP"}],
+            "ports": [{"name": port_name, "port": port, "targetPort": port,
+                       "protocol": "TCP"}],
         },
     }
 
@@ -131,4 +132,33 @@ def build_redis(inst: Instance, image: str) -> list[dict[str, Any]]:
         "readinessProbe": {"tcpSocket": {"port": REDIS_PORT}, "periodSeconds": 5},
     }
     return [_deployment(inst, "redis", 1, container, "Recreate"),
-            _service(inst, "redis", REDIS_PORT)]
+            _service(inst, "redis", REDIS_PORT, port_name="redis")]
+
+
+def wants_kvserver(inst: Instance) -> bool:
+    return inst.spec["kvCache"]["transferBackend"] == "lmcache-server"
+
+
+def kvserver_url(inst: Instance) -> str:
+    """Where vLLM pods reach LMCache's KV server (their ``--kv-transfer-url``)."""
+    return f"lm://{inst.service_host('kvserver')}:{KVSERVER_PORT}"
+
+
+def build_kvserver(inst: Instance, image: str) -> list[dict[str, Any]]:
+    """LMCache's KV server (``python -m lmcache.v1.server``, CPU storage), in the vLLM image
+    (which has LMCache): a prefill pod's KV reaches the decode pod through it. It keeps what it
+    is sent in memory and evicts nothing (LMCache 0.5.6): size the node for the hand-off
+    traffic, or restart it to reclaim."""
+    if inst.spec["engine"]["type"] != "vllm":
+        raise SpecError("spec.kvCache.transferBackend",
+                        "lmcache-server carries the P/D hand-off of engine vllm only")
+    container = {
+        "name": "kvserver",
+        "image": image,
+        "command": ["python", "-m", "lmcache.v1.server", "0.0.0.0", str(KVSERVER_PORT), "cpu"],
+        "ports": [{"name": "lm", "containerPort": KVSERVER_PORT, "protocol": "TCP"}],
+        "readinessProbe": {"tcpSocket": {"port": KVSERVER_PORT}, "periodSeconds": 5},
+        "livenessProbe": {"tcpSocket": {"port": KVSERVER_PORT}, "periodSeconds": 20},
+    }
+    return [_deployment(inst, "kvserver", 1, container, "Recreate"),
+            _service(inst, "kvserver", KVSERVER_PORT, port_name="lm")]

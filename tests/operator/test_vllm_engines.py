@@ -321,3 +321,26 @@ def test_unset_hash_scheme_follows_the_engine(settings, engine, scheme):
     kids = children(spec, settings)  # servable without naming a scheme
     config = next(c for c in kids.values() if c["kind"] == "ConfigMap")
     assert scheme in json.dumps(config["data"])
+
+
+def test_lmcache_server_backend_runs_the_kv_server_and_points_vllm_pods_at_it(settings):
+    spec = {**NVIDIA, "kvCache": {**NVIDIA["kvCache"], "transferBackend": "lmcache-server"}}
+    kids = children(spec, settings)
+    server = kids[("Deployment", "demo-kvserver")]["spec"]["template"]["spec"]["containers"][0]
+    assert server["command"] == ["python", "-m", "lmcache.v1.server", "0.0.0.0", "65432", "cpu"]
+    assert server["image"] == settings.vllm_image  # LMCache comes with the vLLM image
+    svc = kids[("Service", "demo-kvserver")]["spec"]
+    assert [(p["name"], p["port"]) for p in svc["ports"]] == [("lm", 65432)]
+    for role in ("prefill", "decode"):
+        served = vllm_serve_of(worker(kids, role))
+        assert served["env"]["LMCACHE_REMOTE_URL"] == "lm://demo-kvserver.ns1.svc:65432"
+    assert ("Deployment", "demo-kvserver") not in children(NVIDIA, settings)  # tcp: none
+
+
+def test_lmcache_server_backend_is_for_vllm_only(settings):
+    from agentserving.operator.builders.common import SpecError
+
+    with pytest.raises(SpecError) as err:
+        children({"model": {"name": "tiny"}, "kvCache": {"transferBackend": "lmcache-server"}},
+                 settings)
+    assert err.value.field_path == "spec.kvCache.transferBackend"

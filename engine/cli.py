@@ -31,7 +31,8 @@ from agentserving.core.schemas import PodRole
 @option("--tensor-parallel-size", type=click.IntRange(min=1), default=1,
         help="vLLM engine: GPUs (ranks) one model copy is sharded over; each rank serves its "
         "memory API on --memory-port-start + 1 + rank. The reference engine has no sharding.")
-@option("--print-command", is_flag=True, default=False,
+@option("--print-command", is_flag=True, default=False, expose_value=False,
+        callback=lambda ctx, _param, value: ctx.meta.__setitem__("print_command", value),
         help="vLLM engine: print the `vllm serve` command line and environment this worker "
         "would run (JSON) and exit.")
 @option("--role", type=click.Choice([r.value for r in PodRole]), default="both",
@@ -128,7 +129,7 @@ def command(**kwargs: object) -> None:
     from agentserving.engine.worker import run
 
     kwargs["vllm_args"] = list(kwargs["vllm_args"])  # type: ignore[call-overload]
-    print_command = bool(kwargs.pop("print_command"))
+    print_command = bool(click.get_current_context().meta.get("print_command"))
     try:
         settings = WorkerSettings(**kwargs)  # type: ignore[arg-type]
     except ValidationError as exc:

@@ -40,7 +40,8 @@ CHUNK = 256
 # Small pools so the three instances fit in memory; eager start (no torch.compile).
 WORKER_ARGS = ["--enforce-eager", "--kv-cache-gib", "1", "--max-model-len", "20000",
                "--heartbeat-interval", "1", "--residency-interval", "0.25",
-               "--prefill-chunk-tokens", "2048"]
+               "--prefill-chunk-tokens", "2048",
+               "--lmcache-log-level", "info"]  # every store and retrieve in the pods' logs
 
 
 @dataclass

@@ -22,6 +22,7 @@ recompute (engine/vllm/tests/test_vllm_serve.py).
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -59,29 +60,28 @@ class VLLMCPUPagedConnector(_base()):  # type: ignore[misc]
             raise ValueError("kvcaches must be passed (or registered) before a transfer")
         return list(self.kvcaches)
 
-    def _split(self, layer: torch.Tensor) -> torch.Tensor:
-        blocks, heads, block_size, width = layer.shape
-        return layer.view(blocks, heads, 2, block_size, width // 2)
-
-    @staticmethod
-    def _slots(kwargs: dict[str, Any], start: int, end: int) -> torch.Tensor:
+    def _pages(self, kwargs: dict[str, Any], start: int, end: int
+               ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(layer index, the layer as ``[blocks, heads, 2, block_size, head_size]``, block ids,
+        offsets in the block) for the tokens [start, end) of every layer."""
         slot_mapping = kwargs.get("slot_mapping")
         if slot_mapping is None:
             raise ValueError("'slot_mapping' must be passed for a paged transfer")
-        return slot_mapping[start:end].to("cpu", torch.long)
+        slots = slot_mapping[start:end].to("cpu", torch.long)
+        for idx, layer in enumerate(self._layers(kwargs)):
+            blocks, heads, block_size, width = layer.shape
+            kv = layer.view(blocks, heads, 2, block_size, width // 2)
+            yield idx, kv, slots // block_size, slots % block_size
+
+    def _rows(self, memory_obj: Any, which: int, idx: int, n: int) -> torch.Tensor:
+        """One layer's K (0) or V (1) rows of a ``KV_2LTD`` object, ``[n, heads, head_size]``."""
+        return memory_obj.tensor[which, idx].view(n, self.num_kv_heads, self.head_size)
 
     # -- vLLM's cache -> memory object (store)
     def from_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
-        layers = self._layers(kwargs)
-        slots = self._slots(kwargs, start, end)
-        dst = memory_obj.tensor
-        n = end - start
-        for idx, layer in enumerate(layers):
-            kv = self._split(layer)
-            block_size = kv.shape[3]
-            blocks, offsets = slots // block_size, slots % block_size
+        for idx, kv, blocks, offsets in self._pages(kwargs, start, end):
             for which in (0, 1):  # K rows, then V rows
-                dst[which, idx].view(n, self.num_kv_heads, self.head_size).copy_(
+                self._rows(memory_obj, which, idx, end - start).copy_(
                     kv[blocks, :, which, offsets, :])
 
     def batched_from_gpu(self, memory_objs: Any, starts: list[int], ends: list[int],
@@ -91,20 +91,13 @@ class VLLMCPUPagedConnector(_base()):  # type: ignore[misc]
 
     # -- memory object -> vLLM's cache (retrieve)
     def to_gpu(self, memory_obj: Any, start: int, end: int, **kwargs: Any) -> None:
-        layers = self._layers(kwargs)
         # tokens vLLM already holds may sit in blocks shared with other requests: leave them
         skip = min(end - start, max(0, int(kwargs.get("vllm_cached_tokens", 0)) - start))
         if skip == end - start:
             return
-        slots = self._slots(kwargs, start + skip, end)
-        src = memory_obj.tensor
-        n = end - start
-        for idx, layer in enumerate(layers):
-            kv = self._split(layer)
-            block_size = kv.shape[3]
-            blocks, offsets = slots // block_size, slots % block_size
+        for idx, kv, blocks, offsets in self._pages(kwargs, start + skip, end):
             for which in (0, 1):
-                rows = src[which, idx].view(n, self.num_kv_heads, self.head_size)[skip:]
+                rows = self._rows(memory_obj, which, idx, end - start)[skip:]
                 kv[blocks, :, which, offsets, :] = rows.to(kv.dtype)
 
     def batched_to_gpu(self, memory_objs: Any = None, starts: Any = None, ends: Any = None,

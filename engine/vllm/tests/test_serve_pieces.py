@@ -193,3 +193,31 @@ def test_a_prefill_pod_flushes_its_remote_writes() -> None:
     assert flush_remote_puts(storage, "k0", 5.0)
     assert barriers == [("k0", set())]  # the round trip comes after the last write
     assert flush_remote_puts(types.SimpleNamespace(storage_backends={}), "k0", 0.01)
+
+
+def test_cpu_paged_connector_round_trips_vllm_cpus_layout() -> None:
+    """vLLM-CPU's per-layer [blocks, heads, block_size, 2*head_size] (K rows, then V rows, per
+    block and head) <-> LMCache's KV_2LTD, by slot; tokens vLLM already holds are left alone."""
+    import types
+
+    import torch
+
+    from agentserving.engine.vllm.paged_cpu import VLLMCPUPagedConnector
+
+    layers, heads, head, blocks, bs = 2, 2, 4, 6, 8
+    conn = VLLMCPUPagedConnector(layers, heads, head)
+    cache = [torch.randn(blocks, heads, bs, 2 * head) for _ in range(layers)]
+    slots = torch.tensor([3 * bs + i for i in range(bs)] + [1 * bs + i for i in range(bs)])
+    obj = types.SimpleNamespace(tensor=torch.empty(tuple(conn.get_shape(16))))
+    conn.from_gpu(obj, 0, 16, kvcaches=cache, slot_mapping=slots)
+    k_of = cache[1].view(blocks, heads, 2, bs, head)[3, 1, 0, 5]  # layer 1, token 5, head 1, K
+    assert torch.equal(obj.tensor[0, 1, 5].view(heads, head)[1], k_of)
+    v_of = cache[0].view(blocks, heads, 2, bs, head)[1, 0, 1, 2]  # layer 0, token 10, head 0, V
+    assert torch.equal(obj.tensor[1, 0, 10].view(heads, head)[0], v_of)
+    fresh = [torch.zeros_like(c) for c in cache]
+    conn.kvcaches = None
+    conn.to_gpu(obj, 0, 16, kvcaches=fresh, slot_mapping=slots, vllm_cached_tokens=4)
+    for old, new in zip(cache, fresh, strict=True):
+        o, n = old.view(blocks, heads, 2, bs, head), new.view(blocks, heads, 2, bs, head)
+        assert torch.equal(n[3, :, :, 4:], o[3, :, :, 4:]) and torch.equal(n[1], o[1])
+        assert not n[3, :, :, :4].any()  # the 4 tokens vLLM held were not written

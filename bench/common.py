@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,3 +20,37 @@ def percentile(samples: list[float], q: float) -> float:
     """Nearest-rank percentile, q in [0, 1]."""
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+def session_parser(prog: str, description: str, default_out: Path) -> argparse.ArgumentParser:
+    """The long-session benches' flags: --out, --quick, --context, --reps (a bench adds its
+    own, then calls ``finish_session_args`` on what it parsed)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--out", type=Path, default=default_out,
+                        help=f"where to write the JSON results (default {default_out})")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke sizes: a 4 k-token context, one repetition")
+    parser.add_argument("--context", type=int, default=None,
+                        help="turn-1 prompt tokens (default 16384; 4096 with --quick)")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="sessions per condition (default 3; 1 with --quick)")
+    return parser
+
+
+def finish_session_args(args: argparse.Namespace) -> argparse.Namespace:
+    args.context = args.context or (4096 if args.quick else 16384)
+    args.reps = args.reps or (1 if args.quick else 3)
+    return args
+
+
+def wait_on_disk(memory_url: str, hashes: list[str], timeout_s: float = 120.0) -> None:
+    """Wait until a pod's memory API lists every chunk in its disk tier (writes are async)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        chunks = httpx.get(memory_url + "/memory/chunks", timeout=30).json()["chunks"]
+        if set(hashes) <= set(chunks.get("disk", [])):
+            return
+        time.sleep(0.1)
+    raise TimeoutError("turn-1 chunks never reached the disk tier")

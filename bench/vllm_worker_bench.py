@@ -40,10 +40,11 @@ from typing import Any
 
 import httpx
 
-from bench.common import write_result
+from bench.common import finish_session_args, session_parser, wait_on_disk, write_result
 
 NAME = "vllm_worker"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
+PROG = "python -m bench.vllm_worker_bench"
 CHUNK = 256
 _SOURCE = 'vllm:prompt_tokens_by_source_total{{engine="0",model_name="tiny",source="{}"}}'
 EXTERNAL, COMPUTED, DEVICE = (_SOURCE.format(s) for s in
@@ -53,20 +54,9 @@ RETRIEVED = re.compile(r"Retrieved (\d+) out of \d+ required tokens.*?size: ([\d
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.vllm_worker_bench",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help=f"where to write the JSON results (default {DEFAULT_OUT})")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke sizes: a 4 k-token context, one repetition")
-    parser.add_argument("--context", type=int, default=None,
-                        help="turn-1 prompt tokens (default 16384; 4096 with --quick)")
-    parser.add_argument("--reps", type=int, default=None,
-                        help="sessions per condition (default 3; 1 with --quick)")
+    parser = session_parser(PROG, __doc__.split("\n\n")[0], DEFAULT_OUT)
     args, _unknown = parser.parse_known_args(argv)
-    args.context = args.context or (4096 if args.quick else 16384)
-    args.reps = args.reps or (1 if args.quick else 3)
-    return args
+    return finish_session_args(args)
 
 
 def _counters(url: str) -> dict[str, float]:
@@ -116,16 +106,6 @@ def _post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
     return r.json()
 
 
-def _wait_on_disk(memory_url: str, hashes: list[str], timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        chunks = httpx.get(memory_url + "/memory/chunks", timeout=30).json()["chunks"]
-        if set(hashes) <= set(chunks.get("disk", [])):
-            return
-        time.sleep(0.2)
-    raise TimeoutError("turn-1 chunks never reached the disk tier")
-
-
 def _memory_url(fleet: Any, name: str) -> str:
     mp = next(m for m in fleet.procs if m.spec.name == name)
     return f"http://127.0.0.1:{mp.spec.argv[mp.spec.argv.index('--memory-port-start') + 1]}"
@@ -151,7 +131,7 @@ def run_ttft(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             out = _complete(url, {"prompt": ids, "max_tokens": 16, "return_token_ids": True})
             hashes = out["kv_transfer_params"]["chunk_hashes"]
             history = ids + out["choices"][0]["token_ids"]
-            _wait_on_disk(mem, hashes)
+            wait_on_disk(mem, hashes)
             for i, cond in enumerate(conds):
                 if cond != "device":
                     httpx.post(url + "/reset_prefix_cache", timeout=60).raise_for_status()

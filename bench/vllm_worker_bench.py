@@ -46,9 +46,7 @@ NAME = "vllm_worker"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
 PROG = "python -m bench.vllm_worker_bench"
 CHUNK = 256
-_SOURCE = 'vllm:prompt_tokens_by_source_total{{engine="0",model_name="tiny",source="{}"}}'
-EXTERNAL, COMPUTED, DEVICE = (_SOURCE.format(s) for s in
-                              ("external_kv_transfer", "local_compute", "local_cache_hit"))
+EXTERNAL, COMPUTED, DEVICE = "external_kv_transfer", "local_compute", "local_cache_hit"
 RETRIEVED = re.compile(r"Retrieved (\d+) out of \d+ required tokens.*?size: ([\d.]+) gb, cost "
                        r"([\d.]+) ms")
 
@@ -60,12 +58,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _counters(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total"):
-            key, value = line.rsplit(" ", 1)
-            out[key] = float(value)
-    return out
+    from agentserving.engine.vllm.prompt_sources import prompt_tokens_by_source
+
+    return prompt_tokens_by_source(httpx.get(url + "/metrics", timeout=30).text)
 
 
 def _ttft(url: str, body: dict[str, Any]) -> float:
@@ -106,11 +101,6 @@ def _post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
     return r.json()
 
 
-def _memory_url(fleet: Any, name: str) -> str:
-    mp = next(m for m in fleet.procs if m.spec.name == name)
-    return f"http://127.0.0.1:{mp.spec.argv[mp.spec.argv.index('--memory-port-start') + 1]}"
-
-
 def run_ttft(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     from agentserving.engine.testing import prompt
     from agentserving.replay.fleet.topology import FleetSpec
@@ -124,7 +114,8 @@ def run_ttft(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     sources: dict[str, dict[str, float]] = {}
     fleet = _start(spec, tmp / "ttft")
     try:
-        url, mem = fleet.urls("both")[0], _memory_url(fleet, "prefill-0")
+        worker = next(mp.spec for mp in fleet.procs if mp.spec.role == "both")
+        url, mem = worker.url, worker.memory_url
         _complete(url, {"prompt": prompt(600, seed=1), "max_tokens": 2})  # warm-up
         for rep in range(args.reps):
             ids = prompt(args.context, seed=1000 + rep)

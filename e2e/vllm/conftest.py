@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from agentserving.engine.vllm.prompt_sources import prompt_tokens_by_source
 from agentserving.engine.vllm.serve_command import DEFAULT_ENV_DIR
 from agentserving.replay.fleet.process import ProcessSpec
 from agentserving.replay.fleet.supervisor import Fleet
@@ -50,22 +51,21 @@ class VllmFleet:
     run_dir: Path
     none_hash: int  # LMCache's chain start in the pods (PYTHONHASHSEED=0)
 
+    def spec(self, name: str) -> ProcessSpec:
+        return next(mp.spec for mp in self.fleet.procs if mp.spec.name == name)
+
     def url(self, name: str) -> str:
-        for mp in self.fleet.procs:
-            if mp.spec.name == name:
-                assert mp.spec.url is not None
-                return mp.spec.url
-        raise KeyError(name)
+        url = self.spec(name).url
+        assert url is not None
+        return url
 
     def log(self, name: str) -> Path:
         return next(mp.log_path for mp in self.fleet.procs if mp.spec.name == name)
 
     def memory_url(self, name: str) -> str:
-        for mp in self.fleet.procs:
-            if mp.spec.name == name:
-                argv = mp.spec.argv
-                return f"http://{LOOPBACK}:{argv[argv.index('--memory-port-start') + 1]}"
-        raise KeyError(name)
+        url = self.spec(name).memory_url
+        assert url is not None
+        return url
 
     @property
     def proxy(self) -> str:
@@ -92,6 +92,7 @@ def _standalone(spec: FleetSpec, run_dir: Path, ports: PortAllocator, kv_url: st
     url = f"http://{LOOPBACK}:{port}"
     worker = ProcessSpec(
         name="worker-0", role="both", url=url, startup_timeout_s=spec.startup_timeout_s,
+        memory_url=f"http://{LOOPBACK}:{mem}",
         env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
         argv=[*agentserving_argv(), "worker", "--engine", "vllm", "--role", "both",
               "--port", str(port), "--memory-port-start", str(mem), "--pod-name", "worker-0",
@@ -136,21 +137,8 @@ def vllm_fleet(tmp_path_factory: pytest.TempPathFactory) -> VllmFleet:
 
 
 def vllm_metrics(url: str) -> dict[str, float]:
-    """vLLM's Prometheus counters of one pod, summed over labels except ``source``."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:") or " " not in line:
-            continue
-        name_labels, value = line.rsplit(" ", 1)
-        name = name_labels.split("{", 1)[0]
-        if 'source="' in name_labels:
-            name += ":" + name_labels.split('source="', 1)[1].split('"', 1)[0]
-        try:
-            out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
-    return out
+    """Where one pod's prompt tokens came from so far (vLLM's own counters), by source."""
+    return prompt_tokens_by_source(httpx.get(url + "/metrics", timeout=10).text)
 
 
 def post(url: str, path: str, body: dict, timeout: float = 120.0) -> dict:

@@ -30,11 +30,11 @@ LOGPROB_TOL = 1e-6
 SPLIT_TOL = 1e-4
 
 
-def cli_chunk_hashes(tokens: list[int], none_hash: int) -> list[str]:
-    """What ``agentserving chunk-hashes`` prints for the pods' scheme."""
+def cli_chunk_hashes(tokens: list[int], none_hash: int, salt: str | None = None) -> list[str]:
+    """What ``agentserving chunk-hashes`` prints for the pods' scheme (and a tenant's salt)."""
     out = subprocess.run(
         [*agentserving_argv(), "chunk-hashes", "--scheme", "lmcache-builtin", "--chunk-size",
-         str(CHUNK), "--none-hash", str(none_hash)],
+         str(CHUNK), "--none-hash", str(none_hash), *(["--salt", salt] if salt else [])],
         input=json.dumps(tokens), capture_output=True, text=True, check=True, timeout=60)
     return out.stdout.split()
 
@@ -86,8 +86,7 @@ def lmcache_log(log: Path, response_id: str) -> tuple[list[tuple[int, ...]], lis
     return lookups, loads
 
 
-EXTERNAL = "vllm:prompt_tokens_by_source_total:external_kv_transfer"
-COMPUTED = "vllm:prompt_tokens_by_source_total:local_compute"
+EXTERNAL, COMPUTED = "external_kv_transfer", "local_compute"
 
 
 def test_openai_sdk_three_turn_session_through_the_proxy(vllm_fleet: VllmFleet) -> None:
@@ -328,20 +327,12 @@ def test_bad_input_to_vllm_memory_api_and_proxy_names_the_field(
     assert "max_tokens" in r.text
 
 
-def cli_salted_hashes(tokens: list[int], none_hash: int, salt: str) -> list[str]:
-    out = subprocess.run(
-        [*agentserving_argv(), "chunk-hashes", "--scheme", "lmcache-builtin", "--chunk-size",
-         str(CHUNK), "--none-hash", str(none_hash), "--salt", salt],
-        input=json.dumps(tokens), capture_output=True, text=True, check=True, timeout=60)
-    return out.stdout.split()
-
-
 def test_cache_salt_keeps_tenants_apart_in_lmcache(vllm_fleet: VllmFleet) -> None:
     url = vllm_fleet.url("worker-0")
     prompt = prompt_ids(41, 1300)
     a = completion(url, prompt, cache_salt="tenant-a")
     hashes_a = a["kv_transfer_params"]["chunk_hashes"]
-    assert hashes_a == cli_salted_hashes(prompt, vllm_fleet.none_hash, "tenant-a")
+    assert hashes_a == cli_chunk_hashes(prompt, vllm_fleet.none_hash, "tenant-a")
     assert not set(hashes_a) & set(cli_chunk_hashes(prompt, vllm_fleet.none_hash))
     # tenant B, same prompt: nothing shared, not in vLLM's cache nor in LMCache's tiers
     before = vllm_metrics(url)

@@ -91,6 +91,7 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         self._as_recorder: RecordingTokenDatabase | None = None
         self._as_scheduler: SchedulerServices | None = None
         self._as_worker: WorkerServices | None = None
+        self._as_barrier: Any = None  # the flush's key (prefill pods with a KV server)
         impl = self._lmcache_engine
         if role == KVConnectorRole.SCHEDULER:
             if self._as_settings.chunk_hashes and impl.lookup_client is not None:
@@ -182,8 +183,9 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
             engine = self._lmcache_engine.lmcache_engine
             if engine is None or engine.storage_manager is None:
                 return
-            barrier = LMCacheKeys(engine.token_database, engine.metadata).key(0)
-            if not flush_remote_puts(engine.storage_manager, barrier,
+            if self._as_barrier is None:  # any key: the server answers after earlier writes
+                self._as_barrier = LMCacheKeys(engine.token_database, engine.metadata).key(0)
+            if not flush_remote_puts(engine.storage_manager, self._as_barrier,
                                      self._as_settings.handoff_timeout_s):
                 log.warning("remote_puts_pending", timeout_s=self._as_settings.handoff_timeout_s)
 

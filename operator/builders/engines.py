@@ -146,11 +146,17 @@ def vllm_agentserving_worker(ctx: WorkerContext) -> dict[str, Any]:
     if ctx.model.get("source") == "dummy":
         vllm_args = ["--load-format", "dummy", *vllm_args]
     command += [f"--vllm-arg={a}" for a in vllm_args]
-    container = _container(ctx, command, "/health")
-    user = len(ctx.engine.get("env") or [])  # user env (spec.engine.env) stays last
+    return _with_engine_env(ctx, _container(ctx, command, "/health"),
+                            [field_env("POD_IP", "status.podIP")])
+
+
+def _with_engine_env(ctx: WorkerContext, container: dict[str, Any],
+                     extra: list[dict[str, Any]]) -> dict[str, Any]:
+    """The container with an engine's own variables added before the user's (spec.engine.env,
+    already last in _common_env), which stay last so that they can override."""
+    user = len(ctx.engine.get("env") or [])
     env = container["env"]
-    container["env"] = env[:len(env) - user] + [field_env("POD_IP", "status.podIP")] + \
-        env[len(env) - user:]
+    container["env"] = env[:len(env) - user] + extra + env[len(env) - user:]
     return container
 
 
@@ -240,12 +246,7 @@ def vllm_ascend_worker(ctx: WorkerContext) -> dict[str, Any]:
     extra.append(env_var("LMCACHE_LMCACHE_INSTANCE_ID", "$(POD_NAME)"))
     if ctx.kv["hashScheme"] in PINNED_HASH_SEED_SCHEMES:
         extra.append(env_var("PYTHONHASHSEED", PYTHONHASHSEED))
-    # User env (spec.engine.env, already in _common_env) stays last so it can override.
-    user = len(ctx.engine.get("env") or [])
-    head, tail = container["env"][:len(container["env"]) - user], container["env"][
-        len(container["env"]) - user:]
-    container["env"] = head + extra + tail
-    return container
+    return _with_engine_env(ctx, container, extra)
 
 
 def registrar_sidecar(ctx: WorkerContext) -> dict[str, Any]:

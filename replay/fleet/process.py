@@ -48,6 +48,7 @@ class ProcessSpec:
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 120.0
     role: str = ""  # kvindex | prefill | decode | both | proxy | ...
+    memory_url: str | None = None  # a worker's memory API (its scheduler process, seed 000)
 
 
 class ManagedProcess:

@@ -142,7 +142,8 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                            str((len(prefill_urls) + len(decode_urls)) % (os.cpu_count() or 1)))
         out.append(ProcessSpec(name=name, role=role, url=url, argv=argv, env=env,
-                               startup_timeout_s=spec.startup_timeout_s))
+                               startup_timeout_s=spec.startup_timeout_s,
+                               memory_url=f"http://{LOOPBACK}:{mem}"))
         (decode_urls if role == "decode" else prefill_urls).append(url)
     if spec.proxy and (prefill_urls or decode_urls):
         port = spec.proxy_port or ports.one()

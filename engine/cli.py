@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from agentserving.core.cli import option
 from agentserving.core.hashing import DEFAULT_CHUNK_SIZE, HashScheme
 from agentserving.core.schemas import PodRole
+
+if TYPE_CHECKING:
+    from agentserving.engine.settings import WorkerSettings
 
 
 @click.command("worker")
@@ -122,18 +126,11 @@ from agentserving.core.schemas import PodRole
 def command(**kwargs: object) -> None:
     """Run a worker: the OpenAI-compatible API, the memory API, and engine processes holding
     the model and its KV tiers (LMCache CPU DRAM + local disk)."""
-    from pydantic import ValidationError
-
     from agentserving.core.logging import configure_logging
-    from agentserving.engine.settings import WorkerSettings
     from agentserving.engine.worker import run
 
-    kwargs["vllm_args"] = list(kwargs["vllm_args"])  # type: ignore[call-overload]
     print_command = bool(click.get_current_context().meta.get("print_command"))
-    try:
-        settings = WorkerSettings(**kwargs)  # type: ignore[arg-type]
-    except ValidationError as exc:
-        raise click.UsageError(str(exc)) from exc
+    settings = settings_from_params(kwargs)
     if settings.engine == "vllm":
         from agentserving.engine.vllm.serve_command import VllmConfigError, build, exec_vllm
 
@@ -145,8 +142,40 @@ def command(**kwargs: object) -> None:
             sys.exit(exec_vllm(settings))
         except VllmConfigError as exc:
             raise click.UsageError(str(exc)) from exc
-    if print_command or settings.tensor_parallel_size > 1:
-        flag = "--print-command" if print_command else "--tensor-parallel-size"
-        raise click.UsageError(f"{flag}: only the vLLM engine has it (--engine vllm)")
+    if print_command:
+        raise click.UsageError("--print-command: only the vLLM engine has it (--engine vllm)")
     configure_logging(settings.log_level, settings.log_json)
     sys.exit(run(settings))
+
+
+def settings_from_params(params: dict[str, object]) -> WorkerSettings:
+    """The worker's settings from this command's parsed parameters, with every check that
+    needs no files or servers (what a rendered pod command line is tested against)."""
+    from pydantic import ValidationError
+
+    from agentserving.engine.settings import WorkerSettings
+
+    params = {**params, "vllm_args": list(params.get("vllm_args") or ())}
+    try:
+        settings = WorkerSettings(**params)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        raise click.UsageError(str(exc)) from exc
+    if settings.engine == "vllm":
+        from agentserving.engine.vllm.serve_command import VllmConfigError, check_settings
+
+        try:
+            check_settings(settings)
+        except VllmConfigError as exc:
+            raise click.UsageError(str(exc)) from exc
+    elif settings.tensor_parallel_size > 1:
+        raise click.UsageError("--tensor-parallel-size: only the vLLM engine has it "
+                               "(--engine vllm)")
+    else:  # refused here rather than in every engine process after the model loaded
+        from agentserving.engine.scheduler.policy import make_policy
+
+        try:
+            make_policy(settings.scheduler_policy, settings.prefill_chunk_tokens)
+        except (ValueError, TypeError, ImportError, AttributeError) as exc:
+            raise click.UsageError(f"--scheduler-policy {settings.scheduler_policy}: {exc}") \
+                from exc
+    return settings

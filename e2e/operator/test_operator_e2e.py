@@ -22,6 +22,9 @@ from .conftest import CHART, HUNG_PREFIX, OPERATOR_NAMESPACE, helm
 EXAMPLES = sorted((REPO / "examples").glob("agentserving-*.yaml"))
 CHILD_KINDS = "configmaps,services,statefulsets,deployments"
 WAIT = 60
+# The reference example's children: two pools (StatefulSet + Service each), the kvindex and the
+# proxy (Deployment + Service each); its engine reads no ConfigMap.
+REFERENCE_CHILDREN = 8
 
 
 def load(path) -> dict:
@@ -153,7 +156,7 @@ def test_example_creates_every_child_with_owner_and_honest_status(cluster, opera
 def scaled_ns(cluster, operator):
     ns, name = "e2e-scale", "tiny-agent"
     create(cluster, ns, (REPO / "examples" / "agentserving-reference.yaml").read_text())
-    wait_for(lambda: len(children(cluster, ns, name)) == 9, WAIT, "children")
+    wait_for(lambda: len(children(cluster, ns, name)) == REFERENCE_CHILDREN, WAIT, "children")
     wait_reconciled(cluster, ns, name)
     return ns, name
 
@@ -221,7 +224,7 @@ def test_unservable_spec_is_degraded_with_the_field_named(cluster, operator):
     ns, name = "e2e-degraded", "two-memory-indexes"
     manifest = {"apiVersion": "agentserving.io/v1alpha1", "kind": "AgentServing",
                 "metadata": {"name": name},
-                "spec": {"model": {"name": "m"}, "kvindex": {"replicas": 2}}}
+                "spec": {"model": {"name": "tiny"}, "kvindex": {"replicas": 2}}}
     create(cluster, ns, json.dumps(manifest))
     resource = wait_reconciled(cluster, ns, name)
     assert resource["status"]["phase"] == "Degraded"
@@ -235,7 +238,7 @@ def test_delete_forgets_kvindex_pods_and_collects_children(cluster, operator, fa
     doc = load(REPO / "examples" / "agentserving-reference.yaml")
     doc["metadata"]["name"] = name
     create(cluster, ns, json.dumps(doc))
-    wait_for(lambda: len(children(cluster, ns, name)) == 9, WAIT, "children")
+    wait_for(lambda: len(children(cluster, ns, name)) == REFERENCE_CHILDREN, WAIT, "children")
     wait_for(lambda: len(pods(cluster, ns, "decode")) == 2, WAIT, "decode pods")
     resource = get_resource(cluster, ns, name)
     assert "agentserving.io/finalizer" in resource["metadata"]["finalizers"]
@@ -253,7 +256,7 @@ def test_hung_kvindex_does_not_block_deletion(cluster, operator, fake_kvindex):
     ns, name = "e2e-hung", f"{HUNG_PREFIX}agent"
     create(cluster, ns, json.dumps({"apiVersion": "agentserving.io/v1alpha1",
                                     "kind": "AgentServing", "metadata": {"name": name},
-                                    "spec": {"model": {"name": "m"}}}))
+                                    "spec": {"model": {"name": "tiny"}}}))
     wait_reconciled(cluster, ns, name)
     started = time.monotonic()
     cluster.kubectl("delete", "agentserving", name, "-n", ns, "--wait=false")

@@ -245,6 +245,25 @@ def test_kvindex_stopped_turns_still_answer_degraded(fleet):
     assert "proxy_degraded_total 1.0" in httpx.get(fleet.proxy_kv.url + "/metrics").text
 
 
+def test_a_prefill_pool_that_is_down_costs_the_speed_up_not_the_turn(fleet):
+    """Every prefill pod unreachable (a rolling or restarting pool): after the P/D attempts,
+    the decode pod computes the whole turn, with the answer one pod gives."""
+    from agentserving.core.testing import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = fleet.start_proxy("--prefill", dead, "--decode", fleet.workers["d0"].url,
+                              name="proxy-no-prefill")
+    prompt = prompt_for(16, 500)
+    raw = client(proxy).completions.with_raw_response.create(
+        model="tiny", prompt=prompt, max_tokens=12, extra_headers={"x-session-id": "np-1"})
+    alone = client(fleet.proxy_kv).completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, extra_headers={"x-session-id": "np-2"})
+    resp = raw.parse()
+    assert resp.choices[0].text == alone.choices[0].text
+    assert chunk_hashes_of(resp) == chunk_hashes_of(alone)
+    assert "proxy_retries_total" in httpx.get(proxy.url + "/metrics").text
+
+
 def test_a_killed_worker_mid_session_still_answers(fleet):
     c = client(fleet.proxy_kv)
     prompt = prompt_for(14, 600)

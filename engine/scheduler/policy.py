@@ -134,11 +134,20 @@ def make_policy(spec: str, chunk_tokens: int) -> SchedulerPolicy:
     if ":" in name:
         module, attr = name.split(":", 1)
         return getattr(importlib.import_module(module), attr)(chunk_tokens, **options)
-    try:
-        prefill = importlib.import_module(PREFILL_POLICY_MODULE)
-    except ImportError:
-        prefill = None
+    prefill = _prefill_policies()
     if prefill is not None and name in getattr(prefill, "ENGINE_POLICIES", ()):
         return prefill.make_engine_policy(name, chunk_tokens, **options)
-    known = sorted(POLICIES) + sorted(getattr(prefill, "ENGINE_POLICIES", ()))
-    raise ValueError(f"unknown scheduler policy {name!r}; known: {known}")
+    raise ValueError(f"unknown scheduler policy {name!r}; known: {policy_names()}")
+
+
+def _prefill_policies():  # the prefill role's module, when installed
+    try:
+        return importlib.import_module(PREFILL_POLICY_MODULE)
+    except ImportError:
+        return None
+
+
+def policy_names() -> list[str]:
+    """Every name ``make_policy`` builds (besides ``module:Class``): what a worker's
+    ``--scheduler-policy`` may name, and the AgentServing CRD's ``schedulerPolicy`` enum."""
+    return sorted(POLICIES) + sorted(getattr(_prefill_policies(), "ENGINE_POLICIES", ()))

@@ -21,7 +21,7 @@ from .common import (
     content_hash,
     selector_string,
 )
-from .config import build_config
+from .config import build_config, wants_config
 from .engines import ENGINES, WorkerContext, validate_engine
 from .pools import build_pool, build_pool_service, validate_pool
 from .services import (
@@ -80,13 +80,16 @@ def build_children(inst: Instance, settings: OperatorSettings) -> list[dict[str,
     if inst.spec["engine"]["type"] not in ENGINES:
         raise SpecError("spec.engine.type", f"unknown engine {inst.spec['engine']['type']!r}")
     kvindex_url = kvindex_service_url(inst)
-    config = build_config(inst, kvindex_url)
-    config_hash = content_hash(config["data"])
     image = worker_image(inst, settings)
     for role in POOLS:  # every pool's own rules first, then the engine's cross-field ones
         validate_pool(inst, role)
     validate_engine(inst.spec)
-    children: list[dict[str, Any]] = [config]
+    children: list[dict[str, Any]] = []
+    config_hash = None
+    if wants_config(inst.spec):
+        config = build_config(inst)
+        config_hash = content_hash(config["data"])
+        children.append(config)
     for role in POOLS:
         children.append(build_pool(inst, role, image, kvindex_url, config_hash,
                                    settings.image("worker")))

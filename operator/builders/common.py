@@ -45,13 +45,33 @@ class SpecError(ValueError):
         self.field_path = field_path
 
 
+# Per engine, what the CRD leaves unset: the reference worker schedules with Longcap-FCFS and
+# Dynamic Chunk under the ShadowScheduler; vLLM pods have only vLLM's own FCFS scheduler and no
+# ShadowScheduler (so `engine: vllm` alone is servable).
+ENGINE_SCHEDULER_POLICIES = {"reference": "longcap-dynamic", "vllm": "fcfs",
+                             "vllm-ascend": "fcfs"}
+ENGINE_PREFETCH_POLICIES = {"reference": "shadow-scheduler", "vllm": "none",
+                            "vllm-ascend": "none"}
+DEFAULT_LOOKAHEAD = 5
+
+
 def with_engine_defaults(spec: dict[str, Any]) -> dict[str, Any]:
     """The spec with the defaults that depend on other fields (the CRD's are per field)."""
+    engine = (spec.get("engine") or {}).get("type", "reference")
     kv = dict(spec.get("kvCache") or {})
-    if not kv.get("hashScheme"):  # the CRD leaves it unset: `engine: vllm` alone is servable
-        engine = (spec.get("engine") or {}).get("type", "reference")
+    if not kv.get("hashScheme"):
         kv["hashScheme"] = ENGINE_HASH_SCHEMES.get(engine, HashScheme.BLAKE3).value
-    return {**spec, "kvCache": kv}
+    prefetch = dict(kv.get("prefetch") or {})
+    prefetch.setdefault("policy", ENGINE_PREFETCH_POLICIES.get(engine, "none"))
+    if prefetch["policy"] == "shadow-scheduler":
+        prefetch.setdefault("lookahead", DEFAULT_LOOKAHEAD)
+    kv["prefetch"] = prefetch
+    out = {**spec, "kvCache": kv}
+    for role in POOLS:
+        pool = dict(spec.get(role) or {})
+        pool.setdefault("schedulerPolicy", ENGINE_SCHEDULER_POLICIES.get(engine, "fcfs"))
+        out[role] = pool
+    return out
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The ConfigMap every worker mounts at /etc/agentserving: engine and LMCache settings."""
+"""The ConfigMap vLLM workers mount at /etc/agentserving: LMCache's configuration file."""
 
 from __future__ import annotations
 
@@ -17,32 +17,11 @@ from .common import (
 )
 
 
-def engine_settings(inst: Instance, kvindex_url: str) -> dict[str, Any]:
-    """The deployment-wide settings every worker reads (agentserving.yaml). Per-pool settings
-    (tensor parallel, scheduler policy) go into each pool's own pod template instead, so
-    changing one pool never rolls the other."""
-    spec = inst.spec
-    model, kv = spec["model"], spec["kvCache"]
-    return {
-        "model": {
-            "name": model["name"],
-            "source": model.get("source", ""),
-            "servedName": model.get("servedName") or model["name"],
-            "maxContext": model.get("maxContext"),
-        },
-        "engine": spec["engine"]["type"],
-        "kvindex": kvindex_url,
-        "kvCache": {
-            "chunkSize": kv["chunkSize"],
-            "hashScheme": kv["hashScheme"],
-            "cpuGiB": kv["cpuGiB"],
-            "diskGiB": kv["diskGiB"],
-            "diskDir": KVCACHE_DIR,
-            "transferBackend": kv["transferBackend"],
-            "prefetch": {"policy": kv["prefetch"]["policy"],
-                         "lookahead": kv["prefetch"]["lookahead"]},
-        },
-    }
+def wants_config(spec: dict[str, Any]) -> bool:
+    """Whether the pods' engine reads the ConfigMap: LMCache inside vLLM reads lmcache.yaml
+    (LMCACHE_CONFIG_FILE); the reference worker configures its LMCache store from its own
+    flags, so its pods mount nothing."""
+    return spec["engine"]["type"] in ("vllm", "vllm-ascend")
 
 
 def lmcache_settings(inst: Instance) -> dict[str, Any]:
@@ -61,7 +40,7 @@ def lmcache_settings(inst: Instance) -> dict[str, Any]:
     kv = inst.spec["kvCache"]
     settings: dict[str, Any] = {
         "chunk_size": kv["chunkSize"],
-        "local_cpu": kv["cpuGiB"] > 0,
+        "local_cpu": True,
         "max_local_cpu_size": float(kv["cpuGiB"]),
         "save_unfull_chunk": False,
         "enable_async_loading": True,
@@ -96,17 +75,13 @@ def uses_lmcache_controller(inst: Instance) -> bool:
     return inst.spec["engine"]["type"] == "vllm-ascend"
 
 
-def build_config(inst: Instance, kvindex_url: str) -> dict[str, Any]:
+def build_config(inst: Instance) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": metadata(inst, "config"),
-        "data": {
-            "agentserving.yaml": yaml.safe_dump(engine_settings(inst, kvindex_url), sort_keys=True),
-            "lmcache.yaml": yaml.safe_dump(lmcache_settings(inst), sort_keys=True),
-        },
+        "data": {"lmcache.yaml": yaml.safe_dump(lmcache_settings(inst), sort_keys=True)},
     }
 
 
-CONFIG_FILE = f"{CONFIG_DIR}/agentserving.yaml"
 LMCACHE_CONFIG_FILE = f"{CONFIG_DIR}/lmcache.yaml"

@@ -3,6 +3,11 @@
 Each builder takes a :class:`WorkerContext` and returns the worker container. The pool
 builder (pools.py) owns everything around it (pod template, volumes, accelerators, ports of
 the memory API), so adding an engine means adding one function to ``ENGINES``.
+
+``agentserving worker`` command lines (the reference engine, and vLLM through the worker) are
+rendered from a ``WorkerSettings`` built here, through the worker's own click command
+(``core.argv``): a value the worker would refuse is a ``SpecError`` naming the spec field
+when the operator renders it, never a pod that crash-loops.
 """
 
 from __future__ import annotations
@@ -10,7 +15,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import PurePosixPath
 from typing import Any
+
+from pydantic import ValidationError
+
+from agentserving.core.argv import render_argv
+from agentserving.engine.cli import command as worker_command
+from agentserving.engine.settings import WorkerSettings
 
 from .common import (
     KVCACHE_DIR,
@@ -21,7 +33,7 @@ from .common import (
     field_env,
     http_probe,
 )
-from .config import CONFIG_FILE, LMCACHE_CONFIG_FILE
+from .config import LMCACHE_CONFIG_FILE, wants_config
 
 
 @dataclass(frozen=True)
@@ -69,20 +81,15 @@ def memory_ports(tensor_parallel: int) -> list[dict[str, Any]]:
 
 
 def _common_env(ctx: WorkerContext) -> list[dict[str, Any]]:
+    """The downward API the command lines refer to ($(POD_NAME), $(POD_IP)), LMCache's config
+    file where the engine reads it, then the user's variables (last, so that they win)."""
     env = [
         field_env("POD_NAME", "metadata.name"),
         field_env("POD_NAMESPACE", "metadata.namespace"),
-        env_var("AGENTSERVING_CONFIG", CONFIG_FILE),
-        env_var("LMCACHE_CONFIG_FILE", LMCACHE_CONFIG_FILE),
-        # Settings the worker command line below does not carry; the worker's CLI reads
-        # AGENTSERVING_WORKER_<FLAG> for flags it has.
-        env_var("AGENTSERVING_WORKER_SERVED_MODEL_NAME", ctx.served_name),
-        env_var("AGENTSERVING_WORKER_TENSOR_PARALLEL_SIZE", ctx.tensor_parallel),
-        env_var("AGENTSERVING_WORKER_SCHEDULER_POLICY", ctx.pool["schedulerPolicy"]),
-        env_var("AGENTSERVING_WORKER_TRANSFER_BACKEND", ctx.kv["transferBackend"]),
-        env_var("AGENTSERVING_WORKER_PREFETCH_POLICY", ctx.kv["prefetch"]["policy"]),
-        env_var("AGENTSERVING_WORKER_PREFETCH_LOOKAHEAD", ctx.kv["prefetch"]["lookahead"]),
+        field_env("POD_IP", "status.podIP"),
     ]
+    if wants_config(ctx.spec):
+        env.append(env_var("LMCACHE_CONFIG_FILE", LMCACHE_CONFIG_FILE))
     return env + [dict(e) for e in ctx.engine.get("env") or []]
 
 
@@ -103,29 +110,93 @@ def _container(ctx: WorkerContext, command: list[str], health_path: str) -> dict
     return container
 
 
-def worker_argv(ctx: WorkerContext) -> list[str]:
-    """``agentserving worker`` with the flags every engine's pod shares: the one command-line
-    source of the reference and the vLLM pods (vLLM's own command is generated from it inside
-    the pod, by ``agentserving.engine.vllm.serve_command``)."""
+# WorkerSettings field -> the spec field its value comes from ({role}: the pool)
+SETTINGS_FIELDS = {
+    "model": "spec.model.name",
+    "served_model_name": "spec.model.servedName",
+    "max_model_len": "spec.model.maxContext",
+    "cpu_cache_gib": "spec.kvCache.cpuGiB",
+    "disk_cache_gib": "spec.kvCache.diskGiB",
+    "chunk_size": "spec.kvCache.chunkSize",
+    "prefill_chunk_tokens": "spec.kvCache.chunkSize",
+    "hash_scheme": "spec.kvCache.hashScheme",
+    "scheduler_policy": "spec.{role}.schedulerPolicy",
+    "tensor_parallel_size": "spec.{role}.tensorParallelSize",
+    "kv_transfer_url": "spec.kvCache.transferBackend",
+    "vllm_args": "spec.engine.args",
+}
+
+
+def worker_values(ctx: WorkerContext) -> dict[str, Any]:
+    """The ``WorkerSettings`` every engine's ``agentserving worker`` pod sets, in flag order.
+    The worker binds every interface and registers its pod IP with the kvindex (the proxy and
+    the other pods reach it there)."""
     kv = ctx.kv
-    argv = [
-        "agentserving", "worker",
-        "--role", ctx.role,
-        "--port", str(WORKER_PORT),
-        "--memory-port-start", str(MEMORY_PORT_START),
-        "--model", ctx.model["name"],
-        "--pod-name", "$(POD_NAME)",
-        "--kvindex", ctx.kvindex_url,
-        "--cpu-cache-gib", str(kv["cpuGiB"]),
-    ]
+    values: dict[str, Any] = {
+        "role": ctx.role,
+        "host": "0.0.0.0",
+        "advertise_host": "$(POD_IP)",
+        "port": WORKER_PORT,
+        "memory_port_start": MEMORY_PORT_START,
+        "model": ctx.model["name"],
+        "served_model_name": ctx.served_name,
+        "pod_name": "$(POD_NAME)",
+        "kvindex_url": ctx.kvindex_url,
+        "cpu_cache_gib": kv["cpuGiB"],
+    }
     if kv["diskGiB"]:
-        argv += ["--disk-cache-dir", KVCACHE_DIR, "--disk-cache-gib", str(kv["diskGiB"])]
-    return argv + ["--chunk-size", str(kv["chunkSize"]), "--hash-scheme", kv["hashScheme"]]
+        values.update(disk_cache_dir=KVCACHE_DIR, disk_cache_gib=kv["diskGiB"])
+    values.update(chunk_size=kv["chunkSize"], hash_scheme=kv["hashScheme"])
+    step = WorkerSettings.model_fields["prefill_chunk_tokens"].default
+    if step % kv["chunkSize"]:  # a prefill step is whole chunks
+        values["prefill_chunk_tokens"] = -(-step // kv["chunkSize"]) * kv["chunkSize"]
+    if ctx.model.get("maxContext"):
+        values["max_model_len"] = ctx.model["maxContext"]
+    return values
+
+
+def worker_settings(ctx: WorkerContext, values: dict[str, Any]) -> WorkerSettings:
+    """``values`` as the worker validates them (its settings, and for vLLM the checks of its
+    ``vllm serve`` command), failures named by spec field."""
+    try:
+        settings = WorkerSettings(**values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        name = str(err["loc"][0]) if err["loc"] else ""
+        path = SETTINGS_FIELDS.get(name, "spec").format(role=ctx.role)
+        raise SpecError(path, f"the worker refuses it: {err['msg']}") from exc
+    if settings.engine == "vllm":
+        from agentserving.engine.vllm.serve_command import VllmConfigError, check_settings
+
+        try:
+            check_settings(settings)
+        except VllmConfigError as exc:
+            raise SpecError("spec.engine", f"the vLLM worker refuses it: {exc}") from exc
+    return settings
+
+
+def worker_argv(ctx: WorkerContext, values: dict[str, Any]) -> list[str]:
+    """``agentserving worker`` with ``values``: the one command-line source of the reference
+    and the vLLM pods (vLLM's own command is generated from it inside the pod, by
+    ``agentserving.engine.vllm.serve_command``)."""
+    settings = worker_settings(ctx, values)
+    return ["agentserving", "worker", *render_argv(worker_command, settings, values)]
+
+
+def scheduler_policy(ctx: WorkerContext) -> str:
+    """The reference worker's ``--scheduler-policy``: the pool's policy, run under the
+    ShadowScheduler (its ``lookahead`` option) when kvCache.prefetch asks for it."""
+    name, prefetch = ctx.pool["schedulerPolicy"], ctx.kv["prefetch"]
+    if prefetch["policy"] == "shadow-scheduler":
+        return f"{name}?lookahead={prefetch['lookahead']}"
+    return name
 
 
 def reference_worker(ctx: WorkerContext) -> dict[str, Any]:
     """AgentServing's own worker (transformers + LMCache), for every accelerator type."""
-    return _container(ctx, worker_argv(ctx) + list(ctx.engine.get("args") or []), "/healthz")
+    values = {**worker_values(ctx), "scheduler_policy": scheduler_policy(ctx)}
+    return _container(ctx, worker_argv(ctx, values) + list(ctx.engine.get("args") or []),
+                      "/healthz")
 
 
 def vllm_agentserving_worker(ctx: WorkerContext) -> dict[str, Any]:
@@ -135,19 +206,15 @@ def vllm_agentserving_worker(ctx: WorkerContext) -> dict[str, Any]:
     and compute), vLLM's own prefix cache as the device tier. ``spec.engine.args`` go to
     ``vllm serve`` verbatim (``--vllm-arg``)."""
     validate_engine(ctx.spec)
-    command = [*worker_argv(ctx), "--engine", "vllm", "--host", "0.0.0.0",
-               "--advertise-host", "$(POD_IP)", "--served-model-name", ctx.served_name,
-               "--tensor-parallel-size", str(ctx.tensor_parallel)]
-    if ctx.model.get("maxContext"):
-        command += ["--max-model-len", str(ctx.model["maxContext"])]
-    if ctx.kvserver_url:
-        command += ["--kv-transfer-url", ctx.kvserver_url]
     vllm_args = list(ctx.engine.get("args") or [])
     if ctx.model.get("source") == "dummy":
         vllm_args = ["--load-format", "dummy", *vllm_args]
-    command += [f"--vllm-arg={a}" for a in vllm_args]
-    return _with_engine_env(ctx, _container(ctx, command, "/health"),
-                            [field_env("POD_IP", "status.podIP")])
+    values = {"engine": "vllm", **worker_values(ctx),
+              "tensor_parallel_size": ctx.tensor_parallel}
+    if ctx.kvserver_url:
+        values["kv_transfer_url"] = ctx.kvserver_url
+    values["vllm_args"] = vllm_args
+    return _container(ctx, worker_argv(ctx, values), "/health")
 
 
 def _with_engine_env(ctx: WorkerContext, container: dict[str, Any],
@@ -190,8 +257,7 @@ ASCEND_HOST_MOUNTS: tuple[tuple[str, str], ...] = (
 def kv_transfer_config(ctx: WorkerContext) -> dict[str, Any]:
     """vLLM-Ascend's --kv-transfer-config: LMCache-Ascend's connector, kv_role by pool."""
     return {**ASCEND_CONNECTOR, "kv_role": KV_ROLES[ctx.role],
-            "kv_connector_extra_config": {"transfer_backend": ctx.kv["transferBackend"],
-                                          "kvindex_url": ctx.kvindex_url,
+            "kv_connector_extra_config": {"kvindex_url": ctx.kvindex_url,
                                           "memory_port_start": MEMORY_PORT_START}}
 
 
@@ -207,15 +273,42 @@ def engine_volumes(ctx: WorkerContext) -> tuple[list[dict[str, Any]], list[dict[
     return volumes, mounts
 
 
+# The reference engine's built-in models (engine/model/loader.py); anything else it loads is a
+# model folder, with local files only: a Hugging Face id is not loadable there.
+REFERENCE_MODELS = ("tiny", "smollm2")
+
+
 def validate_engine(spec: dict[str, Any]) -> None:
-    """Cross-field rules of the vLLM engines (checked after the pools' own rules)."""
-    engine, scheme = spec["engine"]["type"], spec["kvCache"]["hashScheme"]
+    """Cross-field rules of the engines (checked after the pools' own rules)."""
+    engine, kv, model = spec["engine"]["type"], spec["kvCache"], spec["model"]
+    scheme = kv["hashScheme"]
     if engine in ("vllm", "vllm-ascend") and scheme not in PINNED_HASH_SEED_SCHEMES:
         # LMCache inside vLLM chains Python's hash() (or vLLM's), never blake3: the pods would
         # register one scheme and report hashes of another
         raise SpecError("spec.kvCache.hashScheme",
                         f"{scheme!r} is the reference engine's; LMCache inside {engine} hashes "
                         f"chunks with one of {sorted(PINNED_HASH_SEED_SCHEMES)}")
+    if engine == "vllm" and scheme != "lmcache-builtin":
+        raise SpecError("spec.kvCache.hashScheme", "AgentServing's vLLM connector hashes "
+                        "chunks with lmcache-builtin")
+    prefetch = kv["prefetch"]
+    if "lookahead" in prefetch and prefetch["policy"] != "shadow-scheduler":
+        raise SpecError("spec.kvCache.prefetch.lookahead", "only the shadow-scheduler "
+                        f"prefetch policy looks ahead (policy is {prefetch['policy']})")
+    if engine != "reference":
+        if prefetch["policy"] != "none":
+            raise SpecError("spec.kvCache.prefetch.policy",
+                            f"{engine} has no ShadowScheduler: only none")
+        return
+    if model.get("source"):
+        raise SpecError("spec.model.source", "the reference engine loads model.name as it is "
+                        "('tiny' is random weights already); source is for vllm engines")
+    name = model["name"]
+    if name not in REFERENCE_MODELS and not PurePosixPath(name).is_absolute():
+        raise SpecError("spec.model.name",
+                        f"{name!r}: the reference engine loads {' or '.join(REFERENCE_MODELS)}, "
+                        "or the absolute path of a model folder in its image (it downloads "
+                        "nothing)")
 
 
 def vllm_ascend_worker(ctx: WorkerContext) -> dict[str, Any]:
@@ -237,7 +330,6 @@ def vllm_ascend_worker(ctx: WorkerContext) -> dict[str, Any]:
         command += ["--load-format", "dummy"]
     container = _container(ctx, command + list(ctx.engine.get("args") or []), "/health")
     extra = [
-        field_env("POD_IP", "status.podIP"),
         env_var("LMCACHE_CHUNK_SIZE", ctx.kv["chunkSize"]),
         env_var("LMCACHE_USE_EXPERIMENTAL", "True"),
         env_var("AGENTSERVING_KVINDEX_URL", ctx.kvindex_url),

@@ -38,13 +38,38 @@ def accelerator_resources(pool: dict[str, Any]) -> dict[str, Any]:
 
 def validate_pool(inst: Instance, role: str) -> None:
     engine = inst.spec["engine"]["type"]
-    acc = inst.spec[role]["accelerator"]
+    pool = inst.spec[role]
+    acc = pool["accelerator"]
     if engine == "vllm-ascend" and acc["type"] != "ascend":
         raise SpecError(f"spec.{role}.accelerator.type",
                         f"engine vllm-ascend needs ascend accelerators, not {acc['type']}")
     if engine == "vllm" and acc["type"] == "ascend":
         raise SpecError(f"spec.{role}.accelerator.type",
                         "ascend accelerators need engine vllm-ascend (or reference)")
+    tp = pool["tensorParallelSize"]
+    if engine == "reference" and tp > 1:
+        raise SpecError(f"spec.{role}.tensorParallelSize",
+                        "the reference engine has no tensor parallelism (vllm engines do)")
+    if acc["type"] != "cpu" and tp > acc["count"]:
+        raise SpecError(f"spec.{role}.tensorParallelSize",
+                        f"{tp} ranks need as many accelerators per pod, not {acc['count']}")
+    _validate_scheduler_policy(inst, role)
+
+
+def _validate_scheduler_policy(inst: Instance, role: str) -> None:
+    engine, policy = inst.spec["engine"]["type"], inst.spec[role]["schedulerPolicy"]
+    prefetch = inst.spec["kvCache"]["prefetch"]["policy"]
+    where = f"spec.{role}.schedulerPolicy"
+    if engine != "reference":
+        if policy != "fcfs":
+            raise SpecError(where, f"{engine} pods run vLLM's own scheduler: only fcfs")
+    elif policy == "fcfs" and prefetch == "shadow-scheduler":
+        raise SpecError(where, "fcfs, the engine's built-in FCFS, cannot run under the "
+                        "ShadowScheduler (kvCache.prefetch.policy shadow-scheduler): use "
+                        "fcfs-chunk, or prefetch policy none")
+    elif policy == "shadow" and prefetch != "shadow-scheduler":
+        raise SpecError(where, "shadow is the ShadowScheduler, which kvCache.prefetch.policy "
+                        f"{prefetch} turns off: use its base policy, longcap-dynamic")
 
 
 def _disk_volume(inst: Instance) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -66,22 +91,25 @@ def _disk_volume(inst: Instance) -> tuple[list[dict[str, Any]], list[dict[str, A
 
 
 def build_pool(inst: Instance, role: str, image: str, kvindex_url: str,
-               config_hash: str, agentserving_image: str = "") -> dict[str, Any]:
+               config_hash: str | None, agentserving_image: str = "") -> dict[str, Any]:
+    """The pool's StatefulSet. ``config_hash``: the hash of the ConfigMap its engine reads
+    (mounted at /etc/agentserving; a change rolls the pods), None for an engine that reads
+    none."""
     validate_pool(inst, role)
     pool = inst.spec[role]
     ctx = WorkerContext(role=role, spec=inst.spec, image=image, kvindex_url=kvindex_url,
                         agentserving_image=agentserving_image,
                         kvserver_url=kvserver_url(inst) if wants_kvserver(inst) else "")
     container = ENGINES[inst.spec["engine"]["type"]](ctx)
-    container["volumeMounts"] = [
-        {"name": "kvcache", "mountPath": KVCACHE_DIR},
-        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-    ]
+    container["volumeMounts"] = [{"name": "kvcache", "mountPath": KVCACHE_DIR}]
     resources = accelerator_resources(pool)
     if resources:
         container["resources"] = resources
     volumes, claims = _disk_volume(inst)
-    volumes.append({"name": "config", "configMap": {"name": inst.child_name("config")}})
+    if config_hash is not None:
+        container["volumeMounts"].append({"name": "config", "mountPath": CONFIG_DIR,
+                                          "readOnly": True})
+        volumes.append({"name": "config", "configMap": {"name": inst.child_name("config")}})
     if inst.spec["engine"]["type"] != "reference":  # vLLM: shared memory; Ascend: driver files
         extra_volumes, extra_mounts = engine_volumes(ctx)
         volumes += extra_volumes
@@ -101,17 +129,16 @@ def build_pool(inst: Instance, role: str, image: str, kvindex_url: str,
         pod_spec["tolerations"] = [dict(t) for t in pool["tolerations"]]
     if pool.get("schedulerName"):
         pod_spec["schedulerName"] = pool["schedulerName"]
+    template_meta: dict[str, Any] = {"labels": labels(inst, role)}
+    if config_hash is not None:
+        template_meta["annotations"] = {CONFIG_HASH_ANNOTATION: config_hash}
     spec: dict[str, Any] = {
         "serviceName": inst.child_name(role),
         "replicas": pool["replicas"],
         # Workers are independent: start and replace them all at once, not one by one.
         "podManagementPolicy": "Parallel",
         "selector": {"matchLabels": selector_labels(inst, role)},
-        "template": {
-            "metadata": {"labels": labels(inst, role),
-                         "annotations": {CONFIG_HASH_ANNOTATION: config_hash}},
-            "spec": pod_spec,
-        },
+        "template": {"metadata": template_meta, "spec": pod_spec},
     }
     if claims:
         spec["volumeClaimTemplates"] = claims

@@ -1,8 +1,20 @@
-"""The proxy, the kvindex and (when asked) an in-cluster Redis: a Deployment and a Service each."""
+"""The proxy, the kvindex and (when asked) an in-cluster Redis: a Deployment and a Service each.
+
+The proxy's and the kvindex's command lines are rendered from their own settings objects
+through their own click commands (``core.argv``), as the workers' are.
+"""
 
 from __future__ import annotations
 
 from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from agentserving.core.argv import render_argv
+from agentserving.kvindex.cli import command as kvindex_command
+from agentserving.kvindex.settings import KvindexSettings
+from agentserving.proxy.cli import command as proxy_command
+from agentserving.proxy.settings import ProxySettings
 
 from .common import (
     KVINDEX_PORT,
@@ -73,14 +85,43 @@ def _service(inst: Instance, component: str, port: int,
     }
 
 
+def _argv(subcommand: str, command: Any, settings_cls: type[BaseModel], where: str,
+          values: dict[str, Any]) -> list[str]:
+    """``agentserving SUBCOMMAND`` with ``values``, validated by the service's settings."""
+    try:
+        settings = settings_cls(**values)
+    except ValidationError as exc:
+        raise SpecError(where, f"the {subcommand} refuses it: {exc.errors()[0]['msg']}") from exc
+    return ["agentserving", subcommand, *render_argv(command, settings, values)]
+
+
+def kvindex_argv(inst: Instance) -> list[str]:
+    values: dict[str, Any] = {"host": "0.0.0.0", "port": KVINDEX_PORT,
+                              "store": kvindex_store(inst)}
+    if uses_lmcache_controller(inst):
+        # LMCache(-Ascend) workers report their chunks here (PULL) and register (ROUTER, +1)
+        values["lmcache_controller"] = f"tcp://0.0.0.0:{LMCACHE_CONTROLLER_PORT}"
+    return _argv("kvindex", kvindex_command, KvindexSettings, "spec.kvindex", values)
+
+
+def proxy_argv(inst: Instance, kvindex_url: str) -> list[str]:
+    proxy = inst.spec["proxy"]
+    values: dict[str, Any] = {"host": "0.0.0.0", "port": PROXY_PORT, "kvindex_url": kvindex_url,
+                              "routing": proxy["routing"],
+                              # the kvindex scores prefixes in chunks of the workers' size
+                              "chunk_size": inst.spec["kvCache"]["chunkSize"]}
+    if proxy.get("localPrefillTokens") is not None:
+        values["local_prefill_tokens"] = proxy["localPrefillTokens"]
+    return _argv("proxy", proxy_command, ProxySettings, "spec.proxy", values)
+
+
 def build_kvindex(inst: Instance, image: str) -> list[dict[str, Any]]:
     kvi = inst.spec["kvindex"]
     store = kvindex_store(inst)
     container: dict[str, Any] = {
         "name": "kvindex",
         "image": kvi.get("image") or image,
-        "command": ["agentserving", "kvindex", "--host", "0.0.0.0", "--port", str(KVINDEX_PORT),
-                    "--store", store],
+        "command": kvindex_argv(inst),
         "ports": [{"name": "http", "containerPort": KVINDEX_PORT, "protocol": "TCP"}],
         "readinessProbe": http_probe("/readyz", "http", period=5),
         "livenessProbe": http_probe("/healthz", "http", period=10),
@@ -89,9 +130,6 @@ def build_kvindex(inst: Instance, image: str) -> list[dict[str, Any]]:
         container["resources"] = dict(kvi["resources"])
     service = _service(inst, "kvindex", KVINDEX_PORT)
     if uses_lmcache_controller(inst):
-        # LMCache(-Ascend) workers report their chunks here (PULL) and register (ROUTER, +1)
-        container["command"] += ["--lmcache-controller",
-                                 f"tcp://0.0.0.0:{LMCACHE_CONTROLLER_PORT}"]
         for name, port in (("lmcache-pull", LMCACHE_CONTROLLER_PORT),
                            ("lmcache-reply", LMCACHE_CONTROLLER_PORT + 1)):
             container["ports"].append({"name": name, "containerPort": port, "protocol": "TCP"})
@@ -107,15 +145,12 @@ def build_proxy(inst: Instance, image: str, kvindex_url: str) -> list[dict[str, 
     container: dict[str, Any] = {
         "name": "proxy",
         "image": proxy.get("image") or image,
-        "command": ["agentserving", "proxy", "--host", "0.0.0.0", "--port", str(PROXY_PORT),
-                    "--kvindex", kvindex_url, "--routing", proxy["routing"]],
+        "command": proxy_argv(inst, kvindex_url),
         "ports": [{"name": "http", "containerPort": PROXY_PORT, "protocol": "TCP"}],
         # Ready once it knows at least one worker pod (from the kvindex).
         "readinessProbe": http_probe("/readyz", "http", period=5),
         "livenessProbe": http_probe("/healthz", "http", period=10),
     }
-    if proxy.get("localPrefillTokens") is not None:
-        container["command"] += ["--local-prefill-tokens", str(proxy["localPrefillTokens"])]
     if proxy.get("resources"):
         container["resources"] = dict(proxy["resources"])
     return [_deployment(inst, "proxy", proxy["replicas"], container),

@@ -50,12 +50,18 @@ def command(**kwargs: object) -> None:
     from agentserving.core.logging import configure_logging
     from agentserving.kvindex.app import create_app
 
-    endpoints = _parse_pairs(kwargs.pop("vllm_events"),  # type: ignore[arg-type]
-                             "--vllm-events", "POD=tcp://HOST:PORT")
-    instances = _parse_pairs(kwargs.pop("lmcache_instance"),  # type: ignore[arg-type]
-                             "--lmcache-instance", "INSTANCE=POD")
-    settings = KvindexSettings(**kwargs, vllm_event_endpoints=endpoints,  # type: ignore[arg-type]
-                               lmcache_instance_pods=instances)
+    settings = settings_from_params(kwargs)
     configure_logging(settings.log_level, settings.log_json)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                 log_level=settings.log_level, access_log=False)
+
+
+def settings_from_params(params: dict[str, object]) -> KvindexSettings:
+    """The kvindex's settings from this command's parsed parameters (starts nothing)."""
+    params = dict(params)
+    endpoints = _parse_pairs(params.pop("vllm_events", ()),  # type: ignore[arg-type]
+                             "--vllm-events", "POD=tcp://HOST:PORT")
+    instances = _parse_pairs(params.pop("lmcache_instance", ()),  # type: ignore[arg-type]
+                             "--lmcache-instance", "INSTANCE=POD")
+    return KvindexSettings(**params, vllm_event_endpoints=endpoints,  # type: ignore[arg-type]
+                           lmcache_instance_pods=instances)

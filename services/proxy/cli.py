@@ -57,9 +57,13 @@ def command(**kwargs: object) -> None:
     from agentserving.core.logging import configure_logging
     from agentserving.proxy.app import create_app
 
-    for key in ("prefill_urls", "decode_urls"):
-        kwargs[key] = list(kwargs[key])  # type: ignore[call-overload]
-    settings = ProxySettings(**kwargs)  # type: ignore[arg-type]
+    settings = settings_from_params(kwargs)
     configure_logging(settings.log_level, settings.log_json)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                 log_level=settings.log_level, access_log=False)
+
+
+def settings_from_params(params: dict[str, object]) -> ProxySettings:
+    """The proxy's settings from this command's parsed parameters (starts nothing)."""
+    lists = {key: list(params.get(key) or ()) for key in ("prefill_urls", "decode_urls")}
+    return ProxySettings(**{**params, **lists})  # type: ignore[arg-type]

@@ -295,16 +295,23 @@ class Orchestrator:
                   local_pod: Candidate | None = None) -> list[Attempt]:
         """(prefill, decode) pairs to try in order; decode pods rotate with the attempts. A
         turn run whole on its decode pod is ``(decode pod, None)``, tried first; the P/D pairs
-        follow it as fallbacks."""
+        follow it as fallbacks. The last resort, after the P/D pairs, is a decode pod (another
+        one than a local pod tried first) running the turn whole: a prefill pool that is down
+        (rolling, its only pod restarting) while the session's decode pod terminates costs
+        the turn its prefill speed-up, never the turn."""
         n = self.settings.max_attempts
         pairs: list[Attempt] = [(local_pod, None)] if local_pod is not None else []
-        if not prefill_order:
-            return pairs
-        for i in range(min(n, max(len(prefill_order), len(decode_order) or 1))):
+        for i in range(min(n, max(len(prefill_order), len(decode_order) or 1))
+                       if prefill_order else 0):
             prefill = prefill_order[i % len(prefill_order)]
             decode = decode_order[i % len(decode_order)] if decode_order else None
             pairs.append((prefill, decode))
-        return pairs[:n]
+        pairs = pairs[:n]
+        last_resort = next((d for d in decode_order
+                            if local_pod is None or d.name != local_pod.name), None)
+        if last_resort is not None:
+            pairs.append((last_resort, None))
+        return pairs
 
     def _solo_stage(self, pod: Candidate) -> str:
         """A pod serving a turn alone: a prefill pod (no decode pool), or a decode pod."""

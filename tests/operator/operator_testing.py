@@ -62,3 +62,70 @@ def vllm_serve_of(container: dict[str, Any]) -> dict[str, Any]:
     result = CliRunner().invoke(main, [*cmd[1:], "--print-command"])
     assert result.exit_code == 0, result.output
     return json.loads(result.output)
+
+
+# ------------------------------------------------------------------ pods as the kubelet runs them
+
+# The downward API of a pretend pod (what $(POD_NAME), $(POD_IP) expand to).
+POD_FIELDS = {"metadata.name": "demo-prefill-0", "metadata.namespace": "ns1",
+              "status.podIP": "10.1.2.3"}
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion: a variable of the container, else left as written."""
+    import re
+
+    return re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), text)
+
+
+def container_env(container: dict[str, Any]) -> dict[str, str]:
+    """The container's environment as the kubelet builds it (in order, references expanded)."""
+    env: dict[str, str] = {}
+    for var in container.get("env") or []:
+        if "value" in var:
+            env[var["name"]] = expand(var["value"], env)
+        elif "fieldRef" in (var.get("valueFrom") or {}):
+            env[var["name"]] = POD_FIELDS[var["valueFrom"]["fieldRef"]["fieldPath"]]
+    return env
+
+
+def pod_argv(container: dict[str, Any]) -> list[str]:
+    env = container_env(container)
+    return [expand(a, env) for a in [*container.get("command", []), *container.get("args", [])]]
+
+
+def containers_of(children: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """(child name, container) for every container of every workload."""
+    return [(child["metadata"]["name"], c) for child in children
+            if child["kind"] in ("StatefulSet", "Deployment")
+            for c in child["spec"]["template"]["spec"]["containers"]]
+
+
+def parse_agentserving(container: dict[str, Any]) -> tuple[str, Any]:
+    """(subcommand, settings) of an ``agentserving SUBCOMMAND`` container: its command line
+    and its environment (AGENTSERVING_<SUBCOMMAND>_<FLAG>) parsed by the real click command,
+    then its settings built and checked by the subcommand's own ``settings_from_params``.
+    Raises what the process would: click's usage errors, pydantic's validation errors."""
+    import importlib
+    import os
+    from unittest import mock
+
+    import click
+
+    from agentserving.core.cli import main
+
+    argv = pod_argv(container)
+    assert argv[0] == "agentserving", argv
+    sub = argv[1]
+    env = container_env(container)
+    root = click.Context(main, info_name="agentserving", auto_envvar_prefix="AGENTSERVING")
+    command = main.get_command(root, sub)
+    assert command is not None, f"no subcommand {sub!r}"
+    prefix = f"AGENTSERVING_{sub.upper().replace('-', '_')}_"
+    known = {f"{prefix}{p.name.upper()}" for p in command.params if p.name}
+    unread = [k for k in env if k.startswith("AGENTSERVING_") and k not in known]
+    assert not unread, f"{sub}: no option reads {unread}"
+    with mock.patch.dict(os.environ, env, clear=True):
+        ctx = command.make_context(sub, argv[2:], parent=root)
+        module = importlib.import_module(command.callback.__module__)
+        return sub, module.settings_from_params(dict(ctx.params))

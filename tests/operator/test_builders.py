@@ -31,8 +31,7 @@ def worker(children, role):
 
 def test_default_children_names_and_kinds(settings):
     children = build_children(make_instance(), settings)
-    assert sorted(by_key(children)) == sorted([
-        ("ConfigMap", "demo-config"),
+    assert sorted(by_key(children)) == sorted([  # the reference engine reads no ConfigMap
         ("StatefulSet", "demo-prefill"), ("Service", "demo-prefill"),
         ("StatefulSet", "demo-decode"), ("Service", "demo-decode"),
         ("Deployment", "demo-kvindex"), ("Service", "demo-kvindex"),
@@ -41,7 +40,7 @@ def test_default_children_names_and_kinds(settings):
 
 
 def test_every_child_is_owned_and_labelled(settings):
-    spec = {"model": {"name": "m"}, "kvindex": {"redis": {"inCluster": True}}}
+    spec = {"model": {"name": "tiny"}, "kvindex": {"redis": {"inCluster": True}}}
     for child in build_children(make_instance(spec), settings):
         meta = child["metadata"]
         assert meta["namespace"] == "ns1"
@@ -53,22 +52,30 @@ def test_every_child_is_owned_and_labelled(settings):
 
 
 def test_reference_worker_command_line_follows_the_contract(settings):
-    spec = {"model": {"name": "tiny-llama"}, "kvCache": {"cpuGiB": 3, "diskGiB": 7,
-                                                         "hashScheme": "lmcache-builtin"}}
+    spec = {"model": {"name": "/models/llama", "servedName": "llama", "maxContext": 4096},
+            "kvCache": {"cpuGiB": 3, "diskGiB": 7, "hashScheme": "lmcache-builtin",
+                        "chunkSize": 1024}}
     c = worker(build_children(make_instance(spec), settings), "decode")
     assert c["command"] == [
-        "agentserving", "worker", "--role", "decode", "--port", "8000",
-        "--memory-port-start", "6999", "--model", "tiny-llama", "--pod-name", "$(POD_NAME)",
+        "agentserving", "worker", "--role", "decode", "--host", "0.0.0.0",
+        "--advertise-host", "$(POD_IP)", "--port", "8000", "--memory-port-start", "6999",
+        "--model", "/models/llama", "--served-model-name", "llama", "--pod-name", "$(POD_NAME)",
         "--kvindex", "http://demo-kvindex.ns1.svc:8300", "--cpu-cache-gib", "3",
-        "--disk-cache-dir", "/kvcache", "--disk-cache-gib", "7", "--chunk-size", "256",
-        "--hash-scheme", "lmcache-builtin"]
+        "--disk-cache-dir", "/kvcache", "--disk-cache-gib", "7", "--chunk-size", "1024",
+        "--hash-scheme", "lmcache-builtin",
+        "--prefill-chunk-tokens", "1024",  # a prefill step is whole chunks
+        "--max-model-len", "4096", "--scheduler-policy", "longcap-dynamic?lookahead=5"]
     env = {e["name"]: e for e in c["env"]}
     assert env["POD_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert c["image"] == "agentserving/worker:0.1.0"
 
 
 def test_memory_api_ports_follow_tensor_parallel(settings):
-    spec = {"model": {"name": "m"}, "prefill": {"tensorParallelSize": 4}}
+    gpus = {"type": "nvidia", "count": 4}
+    spec = {"model": {"name": "m"}, "engine": {"type": "vllm"},
+            "prefill": {"tensorParallelSize": 4, "accelerator": gpus},
+            "decode": {"accelerator": gpus}}
     children = build_children(make_instance(spec), settings)
     ports = {p["name"]: p["containerPort"] for p in worker(children, "prefill")["ports"]}
     assert ports == {"http": 8000, "mem-api": 6999, "mem-0": 7000, "mem-1": 7001, "mem-2": 7002,
@@ -78,7 +85,7 @@ def test_memory_api_ports_follow_tensor_parallel(settings):
 
 
 def test_roles_and_pools_are_separate(settings):
-    spec = {"model": {"name": "m"}, "prefill": {"replicas": 1}, "decode": {"replicas": 3}}
+    spec = {"model": {"name": "tiny"}, "prefill": {"replicas": 1}, "decode": {"replicas": 3}}
     children = by_key(build_children(make_instance(spec), settings))
     assert children[("StatefulSet", "demo-prefill")]["spec"]["replicas"] == 1
     assert children[("StatefulSet", "demo-decode")]["spec"]["replicas"] == 3
@@ -101,7 +108,7 @@ def test_roles_and_pools_are_separate(settings):
 ])
 def test_accelerators_become_resource_limits(settings, acc, resource):
     engine = "vllm-ascend" if acc["type"] == "ascend" else "vllm"
-    spec = {"model": {"name": "m"}, "engine": {"type": engine}, "decode": {"accelerator": acc},
+    spec = {"model": {"name": "tiny"}, "engine": {"type": engine}, "decode": {"accelerator": acc},
             "prefill": {"accelerator": acc}, "kvCache": {"hashScheme": "lmcache-builtin"}}
     c = worker(build_children(make_instance(spec), settings), "decode")
     assert c["resources"]["limits"] == {resource: str(acc["count"])}
@@ -109,7 +116,7 @@ def test_accelerators_become_resource_limits(settings, acc, resource):
 
 
 def test_cpu_pool_asks_for_no_accelerator_and_keeps_own_resources(settings):
-    spec = {"model": {"name": "m"},
+    spec = {"model": {"name": "tiny"},
             "prefill": {"resources": {"requests": {"cpu": "2", "memory": "4Gi"}}}}
     children = build_children(make_instance(spec), settings)
     assert worker(children, "prefill")["resources"] == {"requests": {"cpu": "2",
@@ -121,12 +128,17 @@ def test_disk_tier_volume_empty_dir_or_claim(settings):
     children = by_key(build_children(make_instance(), settings))
     pod = children[("StatefulSet", "demo-decode")]["spec"]["template"]["spec"]
     vols = {v["name"]: v for v in pod["volumes"]}
-    assert vols["kvcache"]["emptyDir"] == {"sizeLimit": "50Gi"}
-    assert vols["config"]["configMap"]["name"] == "demo-config"
+    assert vols == {"kvcache": {"name": "kvcache", "emptyDir": {"sizeLimit": "50Gi"}}}
     mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
-    assert mounts == {"kvcache": "/kvcache", "config": "/etc/agentserving"}
+    assert mounts == {"kvcache": "/kvcache"}  # the reference engine reads no config file
+    vllm = {"model": {"name": "m"}, "engine": {"type": "vllm"}}
+    pod = by_key(build_children(make_instance(vllm), settings))[
+        ("StatefulSet", "demo-decode")]["spec"]["template"]["spec"]
+    assert {v["name"]: v for v in pod["volumes"]}["config"]["configMap"]["name"] == "demo-config"
+    assert {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}[
+        "config"] == "/etc/agentserving"
 
-    spec = {"model": {"name": "m"}, "kvCache": {"diskGiB": 100,
+    spec = {"model": {"name": "tiny"}, "kvCache": {"diskGiB": 100,
                                                 "diskVolume": {"storageClassName": "nvme"}}}
     sts = by_key(build_children(make_instance(spec), settings))[("StatefulSet", "demo-decode")]
     [claim] = sts["spec"]["volumeClaimTemplates"]
@@ -138,7 +150,7 @@ def test_disk_tier_volume_empty_dir_or_claim(settings):
 
 def test_scheduling_fields_reach_the_pod(settings):
     tol = [{"key": "k", "operator": "Exists", "effect": "NoSchedule"}]
-    spec = {"model": {"name": "m"}, "decode": {"nodeSelector": {"pool": "gpu"},
+    spec = {"model": {"name": "tiny"}, "decode": {"nodeSelector": {"pool": "gpu"},
                                                "tolerations": tol, "schedulerName": "volcano"}}
     children = by_key(build_children(make_instance(spec), settings))
     pod = children[("StatefulSet", "demo-decode")]["spec"]["template"]["spec"]
@@ -150,14 +162,14 @@ def test_scheduling_fields_reach_the_pod(settings):
 
 
 def test_proxy_and_kvindex_command_lines(settings):
-    spec = {"model": {"name": "m"}, "proxy": {"routing": "session", "replicas": 3,
+    spec = {"model": {"name": "tiny"}, "proxy": {"routing": "session", "replicas": 3,
                                               "serviceType": "LoadBalancer"}}
     children = by_key(build_children(make_instance(spec), settings))
     proxy = children[("Deployment", "demo-proxy")]
     assert proxy["spec"]["replicas"] == 3
     assert proxy["spec"]["template"]["spec"]["containers"][0]["command"] == [
         "agentserving", "proxy", "--host", "0.0.0.0", "--port", "8080", "--kvindex",
-        "http://demo-kvindex.ns1.svc:8300", "--routing", "session"]
+        "http://demo-kvindex.ns1.svc:8300", "--routing", "session", "--chunk-size", "256"]
     assert children[("Service", "demo-proxy")]["spec"]["type"] == "LoadBalancer"
     spec["proxy"]["localPrefillTokens"] = 0  # always disaggregate
     command = by_key(build_children(make_instance(spec), settings))[
@@ -172,7 +184,7 @@ def test_proxy_and_kvindex_command_lines(settings):
 
 def test_kvindex_store_choices(settings):
     def store(kvindex):
-        spec = {"model": {"name": "m"}, "kvindex": kvindex}
+        spec = {"model": {"name": "tiny"}, "kvindex": kvindex}
         children = by_key(build_children(make_instance(spec), settings))
         return children, children[("Deployment", "demo-kvindex")]["spec"]["template"]["spec"][
             "containers"][0]["command"][-1]
@@ -196,13 +208,13 @@ def test_kvindex_store_choices(settings):
 ])
 def test_unservable_specs_name_the_field(settings, spec, field):
     with pytest.raises(SpecError) as e:
-        build_children(make_instance({"model": {"name": "m"}, **spec}), settings)
+        build_children(make_instance({"model": {"name": "tiny"}, **spec}), settings)
     assert e.value.field_path == field
     assert str(e.value).startswith(field)
 
 
 def test_changing_one_pools_replicas_changes_only_that_pool(settings):
-    base = {"model": {"name": "m"}, "prefill": {"replicas": 1}, "decode": {"replicas": 2}}
+    base = {"model": {"name": "tiny"}, "prefill": {"replicas": 1}, "decode": {"replicas": 2}}
     before = by_key(build_children(make_instance(base), settings))
     scaled = copy.deepcopy(base)
     scaled["prefill"]["replicas"] = 4
@@ -213,7 +225,7 @@ def test_changing_one_pools_replicas_changes_only_that_pool(settings):
 
 
 def test_cache_settings_change_config_and_roll_both_pools(settings):
-    base = {"model": {"name": "m"}}
+    base = {"model": {"name": "m"}, "engine": {"type": "vllm"}}
     before = by_key(build_children(make_instance(base), settings))
     after = by_key(build_children(make_instance({**base, "kvCache": {"cpuGiB": 32}}), settings))
     changed = {k for k in before if before[k] != after[k]}
@@ -232,7 +244,7 @@ def test_cache_settings_change_config_and_roll_both_pools(settings):
 
 
 def test_proxy_change_touches_only_the_proxy(settings):
-    base = {"model": {"name": "m"}}
+    base = {"model": {"name": "tiny"}}
     before = by_key(build_children(make_instance(base), settings))
     after = by_key(build_children(make_instance({**base, "proxy": {"routing": "round-robin"}}),
                                   settings))
@@ -268,7 +280,7 @@ def test_vllm_engine_renders_the_worker_command_that_becomes_vllm_serve(settings
 
 
 def test_engine_image_and_env_overrides(settings):
-    spec = {"model": {"name": "m"}, "engine": {"image": "me/worker:dev",
+    spec = {"model": {"name": "tiny"}, "engine": {"image": "me/worker:dev",
                                                "env": [{"name": "X", "value": "1"}]}}
     c = worker(build_children(make_instance(spec), settings), "prefill")
     assert c["image"] == "me/worker:dev"
@@ -298,7 +310,7 @@ def test_settings_images(settings):
 
 
 def test_workloads_and_endpoint():
-    inst = make_instance({"model": {"name": "m"}, "kvindex": {"redis": {"inCluster": True}}})
+    inst = make_instance({"model": {"name": "tiny"}, "kvindex": {"redis": {"inCluster": True}}})
     assert workloads(inst) == {
         "prefill": ("StatefulSet", "demo-prefill"), "decode": ("StatefulSet", "demo-decode"),
         "proxy": ("Deployment", "demo-proxy"), "kvindex": ("Deployment", "demo-kvindex"),
@@ -313,7 +325,7 @@ def test_examples_build(settings, path):
     children = build_children(inst, settings)
     kinds = [c["kind"] for c in children]
     assert kinds.count("StatefulSet") == 2
-    assert len(children) >= 9
+    assert len(children) >= 8
 
 
 def test_examples_cover_every_engine():
@@ -325,13 +337,14 @@ def test_examples_cover_every_engine():
     ({"decode": {"replicas": 5}}, {("StatefulSet", "demo-decode")}),
     ({"engine": {"image": "me/worker:2"}},
      {("StatefulSet", "demo-prefill"), ("StatefulSet", "demo-decode")}),
-    ({"decode": {"tensorParallelSize": 2}}, {("StatefulSet", "demo-decode")}),
-    ({"prefill": {"schedulerPolicy": "fcfs"}}, {("StatefulSet", "demo-prefill")}),
+    ({"prefill": {"schedulerPolicy": "fcfs-chunk"}}, {("StatefulSet", "demo-prefill")}),
+    ({"kvCache": {"prefetch": {"policy": "shadow-scheduler", "lookahead": 2}}},
+     {("StatefulSet", "demo-prefill"), ("StatefulSet", "demo-decode")}),
     ({"kvindex": {"image": "me/kvindex:2"}}, {("Deployment", "demo-kvindex")}),
     ({"proxy": {"serviceType": "NodePort"}}, {("Service", "demo-proxy")}),
 ])
 def test_each_field_rolls_only_its_children(settings, change, expected):
-    base = {"model": {"name": "m"}}
+    base = {"model": {"name": "tiny"}}
     before = by_key(build_children(make_instance(base), settings))
     after = by_key(build_children(make_instance({**base, **change}), settings))
     assert set(before) == set(after)

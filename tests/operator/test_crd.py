@@ -38,15 +38,17 @@ def test_defaults_are_valid_enum_members():
 
 
 def test_defaults_fill_every_field_the_builders_read():
-    spec = defaulted({"model": {"name": "m"}})
+    spec = defaulted({"model": {"name": "tiny"}})
     assert spec["engine"]["type"] == "reference"
     assert spec["kvCache"]["chunkSize"] == 256
-    assert "hashScheme" not in spec["kvCache"]  # the operator picks the engine's own
-    assert spec["kvCache"]["prefetch"] == {"policy": "shadow-scheduler", "lookahead": 5}
+    # the operator picks the engine's own (with_engine_defaults)
+    assert "hashScheme" not in spec["kvCache"]
+    assert spec["kvCache"]["prefetch"] == {}
     for pool in ("prefill", "decode"):
         assert spec[pool]["replicas"] == 1
         assert spec[pool]["accelerator"] == {"type": "cpu", "count": 1}
         assert spec[pool]["tensorParallelSize"] == 1
+        assert "schedulerPolicy" not in spec[pool]
     assert spec["proxy"] == {"replicas": 1, "routing": "kv-aware", "serviceType": "ClusterIP"}
     assert spec["kvindex"] == {"replicas": 1, "redis": {"inCluster": False}}
 
@@ -83,3 +85,44 @@ def test_printer_columns_and_subresources_point_at_real_fields():
 def test_crd_is_one_yaml_document():
     docs = [d for d in yaml.safe_load_all(CRD_PATH.read_text()) if d]
     assert len(docs) == 1 and docs[0]["kind"] == "CustomResourceDefinition"
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML keeps the last of two equal keys; the API server's and Helm's decoders refuse
+    the document. So a duplicate is an error here too."""
+
+    def construct_mapping(self, node, deep=False):
+        keys = [self.construct_object(k, deep=deep) for k, _ in node.value]
+        dups = sorted({k for k in keys if keys.count(k) > 1})
+        assert not dups, f"line {node.start_mark.line + 1}: duplicate keys {dups}"
+        return super().construct_mapping(node, deep)
+
+
+def test_crd_and_examples_have_no_duplicate_keys():
+    from .operator_testing import EXAMPLES
+
+    for path in [CRD_PATH, *EXAMPLES, REPO / "charts" / "agentserving" / "values.yaml"]:
+        yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # a SafeLoader
+
+
+def test_scheduler_policy_enum_is_the_workers_policy_registry():
+    """One list of policy names: what the worker's --scheduler-policy builds."""
+    from agentserving.engine.scheduler.policy import make_policy, policy_names
+    from agentserving.operator.builders import ENGINES
+    from agentserving.operator.builders.common import (
+        ENGINE_PREFETCH_POLICIES,
+        ENGINE_SCHEDULER_POLICIES,
+    )
+
+    props = spec_schema()["properties"]
+    for pool in ("prefill", "decode"):
+        node = props[pool]["properties"]["schedulerPolicy"]
+        assert sorted(node["enum"]) == policy_names()
+        assert "default" not in node  # per engine: with_engine_defaults
+    for name in policy_names():
+        make_policy(name, 512)
+    assert set(ENGINE_SCHEDULER_POLICIES) == set(ENGINES)
+    assert set(ENGINE_SCHEDULER_POLICIES.values()) <= set(policy_names())
+    prefetch = props["kvCache"]["properties"]["prefetch"]["properties"]["policy"]["enum"]
+    assert set(ENGINE_PREFETCH_POLICIES) == set(ENGINES)
+    assert set(ENGINE_PREFETCH_POLICIES.values()) <= set(prefetch)

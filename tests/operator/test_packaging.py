@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from pathlib import Path
 
 import pytest
 import yaml
@@ -48,3 +49,37 @@ def test_chart_values_match_operator_defaults():
     assert values["components"]["vllmImage"] == settings.vllm_image
     assert f"-t {values['image']['repository']}:{chart['appVersion']} ." in (
         REPO / "docker" / "operator.Dockerfile").read_text()
+
+
+def test_operator_renders_with_its_image_dependencies_only():
+    """The operator renders command lines through the services' own settings and click
+    commands: importing those must not pull what only the services' images install."""
+    import json
+    import subprocess
+    import sys
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    others = {d for unit in ("service", "kvindex", "proxy", "worker", "replay", "kernels")
+              for d in extras[unit] if not d.startswith("agentserving")}
+    script = """
+import json, sys, yaml
+sys.path.insert(0, sys.argv[1])
+from operator_testing import EXAMPLES, defaulted
+from agentserving.operator.builders import Instance, build_children
+from agentserving.operator.settings import OperatorSettings
+for path in EXAMPLES:
+    doc = yaml.safe_load(path.read_text())
+    build_children(Instance("x", "ns", "u", defaulted(doc["spec"])), OperatorSettings())
+print(json.dumps(sorted({m.split(".")[0] for m in sys.modules})))
+"""
+    out = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)],
+                         capture_output=True, text=True, check=True, cwd="/").stdout
+    loaded = set(json.loads(out))
+    import_names = {"pyzmq": "zmq", "pyyaml": "yaml", "py-cpuinfo": "cpuinfo",
+                    "opentelemetry-api": "opentelemetry", "opentelemetry-sdk": "opentelemetry",
+                    "setuptools_scm": "setuptools_scm"}
+    forbidden = {import_names.get(n, n.replace("-", "_"))
+                 for n in (re.split(r"[<>=\[ ]", d)[0] for d in others)}
+    forbidden -= {"yaml"}  # the operator's own extra has it
+    assert not loaded & forbidden, sorted(loaded & forbidden)

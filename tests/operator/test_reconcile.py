@@ -59,9 +59,9 @@ def body(spec, generation=1):
 
 def test_reconcile_applies_children_and_writes_pending_status(settings):
     kube = FakeKube()
-    kube.resource = body({"model": {"name": "m"}})
+    kube.resource = body({"model": {"name": "tiny"}})
     status = reconcile.reconcile(kube, settings, kube.resource)
-    assert len(kube.objects) == 9
+    assert len(kube.objects) == 8  # 2 pools, kvindex, proxy: a workload + a Service each
     assert status["phase"] == "Pending"
     assert status["observedGeneration"] == 1
     written, rv = kube.status_writes[-1]
@@ -70,10 +70,10 @@ def test_reconcile_applies_children_and_writes_pending_status(settings):
 
 def test_reconcile_prunes_what_the_spec_no_longer_wants(settings):
     kube = FakeKube()
-    kube.resource = body({"model": {"name": "m"}, "kvindex": {"redis": {"inCluster": True}}})
+    kube.resource = body({"model": {"name": "tiny"}, "kvindex": {"redis": {"inCluster": True}}})
     reconcile.reconcile(kube, settings, kube.resource)
     assert ("Deployment", "ns1", "demo-redis") in kube.objects
-    kube.resource = body({"model": {"name": "m"}}, generation=2) | {
+    kube.resource = body({"model": {"name": "tiny"}}, generation=2) | {
         "status": kube.resource["status"]}
     status = reconcile.reconcile(kube, settings, kube.resource)
     assert ("Deployment", "demo-redis") in kube.deleted
@@ -85,7 +85,7 @@ def test_reconcile_prunes_what_the_spec_no_longer_wants(settings):
 
 def test_prune_spares_objects_owned_by_someone_else(settings):
     kube = FakeKube()
-    kube.resource = body({"model": {"name": "m"}})
+    kube.resource = body({"model": {"name": "tiny"}})
     foreign = {"kind": "Deployment", "metadata": {"name": "demo-extra", "namespace": "ns1",
                                                   "ownerReferences": [{"uid": "other"}]}}
     kube.objects[("Deployment", "ns1", "demo-extra")] = foreign
@@ -95,7 +95,7 @@ def test_prune_spares_objects_owned_by_someone_else(settings):
 
 def test_invalid_spec_writes_degraded_and_raises(settings):
     kube = FakeKube()
-    kube.resource = body({"model": {"name": "m"}, "kvindex": {"replicas": 3}})
+    kube.resource = body({"model": {"name": "tiny"}, "kvindex": {"replicas": 3}})
     with pytest.raises(SpecError):
         reconcile.reconcile(kube, settings, kube.resource)
     assert kube.objects == {}
@@ -108,7 +108,7 @@ def test_invalid_spec_writes_degraded_and_raises(settings):
 
 def test_refresh_is_conditional_and_retries_on_conflict(settings):
     kube = FakeKube()
-    kube.resource = body({"model": {"name": "m"}})
+    kube.resource = body({"model": {"name": "tiny"}})
     reconcile.reconcile(kube, settings, kube.resource)
     kube.objects[("StatefulSet", "ns1", "demo-decode")]["status"]["readyReplicas"] = 1
     kube.conflicts = 1
@@ -121,7 +121,7 @@ def test_refresh_is_conditional_and_retries_on_conflict(settings):
 
 def test_refresh_skips_unreconciled_and_deleting_resources(settings):
     kube = FakeKube()
-    kube.resource = body({"model": {"name": "m"}})
+    kube.resource = body({"model": {"name": "tiny"}})
     reconcile.refresh_status(kube, "ns1", "demo")
     assert kube.status_writes == []
     kube.resource = None

@@ -100,7 +100,9 @@ def test_a_short_append_runs_first_on_the_sessions_decode_pod(pod):
     pairs = attempts_for(state, 3000 + 200)
     assert pairs[0] == (pod, None)  # whole turn on the pod holding the context
     assert pairs[1][0] == "http://p0" and pairs[1][1] is not None  # P/D is the fallback
-    assert len(pairs) <= ProxySettings().max_attempts
+    other = {"http://d0": "http://d1", "http://d1": "http://d0"}[pod]
+    assert pairs[-1] == (other, None)  # the last resort: another decode pod, the turn whole
+    assert len(pairs) <= ProxySettings().max_attempts + 1
 
 
 def test_long_appends_first_turns_and_disabled_threshold_disaggregate():
@@ -112,6 +114,9 @@ def test_long_appends_first_turns_and_disabled_threshold_disaggregate():
     gone = attempts_for(SessionState(last_decode_pod="http://d9", prompt_tokens=3000), 3100)
     for pairs in (long_append, first_turn, disabled, gone):
         assert pairs[0][0] == "http://p0" and pairs[0][1] is not None
+        # after every P/D pair, the last resort: a decode pod computes the whole turn
+        assert pairs[-1][0].startswith("http://d") and pairs[-1][1] is None
+        assert len(pairs) <= ProxySettings().max_attempts + 1
 
 
 def test_a_saturated_prefill_pool_sends_turns_to_a_decode_pod():

@@ -1,0 +1,203 @@
+"""Session fixtures for the e2e on a real node: the control plane plus containerd, a kubelet and
+kube-proxy (e2e/k8s/node.py), the chart installed with `helm install` (the operator runs as a
+pod under its ServiceAccount), and an example applied with `kubectl apply`.
+
+Needs root and what `make k8s images` builds. Set AGENTSERVING_SKIP_K8S=1 to skip; otherwise
+missing binaries or images fail these tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from agentserving.core.testing import free_port
+from agentserving.operator.builders.common import KVINDEX_PORT, PROXY_PORT
+
+from ..k8s.cluster import REPO, Binaries, Cluster, cache_dir
+from ..k8s.polling import Fatal, wait_for
+
+RELEASE = "agentserving"
+OPERATOR_NAMESPACE = "agentserving-system"
+CHART = REPO / "charts" / "agentserving"
+EXAMPLE = REPO / "examples" / "agentserving-reference.yaml"
+NAME = "tiny-agent"  # the example's metadata.name
+NAMESPACE = "default"
+INSTANCE_LABEL = f"app.kubernetes.io/instance={NAME}"
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).parent
+    reason = ("AGENTSERVING_SKIP_K8S=1" if os.environ.get("AGENTSERVING_SKIP_K8S") == "1"
+              else "the test node needs root (bridge, iptables, mounts)" if os.geteuid() != 0
+              else None)
+    if reason:
+        for item in items:
+            if Path(str(item.fspath)).parent == here:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def node_cluster(tmp_path_factory) -> Iterator[Cluster]:
+    try:
+        binaries = Binaries.find(node=True)
+    except FileNotFoundError as e:
+        pytest.fail(str(e))
+    if not (cache_dir() / "images" / "worker.tar").exists():
+        pytest.fail(f"no images in {cache_dir() / 'images'}: run `make images`")
+    cluster = Cluster(tmp_path_factory.mktemp("k8s-node"), binaries, node=True)
+    cluster.start(timeout=180)
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def helm(cluster: Cluster, *args: str, timeout: float = 300) -> str:
+    proc = subprocess.run([str(cluster.bin.helm), f"--kubeconfig={cluster.admin_kubeconfig}",
+                           *args], capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"helm {' '.join(args)} failed:\n{proc.stderr}")
+    return proc.stdout
+
+
+@pytest.fixture(scope="session")
+def release(node_cluster):
+    """`helm install` of the chart, as the README tells a user; the operator pod Ready."""
+    helm(node_cluster, "install", RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE,
+         "--create-namespace", "--wait", "--timeout", "180s")
+    return RELEASE
+
+
+def pods(cluster: Cluster, selector: str = INSTANCE_LABEL, namespace: str = NAMESPACE) -> list:
+    return cluster.get_json("pods", "-n", namespace, "-l", selector)["items"]
+
+
+def is_ready(pod: dict) -> bool:
+    return pod["status"].get("phase") == "Running" and not pod["metadata"].get(
+        "deletionTimestamp") and any(c["type"] == "Ready" and c["status"] == "True"
+                                     for c in pod["status"].get("conditions", []))
+
+
+def component_of(pod: dict) -> str:
+    return pod["metadata"]["labels"].get("app.kubernetes.io/component", "")
+
+
+def describe_failure(cluster: Cluster, selector: str = INSTANCE_LABEL) -> str:
+    """What a failed wait shows: each pod's phase and the last lines of its log."""
+    out = []
+    for pod in pods(cluster, selector):
+        name = pod["metadata"]["name"]
+        logs = cluster.kubectl("logs", "-n", NAMESPACE, name, "--tail=15", check=False)
+        out.append(f"{name}: {pod['status'].get('phase')} ready={is_ready(pod)}\n"
+                   f"{logs.stdout or logs.stderr}")
+    return "\n".join(out)
+
+
+def wait_ready(cluster: Cluster, expected: dict[str, int], timeout: float = 300) -> list:
+    """Wait until exactly ``expected`` ready pods per component (and none terminating)."""
+    def settled():
+        current = pods(cluster)
+        counts: dict[str, int] = {}
+        for pod in current:
+            restarts = max((c.get("restartCount", 0) for c in pod["status"].get(
+                "containerStatuses", [])), default=0)
+            if restarts >= 3:  # a crash loop will not settle: fail now, with the logs
+                raise Fatal(f"{pod['metadata']['name']} restarted {restarts} times\n"
+                            f"{describe_failure(cluster)}")
+            if not is_ready(pod):
+                return None
+            counts[component_of(pod)] = counts.get(component_of(pod), 0) + 1
+        return current if counts == expected else None
+    try:
+        return wait_for(settled, timeout, f"ready pods {expected}", interval=1)
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}\n{describe_failure(cluster)}") from None
+
+
+@pytest.fixture(scope="session")
+def reference(node_cluster, release):
+    """`kubectl apply -f examples/agentserving-reference.yaml`: every pod Running and Ready."""
+    node_cluster.kubectl("apply", "-n", NAMESPACE, "-f", str(EXAMPLE))
+    spec = json.loads(node_cluster.kubectl(
+        "create", "--dry-run=client", "-o", "json", "-f", str(EXAMPLE)).stdout)["spec"]
+    expected = {"kvindex": spec["kvindex"]["replicas"], "proxy": spec["proxy"]["replicas"],
+                "prefill": spec["prefill"]["replicas"], "decode": spec["decode"]["replicas"]}
+    yield wait_ready(node_cluster, expected)
+
+
+class PortForward:
+    """`kubectl port-forward --address 127.0.0.1 svc/NAME LOCAL:PORT` while in the block."""
+
+    def __init__(self, cluster: Cluster, target: str, port: int, log: Path):
+        self.cluster, self.target, self.port = cluster, target, port
+        self.local = free_port()
+        self.log = log
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> PortForward:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [str(self.cluster.bin.kubectl), f"--kubeconfig={self.cluster.admin_kubeconfig}",
+                 "port-forward", "--address", "127.0.0.1", "-n", NAMESPACE, self.target,
+                 f"{self.local}:{self.port}"], stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL)
+
+        def listening():
+            if self.proc.poll() is not None:
+                raise Fatal(f"port-forward exited:\n{self.log.read_text()[-2000:]}")
+            with contextlib.suppress(OSError), socket.create_connection(
+                    ("127.0.0.1", self.local), 0.5):
+                return True
+            return False
+        wait_for(listening, 30, f"port-forward to {self.target}")
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.local}"
+
+    def __exit__(self, *exc) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def proxy_url(node_cluster, reference, tmp_path_factory) -> Iterator[str]:
+    with PortForward(node_cluster, f"svc/{NAME}-proxy", PROXY_PORT,
+                     tmp_path_factory.mktemp("pf") / "proxy.log") as pf:
+        yield pf.url
+
+
+@pytest.fixture(scope="session")
+def kvindex_url(node_cluster, reference, tmp_path_factory) -> Iterator[str]:
+    with PortForward(node_cluster, f"svc/{NAME}-kvindex", KVINDEX_PORT,
+                     tmp_path_factory.mktemp("pf") / "kvindex.log") as pf:
+        yield pf.url
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def registered_pods(kvindex_url: str) -> set[str]:
+    return {p["pod"] for p in httpx.get(kvindex_url + "/v1/pods", timeout=5).json()["pods"]}
+
+
+def retry_get(url: str, attempts: int = 20) -> httpx.Response:
+    for _ in range(attempts):
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(url, timeout=5)
+        time.sleep(0.5)
+    return httpx.get(url, timeout=5)

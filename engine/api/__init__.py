@@ -1,0 +1,1 @@
+"""The worker API process: its HTTP server, wire protocol and client of the engine processes."""

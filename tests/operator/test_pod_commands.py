@@ -1,0 +1,215 @@
+"""Every example rendered into its pods, and each pod checked against what its process itself
+parses and loads: the real click commands and settings (every flag, every AGENTSERVING_*
+variable, every policy), the worker's own model loader, the addresses it binds and registers,
+and who reads each mounted file. Nothing starts; nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+from pathlib import PurePosixPath
+
+import pytest
+import yaml
+
+from agentserving.operator.builders import Instance, build_children
+from agentserving.operator.settings import OperatorSettings
+
+from .operator_testing import (
+    EXAMPLES,
+    POD_FIELDS,
+    container_env,
+    containers_of,
+    defaulted,
+    parse_agentserving,
+    pod_argv,
+)
+
+POD_IP = POD_FIELDS["status.podIP"]
+IDS = [p.name for p in EXAMPLES]
+# Environment variables naming a file, and the engines whose process reads the file they name
+# (LMCache configures itself from LMCACHE_CONFIG_FILE inside vLLM; the reference worker builds
+# its LMCache config from its flags).
+FILE_READERS = {"LMCACHE_CONFIG_FILE": {"vllm", "vllm-ascend"}}
+
+
+def render(path):
+    doc = yaml.safe_load(path.read_text())
+    inst = Instance(doc["metadata"]["name"], "ns1", "uid-1", defaulted(doc["spec"]))
+    return inst, build_children(inst, OperatorSettings())
+
+
+def pools(inst, children):
+    return [c for c in children if c["kind"] == "StatefulSet"
+            and c["metadata"]["name"] in (inst.child_name("prefill"), inst.child_name("decode"))]
+
+
+def flag(argv, name):
+    return argv[argv.index(name) + 1]
+
+
+def registrar_args(container):
+    from agentserving.engine.vllm.registrar import parse_args
+
+    argv = pod_argv(container)
+    assert argv[:3] == ["python", "-m", "agentserving.engine.vllm.registrar"], argv
+    return parse_args(argv[3:])
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=IDS)
+def test_every_agentserving_container_parses_with_the_real_cli(path):
+    inst, children = render(path)
+    parsed = {}
+    for name, container in containers_of(children):
+        argv = pod_argv(container)
+        if argv[0] == "agentserving":
+            sub, settings = parse_agentserving(container)  # raises on anything it would refuse
+            parsed[name] = (sub, settings)
+            if sub == "worker" and settings.engine == "vllm":
+                from agentserving.engine.vllm.serve_command import build
+
+                build(settings)  # the `vllm serve` command line it would exec
+        elif container["name"] == "kvindex-registrar":
+            registrar_args(container)
+    subs = sorted(sub for sub, _ in parsed.values())
+    workers = 0 if inst.spec["engine"]["type"] == "vllm-ascend" else 2
+    assert subs == sorted(["kvindex", "proxy"] + ["worker"] * workers)
+    chunk = inst.spec["kvCache"]["chunkSize"]
+    assert {s.chunk_size for sub, s in parsed.values() if sub in ("worker", "proxy")} == {chunk}
+
+
+# vLLM pods run vLLM's own scheduler (the operator refuses any other schedulerPolicy there)
+REFERENCE_EXAMPLES = [p for p in EXAMPLES
+                      if yaml.safe_load(p.read_text())["spec"]["engine"]["type"] == "reference"]
+
+
+@pytest.mark.parametrize("path", REFERENCE_EXAMPLES, ids=[p.name for p in REFERENCE_EXAMPLES])
+def test_reference_worker_runs_the_pools_scheduler_policy(path):
+    inst, children = render(path)
+    from agentserving.engine.scheduler.policy import make_policy
+
+    for sts in pools(inst, children):
+        role = sts["metadata"]["name"].rsplit("-", 1)[1]
+        _, settings = parse_agentserving(sts["spec"]["template"]["spec"]["containers"][0])
+        policy = make_policy(settings.scheduler_policy, settings.prefill_chunk_tokens)
+        lookahead = inst.spec["kvCache"]["prefetch"]["lookahead"]
+        assert settings.scheduler_policy == (
+            f"{inst.spec[role]['schedulerPolicy']}?lookahead={lookahead}")
+        assert policy.shadow is not None and policy.shadow.lookahead == lookahead
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=IDS)
+def test_every_example_model_loads_with_the_workers_own_loader(path):
+    """The model the pods name, resolved by the code the pod runs: the reference worker's
+    loader (and tokenizer) for real; for vLLM what the worker hands ``vllm serve``, which must
+    be a Hugging Face id or a path (vLLM itself cannot run here)."""
+    from huggingface_hub.utils import validate_repo_id
+
+    inst, children = render(path)
+    engine = inst.spec["engine"]["type"]
+    for sts in pools(inst, children):
+        container = sts["spec"]["template"]["spec"]["containers"][0]
+        if engine == "reference":
+            from agentserving.engine.model.loader import load_model
+            from agentserving.engine.model.tokenizer import load_tokenizer
+
+            _, settings = parse_agentserving(container)
+            bundle = load_model(settings.model, seed=settings.seed,
+                                max_model_len=settings.max_model_len)
+            assert bundle.max_model_len == inst.spec["model"]["maxContext"]
+            assert load_tokenizer(settings.model).encode("hello")
+            continue
+        if engine == "vllm":
+            from agentserving.engine.vllm.serve_command import build, model_source
+
+            _, settings = parse_agentserving(container)
+            argv = build(settings).argv
+            model = model_source(settings)
+            assert argv[argv.index("serve") + 1] == model
+        else:
+            argv = pod_argv(container)
+            model = argv[2]
+        assert model == inst.spec["model"]["name"]
+        if not PurePosixPath(model).is_absolute():
+            validate_repo_id(model)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=IDS)
+def test_worker_pods_bind_every_interface_and_register_their_pod_ip(path):
+    from agentserving.engine.worker import registration
+
+    inst, children = render(path)
+    engine = inst.spec["engine"]["type"]
+    for sts in pools(inst, children):
+        containers = sts["spec"]["template"]["spec"]["containers"]
+        worker = containers[0]
+        ip = next(e for e in worker["env"] if e["name"] == "POD_IP")
+        assert ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+        if engine == "vllm-ascend":  # vllm serve itself; the registrar registers the pod
+            assert flag(pod_argv(worker), "--host") == "0.0.0.0"
+            from agentserving.engine.vllm.registrar import registration_of
+
+            reg = registration_of(registrar_args(containers[1]))
+            assert reg.api_url == f"http://{POD_IP}:8000"
+            assert reg.memory_api_url == f"http://{POD_IP}:6999"
+            continue
+        _, settings = parse_agentserving(worker)
+        assert settings.host == "0.0.0.0"
+        assert settings.public_host == POD_IP
+        if engine == "reference":
+            reg = registration(settings, NoEngines())
+            assert reg.api_url == f"http://{POD_IP}:8000"
+            assert reg.memory_api_url == f"http://{POD_IP}:6999"
+        else:
+            from agentserving.engine.vllm.serve_command import build
+            from agentserving.engine.vllm.settings import parse_settings
+
+            argv = build(settings).argv
+            assert flag(argv, "--host") == "0.0.0.0"
+            extra = json.loads(flag(argv, "--kv-transfer-config"))["kv_connector_extra_config"]
+            assert parse_settings(extra, container_env(worker)).public_host == POD_IP
+
+
+class NoEngines:
+    """The engine client as far as the registration reads it."""
+
+    def capacity_bytes(self):
+        return {}
+
+
+@pytest.mark.parametrize("args, api_url", [
+    (["--host", "0.0.0.0", "--advertise-host", "10.9.8.7", "--port", "8123"],
+     "http://10.9.8.7:8123"),
+    (["--host", "192.168.0.4", "--port", "8123"], "http://192.168.0.4:8123"),
+    (["--host", "0.0.0.0"], "http://127.0.0.1:8000"),  # nothing to advertise: loopback
+])
+def test_registration_advertises_the_given_host(args, api_url):
+    from agentserving.engine.worker import registration
+
+    container = {"command": ["agentserving", "worker", *args]}
+    _, settings = parse_agentserving(container)
+    reg = registration(settings, NoEngines())
+    assert reg.api_url == api_url
+    assert reg.memory_api_url == api_url.rsplit(":", 1)[0] + ":6999"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=IDS)
+def test_every_mounted_config_file_is_read_by_the_pods_process(path):
+    inst, children = render(path)
+    engine = inst.spec["engine"]["type"]
+    configmaps = {c["metadata"]["name"]: c for c in children if c["kind"] == "ConfigMap"}
+    mounted = set()
+    for sts in pools(inst, children):
+        pod = sts["spec"]["template"]["spec"]
+        volumes = {v["name"]: v["configMap"]["name"] for v in pod["volumes"] if "configMap" in v}
+        for container in pod["containers"]:
+            env = container_env(container)
+            for mount in container.get("volumeMounts", []):
+                if mount["name"] not in volumes:
+                    continue
+                for key in configmaps[volumes[mount["name"]]]["data"]:
+                    file = f"{mount['mountPath']}/{key}"
+                    readers = [v for v, p in env.items() if p == file
+                               and engine in FILE_READERS.get(v, ())]
+                    assert readers, f"{container['name']}: nothing reads {file}"
+                    mounted.add(volumes[mount["name"]])
+    assert mounted == set(configmaps)  # and no ConfigMap nobody mounts

@@ -37,9 +37,9 @@ test: setup k8s images vllm-test-env
 k8s:
 	bash scripts/k8s-test-cluster.sh build
 
-# Every image of docker/ (worker, proxy, kvindex, operator, pause), built with buildah over a
-# local debootstrap base and exported under ~/.cache/agentserving/images, from where the test
-# node imports them (about 3 min the first time, seconds when unchanged). The chart's tags.
+# Every image of docker/ (worker, proxy, kvindex, operator, vllm-cpu, pause), built with buildah
+# over a local debootstrap base and exported under ~/.cache/agentserving/images (~8 GB), from
+# where the test node imports them (about 8 min the first time, seconds when unchanged).
 images:
 	bash scripts/images.sh build
 

@@ -3,7 +3,7 @@
 #
 #   scripts/images.sh build [NAME...]   build (cached) and export to $CACHE/images/NAME.tar;
 #                                       NAME: pause base worker proxy kvindex operator
-#                                       (default: all of them)
+#                                       vllm-cpu (default: all of them)
 #   scripts/images.sh load SOCKET       import every exported image into the containerd at
 #                                       SOCKET (namespace k8s.io), under the chart's tags
 #   scripts/images.sh list              the exported archives and the tags inside them
@@ -24,9 +24,11 @@ STORE="$CACHE/buildah"
 OUT="$CACHE/images"
 VERSION="$(awk -F'"' '/^appVersion:/ {print $2}' "$REPO/charts/agentserving/Chart.yaml")"
 BASE_TAG="localhost/agentserving/python:3.11-bookworm"
-ALL=(pause base worker proxy kvindex operator)
+ALL=(pause base worker proxy kvindex operator vllm-cpu)
 DEPS=(buildah debootstrap golang-go containerd)
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+# shellcheck source=scripts/debian.sh
+source "$REPO/scripts/debian.sh"
 
 log() { echo "[images] $*" >&2; }
 bh() { $SUDO buildah --root "$STORE/root" --runroot "$STORE/run" --storage-driver overlay "$@"; }
@@ -35,18 +37,7 @@ WORKDIRS=()
 cleanup() { local d; for d in "${WORKDIRS[@]}"; do $SUDO rm -rf "$d"; done; }
 trap cleanup EXIT
 
-install_deps() {
-  local missing=() p
-  for p in "${DEPS[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-  done
-  if ((${#missing[@]})); then
-    log "installing Debian packages: ${missing[*]}"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
-      "${missing[@]}" >/dev/null
-  fi
-}
+install_deps() { install_debs "${DEPS[@]}"; }
 
 tag_of() {
   case "$1" in
@@ -56,10 +47,6 @@ tag_of() {
   esac
 }
 
-debian_mirror() {
-  awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null \
-    || true
-}
 
 # This machine's pip configuration as one file, plus the local folders it names: mounted into
 # RUN steps so the images install what `make setup` installs, from the same places.
@@ -95,7 +82,7 @@ has_image() { bh images -q "$1" 2>/dev/null | grep -q .; }
 build_base() {
   if has_image "$BASE_TAG"; then log "cached: $BASE_TAG"; return; fi
   local root; root=$(mktemp -d "${TMPDIR:-/tmp}/images-base.XXXXXX"); WORKDIRS+=("$root")
-  local mirror; mirror=$(debian_mirror); mirror=${mirror:-http://deb.debian.org/debian}
+  local mirror; mirror=$(debian_mirror)
   log "debootstrap bookworm (minbase + python3-venv) from $mirror"
   $SUDO debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
     bookworm "$root/rootfs" "$mirror" >"$root/debootstrap.log" 2>&1 \
@@ -125,7 +112,7 @@ build_dockerfile() {
   build_base
   ((${#PIP_MOUNTS[@]})) || pip_mounts
   local extra=()
-  [ "$name" = worker ] && extra=(--build-arg TORCH_INDEX_URL=https://pypi.org/simple)
+  case "$name" in worker|vllm-cpu) extra=(--build-arg TORCH_INDEX_URL=https://pypi.org/simple) ;; esac
   local blog="$OUT/$name.build.log"
   bh bud --layers --isolation chroot --network host "${PIP_MOUNTS[@]}" \
     --build-arg PYTHON_IMAGE="$BASE_TAG" "${extra[@]}" \
@@ -158,7 +145,7 @@ build() {
     case "$name" in
       pause) build_pause ;;
       base) build_base ;;
-      worker|proxy|kvindex|operator) build_dockerfile "$name" ;;
+      worker|proxy|kvindex|operator|vllm-cpu) build_dockerfile "$name" ;;
       *) log "unknown image $name (one of: ${ALL[*]})"; exit 2 ;;
     esac
     [ "$name" = base ] || export_image "$name"

@@ -34,6 +34,8 @@ DEPS=(etcd-server golang-go make rsync jq openssl curl ca-certificates
       golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev
       containerd runc containernetworking-plugins iptables conntrack)
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+# shellcheck source=scripts/debian.sh
+source "$REPO/scripts/debian.sh"
 
 WORKDIRS=()
 cleanup() { local d; for d in "${WORKDIRS[@]}"; do rm -rf "$d"; done; }
@@ -41,30 +43,8 @@ trap cleanup EXIT
 
 log() { echo "[k8s-test-cluster] $*" >&2; }
 
-install_deps() {
-  local missing=()
-  for p in "${DEPS[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-  done
-  if ((${#missing[@]})); then
-    log "installing Debian packages: ${missing[*]}"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
-      "${missing[@]}" >/dev/null
-  fi
-}
+install_deps() { install_debs "${DEPS[@]}"; }
 
-# The mirror of the first bookworm `deb` entry (deb822 or one-line format).
-debian_mirror() {
-  local m=""
-  if [ -f /etc/apt/sources.list.d/debian.sources ]; then
-    m=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources)
-  fi
-  if [ -z "$m" ] && [ -f /etc/apt/sources.list ]; then
-    m=$(awk '$1=="deb" && $3 ~ /^bookworm$/ {print $2; exit}' /etc/apt/sources.list)
-  fi
-  echo "${m:-http://deb.debian.org/debian}"
-}
 
 source_version() {
   apt-cache showsrc kubernetes 2>/dev/null | awk '/^Version:/ {print $2}' | sort -V | tail -1

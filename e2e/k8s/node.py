@@ -146,6 +146,8 @@ def teardown_stale(state_file: Path, kube_proxy: Path | None = None) -> None:
         subprocess.run([str(proxy), "--cleanup"], capture_output=True, timeout=60)
     workdir = state.get("workdir", "")
     _unmount_under([p for p in (workdir, "/run/containerd", "/run/netns") if p])
+    if workdir:  # unpacked images: gigabytes per run, which pytest's kept basetemps would keep
+        shutil.rmtree(Path(workdir) / "containerd", ignore_errors=True)
     for netns in Path("/run/netns").glob("cni-*"):
         netns.unlink(missing_ok=True)
     for d in _cgroup_dirs():

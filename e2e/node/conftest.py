@@ -104,17 +104,21 @@ def describe_failure(cluster: Cluster, selector: str = INSTANCE_LABEL) -> str:
     return "\n".join(out)
 
 
-def wait_ready(cluster: Cluster, expected: dict[str, int], timeout: float = 300) -> list:
-    """Wait until exactly ``expected`` ready pods per component (and none terminating)."""
+def wait_ready(cluster: Cluster, expected: dict[str, int], timeout: float = 300,
+               name: str = NAME) -> list:
+    """Wait until exactly ``expected`` ready pods per component of resource ``name`` (and
+    none terminating)."""
+    selector = f"app.kubernetes.io/instance={name}"
+
     def settled():
-        current = pods(cluster)
+        current = pods(cluster, selector)
         counts: dict[str, int] = {}
         for pod in current:
             restarts = max((c.get("restartCount", 0) for c in pod["status"].get(
                 "containerStatuses", [])), default=0)
             if restarts >= 3:  # a crash loop will not settle: fail now, with the logs
                 raise Fatal(f"{pod['metadata']['name']} restarted {restarts} times\n"
-                            f"{describe_failure(cluster)}")
+                            f"{describe_failure(cluster, selector)}")
             if not is_ready(pod):
                 return None
             counts[component_of(pod)] = counts.get(component_of(pod), 0) + 1
@@ -122,18 +126,26 @@ def wait_ready(cluster: Cluster, expected: dict[str, int], timeout: float = 300)
     try:
         return wait_for(settled, timeout, f"ready pods {expected}", interval=1)
     except TimeoutError as e:
-        raise TimeoutError(f"{e}\n{describe_failure(cluster)}") from None
+        raise TimeoutError(f"{e}\n{describe_failure(cluster, selector)}") from None
+
+
+def apply_example(cluster: Cluster, example: Path, timeout: float = 300,
+                  extra: dict[str, int] | None = None) -> list:
+    """`kubectl apply -f EXAMPLE`, then wait for its pods (one per replica of each component,
+    plus ``extra``) Running and Ready."""
+    cluster.kubectl("apply", "-n", NAMESPACE, "-f", str(example))
+    resource = json.loads(cluster.kubectl(
+        "create", "--dry-run=client", "-o", "json", "-f", str(example)).stdout)
+    spec = resource["spec"]
+    expected = {c: spec[c]["replicas"] for c in ("kvindex", "proxy", "prefill", "decode")}
+    return wait_ready(cluster, {**expected, **(extra or {})}, timeout,
+                      name=resource["metadata"]["name"])
 
 
 @pytest.fixture(scope="session")
 def reference(node_cluster, release):
     """`kubectl apply -f examples/agentserving-reference.yaml`: every pod Running and Ready."""
-    node_cluster.kubectl("apply", "-n", NAMESPACE, "-f", str(EXAMPLE))
-    spec = json.loads(node_cluster.kubectl(
-        "create", "--dry-run=client", "-o", "json", "-f", str(EXAMPLE)).stdout)["spec"]
-    expected = {"kvindex": spec["kvindex"]["replicas"], "proxy": spec["proxy"]["replicas"],
-                "prefill": spec["prefill"]["replicas"], "decode": spec["decode"]["replicas"]}
-    yield wait_ready(node_cluster, expected)
+    yield apply_example(node_cluster, EXAMPLE)
 
 
 class PortForward:
@@ -201,3 +213,36 @@ def retry_get(url: str, attempts: int = 20) -> httpx.Response:
             return httpx.get(url, timeout=5)
         time.sleep(0.5)
     return httpx.get(url, timeout=5)
+
+
+TURN_TOKENS = 300
+
+
+def prompt_for(seed: int, n: int) -> list[int]:
+    return [3 + (seed * 131 + i * 7) % 250 for i in range(n)]
+
+
+def turn(c: openai.OpenAI, session: str, prompt: list[int], max_tokens: int = 4):
+    raw = c.completions.with_raw_response.create(
+        model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+        extra_headers={"x-session-id": session})
+    return raw.parse(), raw.headers
+
+
+def chunk_hashes_of(resp) -> list[str]:  # noqa: ANN001
+    return (resp.model_extra or {})["kv_transfer_params"]["chunk_hashes"]
+
+
+class Session:
+    """A multi-turn session: each turn appends a new message to the whole context."""
+
+    def __init__(self, c: openai.OpenAI, sid: str, seed: int, first: int = 600):
+        self.c, self.sid, self.seed = c, sid, seed
+        self.prompt = prompt_for(seed, first)
+        self.turns = 0
+
+    def next(self):  # noqa: ANN201
+        resp, headers = turn(self.c, self.sid, self.prompt)
+        self.turns += 1
+        self.prompt = self.prompt + prompt_for(self.seed * 10 + self.turns, TURN_TOKENS)
+        return resp, headers

@@ -12,7 +12,6 @@ import json
 import threading
 import time
 
-import openai
 import pytest
 
 from ..k8s.polling import wait_for
@@ -21,6 +20,8 @@ from .conftest import (
     NAMESPACE,
     OPERATOR_NAMESPACE,
     RELEASE,
+    Session,
+    chunk_hashes_of,
     client,
     component_of,
     helm,
@@ -30,39 +31,6 @@ from .conftest import (
 )
 
 pytestmark = pytest.mark.timeout(900)
-
-TURN_TOKENS = 300
-
-
-def prompt_for(seed: int, n: int) -> list[int]:
-    return [3 + (seed * 131 + i * 7) % 250 for i in range(n)]
-
-
-def turn(c: openai.OpenAI, session: str, prompt: list[int], max_tokens: int = 4):
-    raw = c.completions.with_raw_response.create(
-        model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
-        extra_headers={"x-session-id": session})
-    return raw.parse(), raw.headers
-
-
-def chunk_hashes_of(resp) -> list[str]:  # noqa: ANN001
-    return (resp.model_extra or {})["kv_transfer_params"]["chunk_hashes"]
-
-
-class Session:
-    """A multi-turn session: each turn appends a new message to the whole context."""
-
-    def __init__(self, c: openai.OpenAI, sid: str, seed: int, first: int = 600):
-        self.c, self.sid, self.seed = c, sid, seed
-        self.prompt = prompt_for(seed, first)
-        self.turns = 0
-
-    def next(self):  # noqa: ANN201
-        resp, headers = turn(self.c, self.sid, self.prompt)
-        self.turns += 1
-        self.prompt = self.prompt + prompt_for(self.seed * 10 + self.turns, TURN_TOKENS)
-        return resp, headers
-
 
 def test_every_pod_is_running_and_ready_and_the_operator_runs_in_cluster(node_cluster,
                                                                          reference):

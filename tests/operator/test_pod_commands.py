@@ -98,7 +98,7 @@ def test_reference_worker_runs_the_pools_scheduler_policy(path):
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=IDS)
-def test_every_example_model_loads_with_the_workers_own_loader(path):
+def test_every_example_model_loads_with_the_workers_own_loader(path, tmp_path):
     """The model the pods name, resolved by the code the pod runs: the reference worker's
     loader (and tokenizer) for real; for vLLM what the worker hands ``vllm serve``, which must
     be a Hugging Face id or a path (vLLM itself cannot run here)."""
@@ -125,6 +125,17 @@ def test_every_example_model_loads_with_the_workers_own_loader(path):
             argv = build(settings).argv
             model = model_source(settings)
             assert argv[argv.index("serve") + 1] == model
+            if inst.spec["model"]["name"] == "tiny":  # the seeded folder the worker writes
+                from transformers import AutoConfig, AutoTokenizer
+
+                from agentserving.engine.model.folder import write_model_folder
+                from agentserving.engine.vllm.serve_command import MODEL_CACHE
+
+                assert model == str(MODEL_CACHE / f"tiny-seed{settings.seed}")
+                folder = write_model_folder(tmp_path / "tiny", seed=settings.seed)
+                assert AutoConfig.from_pretrained(folder).model_type == "llama"
+                assert AutoTokenizer.from_pretrained(folder)("hello")["input_ids"]
+                continue
         else:
             argv = pod_argv(container)
             model = argv[2]

@@ -1,0 +1,71 @@
+"""The vLLM example on the same real node, after the reference one is uninstalled:
+`helm install` with the vllm-cpu image (docker/vllm-cpu.Dockerfile), `kubectl apply -f
+examples/agentserving-vllm-cpu.yaml` (1 prefill + 1 decode pod running real vLLM on the CPU
+with LMCache, and LMCache's KV server between them), and a session through the proxy Service.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from agentserving.operator.builders.common import PROXY_PORT
+
+from ..k8s.cluster import REPO, cache_dir
+from .conftest import (
+    CHART,
+    NAMESPACE,
+    OPERATOR_NAMESPACE,
+    RELEASE,
+    PortForward,
+    Session,
+    apply_example,
+    chunk_hashes_of,
+    client,
+    helm,
+)
+
+pytestmark = pytest.mark.timeout(1200)
+
+EXAMPLE = REPO / "examples" / "agentserving-vllm-cpu.yaml"
+NAME = "tiny-vllm"
+IMAGE = "agentserving/vllm-cpu:0.1.0"
+
+
+@pytest.fixture(scope="module")
+def vllm_deployment(node_cluster, tmp_path_factory):
+    if not (cache_dir() / "images" / "vllm-cpu.tar").exists():
+        pytest.fail(f"no vllm-cpu image in {cache_dir() / 'images'}: run `make images`")
+    helm(node_cluster, "install", RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE,
+         "--create-namespace", "--wait", "--timeout", "180s",
+         "--set", f"components.vllmImage={IMAGE}")
+    try:
+        pods = apply_example(node_cluster, EXAMPLE, timeout=900, extra={"kvserver": 1})
+        with PortForward(node_cluster, f"svc/{NAME}-proxy", PROXY_PORT,
+                         tmp_path_factory.mktemp("pf") / "vllm-proxy.log") as pf:
+            yield pods, pf.url
+    finally:
+        node_cluster.kubectl("delete", "agentserving", NAME, "-n", NAMESPACE,
+                             "--timeout=120s", check=False)
+        helm(node_cluster, "uninstall", RELEASE, "--namespace", OPERATOR_NAMESPACE, "--wait")
+
+
+def test_vllm_pods_serve_a_session_with_prefill_decode_disaggregation(vllm_deployment):
+    pods, proxy_url = vllm_deployment
+    images = {c["image"] for p in pods for c in p["spec"]["containers"]
+              if p["metadata"]["labels"]["app.kubernetes.io/component"] in ("prefill",
+                                                                              "decode")}
+    assert images == {IMAGE}
+    session = Session(client(proxy_url), "node-vllm", seed=7)
+    cached, hashes, paths = [], [], []
+    for _ in range(3):
+        resp, headers = session.next()
+        cached.append(resp.usage.prompt_tokens_details.cached_tokens)
+        hashes.append(chunk_hashes_of(resp))
+        paths.append((headers.get("x-agentserving-prefill-pod"),
+                      headers.get("x-agentserving-decode-pod")))
+        assert resp.choices[0].text
+        assert len(hashes[-1]) == resp.usage.prompt_tokens // 256
+    # the first turn went prefill pod -> decode pod (through LMCache's KV server)
+    assert paths[0][0] == f"{NAME}-prefill-0" and paths[0][1] == f"{NAME}-decode-0", paths
+    assert cached[1] >= 512 and cached[2] > cached[1], cached
+    assert hashes[1][: len(hashes[0])] == hashes[0]

@@ -130,9 +130,9 @@ def test_example_creates_every_child_with_owner_and_honest_status(cluster, opera
         assert owner["kind"] == "AgentServing" and owner["controller"] is True
 
     # Pods exist (the controller-manager creates them) but stay Pending: no kubelet here.
-    decode = wait_for(lambda: len(p := pods(cluster, ns, "decode")) == 3 * (
-        "reference" not in example.stem) + 2 * ("reference" in example.stem) and p, WAIT,
-        "decode pods")
+    replicas = resource["spec"]["decode"]["replicas"]
+    decode = wait_for(lambda: len(p := pods(cluster, ns, "decode")) == replicas and p, WAIT,
+                      "decode pods")
     assert all(p["status"].get("phase") == "Pending" for p in decode)
     resource = wait_reconciled(cluster, ns, name)
     status = resource["status"]

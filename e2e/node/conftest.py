@@ -246,3 +246,18 @@ class Session:
         self.turns += 1
         self.prompt = self.prompt + prompt_for(self.seed * 10 + self.turns, TURN_TOKENS)
         return resp, headers
+
+
+def three_turns(c: openai.OpenAI, sid: str, seed: int) -> list:
+    """A 3-turn session's (response, headers), checked as every deployment must answer it:
+    one chunk_hash per full chunk, KV reused from turn 2 on and more on turn 3, the hash chain
+    extended with its prefix unchanged."""
+    session = Session(c, sid, seed)
+    turns = [session.next() for _ in range(3)]
+    cached = [resp.usage.prompt_tokens_details.cached_tokens for resp, _ in turns]
+    hashes = [chunk_hashes_of(resp) for resp, _ in turns]
+    for (resp, _), chain in zip(turns, hashes, strict=True):
+        assert len(chain) == resp.usage.prompt_tokens // 256
+    assert cached[1] >= 512 and cached[2] > cached[1], cached
+    assert hashes[1][: len(hashes[0])] == hashes[0]  # the chain extends, prefix unchanged
+    return turns

@@ -21,12 +21,12 @@ from .conftest import (
     OPERATOR_NAMESPACE,
     RELEASE,
     Session,
-    chunk_hashes_of,
     client,
     component_of,
     helm,
     pods,
     registered_pods,
+    three_turns,
     wait_ready,
 )
 
@@ -51,18 +51,10 @@ def test_three_turn_session_through_the_proxy_service(proxy_url, kvindex_url, re
                    if component_of(p) in ("prefill", "decode")}
     wait_for(lambda: registered_pods(kvindex_url) >= worker_pods, 60,
              "every worker pod registered with the kvindex")
-    session = Session(client(proxy_url), "node-three-turns", seed=1)
-    cached, hashes, served = [], [], []
-    for _ in range(3):
-        resp, headers = session.next()
-        cached.append(resp.usage.prompt_tokens_details.cached_tokens)
-        hashes.append(chunk_hashes_of(resp))
-        served.append(headers.get("x-agentserving-decode-pod")
-                      or headers.get("x-agentserving-prefill-pod"))
-        assert len(hashes[-1]) == resp.usage.prompt_tokens // 256
-    assert cached[0] == 0
-    assert cached[1] >= 512 and cached[2] > cached[1], cached
-    assert hashes[1][: len(hashes[0])] == hashes[0]  # the chain extends, prefix unchanged
+    turns = three_turns(client(proxy_url), "node-three-turns", seed=1)
+    assert turns[0][0].usage.prompt_tokens_details.cached_tokens == 0
+    served = [headers.get("x-agentserving-decode-pod")
+              or headers.get("x-agentserving-prefill-pod") for _, headers in turns]
     assert set(served) <= worker_pods  # pods registered their own (pod IP) addresses
 
 

@@ -17,11 +17,11 @@ from .conftest import (
     OPERATOR_NAMESPACE,
     RELEASE,
     PortForward,
-    Session,
     apply_example,
-    chunk_hashes_of,
     client,
+    component_of,
     helm,
+    three_turns,
 )
 
 pytestmark = pytest.mark.timeout(1200)
@@ -52,20 +52,11 @@ def vllm_deployment(node_cluster, tmp_path_factory):
 def test_vllm_pods_serve_a_session_with_prefill_decode_disaggregation(vllm_deployment):
     pods, proxy_url = vllm_deployment
     images = {c["image"] for p in pods for c in p["spec"]["containers"]
-              if p["metadata"]["labels"]["app.kubernetes.io/component"] in ("prefill",
-                                                                              "decode")}
+              if component_of(p) in ("prefill", "decode")}
     assert images == {IMAGE}
-    session = Session(client(proxy_url), "node-vllm", seed=7)
-    cached, hashes, paths = [], [], []
-    for _ in range(3):
-        resp, headers = session.next()
-        cached.append(resp.usage.prompt_tokens_details.cached_tokens)
-        hashes.append(chunk_hashes_of(resp))
-        paths.append((headers.get("x-agentserving-prefill-pod"),
-                      headers.get("x-agentserving-decode-pod")))
-        assert resp.choices[0].text
-        assert len(hashes[-1]) == resp.usage.prompt_tokens // 256
+    turns = three_turns(client(proxy_url), "node-vllm", seed=7)
+    assert all(resp.choices[0].text for resp, _ in turns)
     # the first turn went prefill pod -> decode pod (through LMCache's KV server)
-    assert paths[0][0] == f"{NAME}-prefill-0" and paths[0][1] == f"{NAME}-decode-0", paths
-    assert cached[1] >= 512 and cached[2] > cached[1], cached
-    assert hashes[1][: len(hashes[0])] == hashes[0]
+    first = turns[0][1]
+    assert (first.get("x-agentserving-prefill-pod"), first.get("x-agentserving-decode-pod")) \
+        == (f"{NAME}-prefill-0", f"{NAME}-decode-0"), dict(first)

@@ -16,6 +16,8 @@ two tenants' chains never meet and neither can probe the other's prefixes.
 
 from __future__ import annotations
 
+import hashlib
+import pickle
 import sys
 from array import array
 from collections.abc import Sequence
@@ -31,6 +33,11 @@ class HashScheme(StrEnum):
     BLAKE3 = "blake3"
     LMCACHE_BUILTIN = "lmcache-builtin"
     LMCACHE_ASCEND = "lmcache-ascend"
+    # vLLM's own prefix-cache block hashes (its default sha256 over pickle, NONE_HASH from
+    # PYTHONHASHSEED=0), rendered as the 64-bit ints its KV events carry: what the kvindex
+    # indexes from a plain vLLM pod's events, and what the proxy hashes a prompt with to look
+    # them up (precise prefix-cache routing, as llm-d's precise scorer does).
+    VLLM_SHA256 = "vllm-sha256"
 
 
 # The chunk-hash scheme each engine computes natively (LMCache inside vLLM chains Python's
@@ -73,6 +80,20 @@ def _blake3_none_hash() -> bytes:
 _BLAKE3_NONE_HASH = _blake3_none_hash()
 
 
+VLLM_HASH_SEED = "0"  # the PYTHONHASHSEED every vLLM pod runs with (serve_command)
+
+
+def _vllm_sha256(value: Any) -> bytes:
+    """vLLM's ``sha256`` prefix-cache hash: SHA-256 of the highest-protocol pickle."""
+    return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def vllm_block_hash_int(digest: bytes) -> int:
+    """A vLLM block hash as its KV events carry it (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``):
+    the digest's low 64 bits, big-endian."""
+    return int.from_bytes(digest, "big") & ((1 << 64) - 1)
+
+
 def salted_start(scheme: HashScheme, salt: str, none_hash: int) -> int | bytes:
     """The chain's start value for a tenant: deterministic, and never equal to an unsalted one."""
     digest = blake3.blake3(b"agentserving-cache-salt\x00" + salt.encode()).digest()
@@ -104,7 +125,9 @@ class ChunkHasher:
         self.cache_salt = cache_salt
         self.full_chunks_only = full_chunks_only
         self.none_hash = none_hash
-        if cache_salt:
+        if self.scheme is HashScheme.VLLM_SHA256:  # vLLM salts the first block's extra keys
+            self._start = _vllm_sha256(VLLM_HASH_SEED)
+        elif cache_salt:
             self._start: int | bytes = salted_start(self.scheme, cache_salt, none_hash)
         elif self.scheme is HashScheme.BLAKE3:
             self._start = _BLAKE3_NONE_HASH
@@ -122,11 +145,27 @@ class ChunkHasher:
         bounds = self.chunk_bounds(len(tokens))
         if self.scheme is HashScheme.BLAKE3:
             return self._blake3_chain(tokens, bounds)
+        if self.scheme is HashScheme.VLLM_SHA256:
+            return self._vllm_chain(_as_int_list(tokens), bounds)
         return self._builtin_chain(_as_int_list(tokens), bounds)
 
     def hashes(self, tokens: Sequence[int] | Any) -> list[str]:
         """The chain in wire form, one hex string per chunk."""
+        if self.scheme is HashScheme.VLLM_SHA256:
+            return [render_hash(vllm_block_hash_int(h))  # type: ignore[arg-type]
+                    for h in self.raw_hashes(tokens)]
         return [render_hash(h) for h in self.raw_hashes(tokens)]
+
+    def _vllm_chain(self, tokens: list[int], bounds: list[tuple[int, int]]
+                    ) -> list[int | bytes]:
+        """vLLM's ``hash_block_tokens`` chain; a cache salt is the first block's extra key."""
+        prev = self._start
+        out: list[int | bytes] = []
+        for start, end in bounds:
+            extra = (self.cache_salt,) if start == 0 and self.cache_salt else None
+            prev = _vllm_sha256((prev, tuple(tokens[start:end]), extra))
+            out.append(prev)
+        return out
 
     def _blake3_chain(self, tokens: Any, bounds: list[tuple[int, int]]) -> list[int | bytes]:
         data = memoryview(_pack_u32_be(tokens))

@@ -19,25 +19,9 @@ from pathlib import Path
 
 import httpx
 
-_LOWEST_TEST_PORT = 10000
+from agentserving.core.ports import bindable, pickable_ports
+
 _handed_out: set[int] = set()
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 def free_port() -> int:
@@ -49,14 +33,13 @@ def free_port() -> int:
     ephemeral range are only ever taken by an explicit bind; a random pick among them, never
     the same one twice in a process, keeps concurrent test processes apart too.
     """
-    ephemeral_low, _ = _ephemeral_range()
-    candidates = range(_LOWEST_TEST_PORT, ephemeral_low)
+    candidates = pickable_ports()
     for _ in range(1000):
         port = random.choice(candidates)
-        if port not in _handed_out and _bindable(port):
+        if port not in _handed_out and bindable(port):
             _handed_out.add(port)
             return port
-    raise RuntimeError(f"no free port in {_LOWEST_TEST_PORT}-{ephemeral_low - 1}")
+    raise RuntimeError(f"no free port in {candidates.start}-{candidates.stop - 1}")
 
 
 def wait_for_http(url: str, timeout_s: float = 30.0, proc: subprocess.Popen | None = None) -> None:
@@ -199,7 +182,7 @@ def free_port_run(n: int) -> int:
     for _ in range(200):
         start = free_port()
         rest = range(start + 1, start + n)
-        if all(p not in _handed_out and _bindable(p) for p in rest):
+        if all(p not in _handed_out and bindable(p) for p in rest):
             _handed_out.update(rest)
             return start
     raise RuntimeError(f"no run of {n} free ports found")

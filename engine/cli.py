@@ -29,6 +29,18 @@ if TYPE_CHECKING:
         help="vLLM engine: one extra `vllm serve` argument (repeat), after the generated ones.")
 @option("--enforce-eager/--no-enforce-eager", default=False,
         help="vLLM engine: run without torch.compile (starts about twice as fast on a CPU).")
+@option("--vllm-kv-connector", type=click.Choice(["agentserving", "none"]),
+        default="agentserving",
+        help="vLLM engine: agentserving (AgentServing's LMCache connector: CPU/disk tiers, "
+        "memory API, kvindex residency) or none (plain vLLM with its automatic prefix cache "
+        "alone, as users deploy it today; no memory API, no kvindex registration).")
+@option("--kv-events-endpoint", default=None,
+        help="vLLM engine: publish vLLM's KV cache events (BlockStored/BlockRemoved, ZMQ) to "
+        "tcp://HOST:PORT, where a subscriber (the kvindex's vLLM event ingest) binds.")
+@option("--kv-cache-blocks", type=click.IntRange(min=1), default=None,
+        help="vLLM engine: device KV blocks (vLLM's --num-gpu-blocks-override; blocks of "
+        "--kv-block-size tokens), overriding --kv-cache-gib: sizes device KV below a "
+        "workload's working set.")
 @option("--kv-transfer-url", default=None,
         help="vLLM engine: LMCache server lm://HOST:PORT through which prefill and decode "
         "pods hand KV over (P/D); unset: each pod's tiers are its own.")
@@ -91,7 +103,10 @@ if TYPE_CHECKING:
         help="Engine processes (each: a model copy and its own KV tiers).")
 @option("--scheduler-policy", default="fcfs",
         help="Prefill scheduling policy, NAME[?opt=value&...]: fcfs, the prefill role's "
-        "policies (fcfs-chunk, fcfs-nochunk, longcap-dynamic, shadow), or module:Class.")
+        "policies (fcfs-chunk, fcfs-nochunk, longcap-dynamic, shadow), or module:Class. "
+        "vLLM engine: fcfs is vLLM's own scheduler; fcfs-chunk, fcfs-nochunk and "
+        "longcap-dynamic run inside vLLM as its --scheduler-cls, admitting against vLLM's "
+        "KV block pool.")
 @option("--prefill-chunk-tokens", type=click.IntRange(min=1), default=512,
         help="Prompt tokens prefilled per engine step (a multiple of --chunk-size).")
 @option("--chunk-align", type=click.IntRange(min=0), default=0,

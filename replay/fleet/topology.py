@@ -8,17 +8,20 @@ routing and cache settings; ``build(spec)`` picks free loopback ports and return
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
-import socket
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentserving.core.hashing import ENGINE_HASH_SCHEMES
+from agentserving.core.ports import bindable, pickable_ports
 from agentserving.replay.fleet.process import ProcessSpec
 
 LOOPBACK = "127.0.0.1"
+IPC_PATH_MAX = 100  # a socket path is at most 107 bytes; a margin
 
 
 def agentserving_argv() -> list[str]:
@@ -29,17 +32,10 @@ def agentserving_argv() -> list[str]:
     return [sys.executable, "-c", "from agentserving.core.cli import main; main()"]
 
 
-def _free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((LOOPBACK, port))
-        except OSError:
-            return False
-    return True
-
-
 class PortAllocator:
-    """Hands out free loopback ports (and runs of consecutive ones), never the same twice."""
+    """Hands out free loopback ports (and runs of consecutive ones), never the same twice,
+    below the kernel's ephemeral range (``core.ports``): a vLLM pod binds its port ~10 s after
+    it was picked, long enough for a client socket to take an ephemeral one."""
 
     def __init__(self, seed: int | None = None) -> None:
         self._taken: set[int] = set()
@@ -50,10 +46,11 @@ class PortAllocator:
 
     def run(self, n: int) -> int:
         """The first of ``n`` consecutive free ports."""
+        pickable = pickable_ports()
         for _ in range(2000):
-            base = self._rng.randrange(20000, 60000 - n)
+            base = self._rng.randrange(pickable.start, pickable.stop - n)
             ports = range(base, base + n)
-            if any(p in self._taken for p in ports) or not all(_free(p) for p in ports):
+            if any(p in self._taken for p in ports) or not all(bindable(p) for p in ports):
                 continue
             self._taken.update(ports)
             return base
@@ -73,6 +70,10 @@ class FleetSpec:
     routing: str = "kv-aware"
     chunk_size: int = 256
     hash_scheme: str | None = None  # None: the engine's own (blake3; vLLM lmcache-builtin)
+    # vLLM: every worker publishes its KV events to the kvindex, which a registrar process per
+    # worker keeps it registered for (plain vLLM pods; the proxy then hashes prompts the vLLM
+    # way: precise prefix-cache routing)
+    kv_events: bool = False
     cpu_cache_gib: float = 2.0
     disk_cache_gib: float = 0.0  # 0: no disk tier
     disk_cache_root: Path | None = None  # per-worker folders under it (default: run dir)
@@ -93,6 +94,37 @@ class FleetSpec:
         return self.prefill + self.decode + self.both
 
 
+def kv_events_dir(run_dir: Path) -> Path:
+    """Where the workers' KV event sockets go: ipc sockets, no network (vLLM binds an ipc
+    endpoint, it connects to tcp hosts; the kvindex connects). The run folder, unless its path
+    is too long for a socket (108 bytes); then a folder of the temp dir named after it."""
+    folder = run_dir.resolve() / "kv-events"
+    if len(str(folder)) + len("/decode-00.sock") <= IPC_PATH_MAX:
+        return folder
+    digest = hashlib.blake2b(str(folder).encode(), digest_size=6).hexdigest()
+    return Path(tempfile.gettempdir()) / f"agentserving-kv-events-{digest}"
+
+
+def _worker_names(spec: FleetSpec) -> list[str]:
+    return ([f"prefill-{k}" for k in range(spec.prefill)]
+            + [f"decode-{k}" for k in range(spec.decode)]
+            + [f"worker-{k}" for k in range(spec.both)])
+
+
+def _registrar(spec: FleetSpec, name: str, role: str, url: str, kv_url: str) -> ProcessSpec:
+    """Keeps a plain vLLM worker registered with the kvindex (it has no connector to do it),
+    under vLLM's own block hashes: its residency is its KV event stream."""
+    from agentserving.core.hashing import HashScheme
+
+    return ProcessSpec(
+        name=f"{name}-registrar", role="registrar", env=dict(spec.env), startup_timeout_s=30.0,
+        argv=[sys.executable, "-m", "agentserving.engine.vllm.registrar", "--kvindex", kv_url,
+              "--pod", name, "--memory-api-url", url, "--api-url", url, "--role", role,
+              "--model", spec.model, "--hash-scheme", HashScheme.VLLM_SHA256.value,
+              "--chunk-size", str(spec.chunk_size), "--engine", "vllm",
+              "--residency", "vllm-events", "--interval", "2"])
+
+
 def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
           ) -> list[ProcessSpec]:
     """Every process of the fleet, in start order: kvindex, workers, proxy."""
@@ -101,10 +133,16 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
     out: list[ProcessSpec] = []
     kv_port = ports.one()
     kv_url = f"http://{LOOPBACK}:{kv_port}"
+    names = _worker_names(spec)
+    events = {name: f"ipc://{kv_events_dir(run_dir) / name}.sock"
+              for name in names} if spec.kv_events else {}
     out.append(ProcessSpec(
         name="kvindex", role="kvindex", url=kv_url, env=dict(spec.env),
         argv=[*cmd, "kvindex", "--host", LOOPBACK, "--port", str(kv_port),
-              "--store", spec.kvindex], startup_timeout_s=30.0))
+              "--store", spec.kvindex,
+              *(arg for name, ep in events.items() for arg in ("--vllm-events",
+                                                                f"{name}={ep}"))],
+        startup_timeout_s=30.0))
     engine_args = ["--engine", spec.engine] if spec.engine != "reference" else []
     engine_args += ["--hash-scheme", spec.hash_scheme or ENGINE_HASH_SCHEMES[spec.engine].value]
     if spec.engine == "vllm" and spec.prefill and spec.decode:
@@ -141,9 +179,13 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
         if spec.engine == "vllm":  # vLLM binds its worker to core 0 unless told: spread them
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                            str((len(prefill_urls) + len(decode_urls)) % (os.cpu_count() or 1)))
+        if name in events:
+            argv += ["--kv-events-endpoint", events[name]]
         out.append(ProcessSpec(name=name, role=role, url=url, argv=argv, env=env,
                                startup_timeout_s=spec.startup_timeout_s,
                                memory_url=f"http://{LOOPBACK}:{mem}"))
+        if name in events:
+            out.append(_registrar(spec, name, role, url, kv_url))
         (decode_urls if role == "decode" else prefill_urls).append(url)
     if spec.proxy and (prefill_urls or decode_urls):
         port = spec.proxy_port or ports.one()

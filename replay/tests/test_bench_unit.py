@@ -1,4 +1,4 @@
-"""The bench's pieces that need no fleet: the two configurations, the worker-metrics scrape."""
+"""The bench's pieces that need no fleet: the configurations, the worker-metrics scrape."""
 
 from __future__ import annotations
 
@@ -8,38 +8,86 @@ from fastapi.responses import PlainTextResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from agentserving.core.testing import ThreadedServer
-from agentserving.replay.bench import fleet_spec, scrape_worker_metrics, time_breakdown
+from agentserving.replay.bench import scrape_worker_metrics, time_breakdown
+from agentserving.replay.configs import (
+    CONFIGS,
+    DECODE_POD_ARGS,
+    DEFAULT_CONFIGS,
+    VLLM_BLOCK_TOKENS,
+    FleetSizes,
+    fleet_spec,
+    resolve,
+)
 
 
-def test_the_two_configurations():
-    kw = dict(prefill=1, decode=2, model="tiny", cpu_cache_gib=2.0, disk_cache_gib=4.0,
-              worker_args=[], worker_env={}, startup_timeout_s=60)
-    base, cand = fleet_spec("baseline", **kw), fleet_spec("agentserving", **kw)
+def specs(engine: str, **kw):
+    sizes = FleetSizes(engine=engine, prefill=1, decode=2, cpu_cache_gib=2.0,
+                       disk_cache_gib=4.0, **kw)
+    return {name: fleet_spec(CONFIGS[name], sizes) for name, c in CONFIGS.items()
+            if engine in c.engines}
+
+
+def test_the_reference_engines_configurations():
+    s = specs("reference")
+    base, cand, apc = s["baseline"], s["agentserving"], s["baseline-apc"]
     assert (base.both, base.prefill, base.decode) == (3, 0, 0)  # same worker count, no P/D
     assert base.routing == "round-robin" and base.disk_cache_gib == 0
     assert base.cpu_cache_gib * 1024 < 2  # < one 2 MiB chunk of the tiny model: no reuse
     assert (cand.prefill, cand.decode, cand.routing) == (1, 2, "kv-aware")
     assert cand.cpu_cache_gib == 2.0 and cand.disk_cache_gib == 4.0
-    apc = fleet_spec("baseline-apc", **kw)  # each worker reuses only what it computed itself
+    # each worker reuses only what it computed itself
     assert (apc.both, apc.prefill, apc.decode, apc.routing) == (3, 0, 0, "round-robin")
     assert apc.cpu_cache_gib == 2.0 and apc.disk_cache_gib == 0
-    with pytest.raises(Exception, match="unknown configuration"):
-        fleet_spec("other", **kw)
+    assert {sp.engine for sp in s.values()} == {"reference"}
+
+
+def test_the_vllm_configurations_share_pods_and_device_kv(tmp_path):
+    s = specs("vllm", device_kv_blocks=100)
+    rr, session, cand, fcfs = (s[n] for n in ("vllm-rr", "vllm-session", "agentserving",
+                                              "agentserving-fcfs"))
+    assert (rr.routing, session.routing, cand.routing) == ("round-robin", "session", "kv-aware")
+    for plain in (rr, session):  # stock vLLM: its own prefix cache, nothing else
+        assert plain.both == 3 and plain.disk_cache_gib == 0
+        assert plain.worker_args[-2:] == ["--vllm-kv-connector", "none"]
+    assert (cand.prefill, cand.decode) == (1, 2) and cand.disk_cache_gib == 4.0
+    for spec in s.values():
+        assert spec.engine == "vllm" and spec.num_workers == 3
+        flags = dict(zip(spec.worker_args[1::2], spec.worker_args[2::2], strict=False))
+        assert flags["--kv-cache-blocks"] == "100"
+        assert flags["--max-model-len"] == str(99 * VLLM_BLOCK_TOKENS)  # less vLLM's null block
+    assert cand.role_args["prefill"] == ["--scheduler-policy", "longcap-dynamic"]
+    assert fcfs.role_args["prefill"] == ["--scheduler-policy", "fcfs"]  # the ablation
+    assert "decode" not in cand.role_args  # the reference engine's decode-pod policy only
+    assert cand.proxy_args == ["--max-prefill-backlog", "1"]  # first turns may go local
+    precise = s["vllm-precise"]
+    assert (precise.both, precise.routing, precise.kv_events) == (3, "kv-aware", True)
+    assert precise.chunk_size == VLLM_BLOCK_TOKENS  # the proxy looks up vLLM's own blocks
+    assert precise.proxy_args == ["--prompt-hash-scheme", "vllm-sha256"]
+    assert precise.worker_args[-2:] == ["--vllm-kv-connector", "none"]
+
+
+def test_configurations_are_checked_against_the_engine():
+    assert [c.name for c in resolve("", "vllm")] == list(DEFAULT_CONFIGS["vllm"])
+    assert [c.name for c in resolve("baseline, agentserving", "reference")] == [
+        "baseline", "agentserving"]
+    with pytest.raises(ValueError, match="unknown configuration 'other'"):
+        resolve("other", "vllm")
+    with pytest.raises(ValueError, match="'vllm-rr' runs on vllm, not --engine reference"):
+        resolve("vllm-rr", "reference")
 
 
 def test_each_role_of_agentserving_gets_its_own_worker_and_proxy_flags(tmp_path):
-    from agentserving.replay.bench import DECODE_POD_ARGS
     from agentserving.replay.fleet.topology import build
 
-    kw = dict(prefill=1, decode=2, model="tiny", cpu_cache_gib=2.0, disk_cache_gib=0.0,
-              worker_args=["--x"], worker_env={}, startup_timeout_s=60,
-              prefill_policy="longcap-dynamic", proxy_args=["--local-prefill-tokens=0"])
-    argv = {p.name: p.argv for p in build(fleet_spec("agentserving", **kw), tmp_path)}
+    sizes = FleetSizes(engine="reference", prefill=1, decode=2, disk_cache_gib=0.0,
+                       worker_args=["--x"], prefill_policy="longcap-dynamic",
+                       proxy_args=["--local-prefill-tokens=0"])
+    argv = {p.name: p.argv for p in build(fleet_spec(CONFIGS["agentserving"], sizes), tmp_path)}
     assert argv["prefill-0"][-3:] == ["--x", "--scheduler-policy", "longcap-dynamic"]
     for name in ("decode-0", "decode-1"):  # they prefill short appends: decode-first steps
         assert argv[name][-len(DECODE_POD_ARGS) - 1:] == ["--x", *DECODE_POD_ARGS]
     assert argv["proxy"][-1] == "--local-prefill-tokens=0"
-    base = build(fleet_spec("baseline", **kw), tmp_path)
+    base = build(fleet_spec(CONFIGS["baseline"], sizes), tmp_path)
     assert not any("--scheduler-policy" in p.argv for p in base)  # the engine's fcfs
     assert not any("--local-prefill-tokens=0" in p.argv for p in base)
 
@@ -73,6 +121,20 @@ def test_worker_metrics_are_scraped_and_summarised():
     (line,) = time_breakdown({"prefill-0": m})
     assert line.startswith("prefill-0: prefill 2.0s") and "over 1 requests" in line
     assert "hand-off 5 MB" in line
+
+
+def test_vllm_pods_metrics_become_the_breakdowns_names():
+    from agentserving.replay.bench import from_vllm_metrics
+
+    m = from_vllm_metrics({
+        "prompt_tokens_total{engine=0,model_name=tiny}": 1000.0,
+        "prompt_tokens_cached_total{engine=0,model_name=tiny}": 600.0,
+        "request_prefill_time_seconds_sum{engine=0,model_name=tiny}": 1.5,
+        "generation_tokens_total{engine=0,model_name=tiny}": 40.0,
+        "generation_tokens_total{engine=1,model_name=tiny}": 2.0,
+        "e2e_request_latency_seconds_count{engine=0,model_name=tiny}": 4.0})
+    assert m == {"prefill_seconds_sum": 1.5, "completion_tokens_total": 42.0,
+                 "request_seconds_count": 4.0, "computed_prompt_tokens_total": 400.0}
 
 
 def test_per_turn_breakdown_splits_pd_and_colocated_time():

@@ -244,3 +244,29 @@ def test_up_with_a_redis_kvindex(tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_kv_events_give_every_worker_a_stream_the_kvindex_reads_and_a_registrar(tmp_path):
+    spec = FleetSpec(engine="vllm", prefill=0, decode=0, both=2, kv_events=True,
+                     chunk_size=128)
+    procs = {p.name: p for p in build(spec, tmp_path)}
+    kvindex = procs["kvindex"].argv
+    streams = dict(kvindex[i + 1].split("=", 1) for i, a in enumerate(kvindex)
+                   if a == "--vllm-events")
+    assert sorted(streams) == ["worker-0", "worker-1"]
+    assert len(set(streams.values())) == 2 and all(ep.startswith("ipc://")
+                                                   for ep in streams.values())
+    for name, endpoint in streams.items():
+        worker = procs[name].argv
+        assert worker[worker.index("--kv-events-endpoint") + 1] == endpoint
+        reg = procs[f"{name}-registrar"].argv
+        flags = dict(zip(reg[3::2], reg[4::2], strict=False))
+        assert reg[1:3] == ["-m", "agentserving.engine.vllm.registrar"]
+        assert flags["--pod"] == name and flags["--api-url"] == procs[name].url
+        assert flags["--hash-scheme"] == "vllm-sha256" and flags["--chunk-size"] == "128"
+    deep = tmp_path.joinpath(*["d" * 20] * 5)  # too long for a socket path: the temp dir
+    sockets = [a for p in build(spec, deep) for a in p.argv if a.startswith("ipc://")]
+    assert sockets and all(len(a) - len("ipc://") <= 100 for a in sockets)
+    assert len(set(sockets)) == 2  # one per worker
+    plain = build(FleetSpec(engine="vllm", prefill=0, decode=0, both=2), tmp_path)
+    assert not any(p.role == "registrar" or "--vllm-events" in p.argv for p in plain)

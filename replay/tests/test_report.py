@@ -9,7 +9,14 @@ from click.testing import CliRunner
 
 from agentserving.replay.client import Replayer, ReplayOptions
 from agentserving.replay.metrics import METRIC_KEYS, summarize
-from agentserving.replay.report import build_report, checks, table_rows
+from agentserving.replay.report import (
+    build_report,
+    checks,
+    comparisons_for,
+    config_rows,
+    print_report,
+    table_rows,
+)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -75,6 +82,29 @@ def test_checks_and_table():
     assert rows["request throughput (req/s)"][3] == "+150.0% (x2.50)"
     assert rows["prefix hit rate"][1:4] == ["0.00%", "78.00%", "+78.00 pp"]
     assert rows["E2E P95 (s)"][4] == "-66.4% (x0.34)"  # seed 003, Llama-3.1-8B
+
+
+def test_every_baseline_gets_its_own_ratios_and_targets():
+    rr, session = _summary(), _summary(req_per_s=2.0, e2e_p95_s=1.0)
+    ablation = _summary(req_per_s=2.2, e2e_p95_s=0.9)
+    cand = _summary(req_per_s=2.5, hit_vs_ideal=0.97, e2e_p95_s=0.6)
+    configs = {"vllm-rr": rr, "vllm-session": session, "agentserving": cand,
+               "agentserving-fcfs": ablation}
+    report = build_report(configs, comparisons=comparisons_for(list(configs)))
+    assert report["baseline"] == "vllm-rr"
+    assert list(report["comparisons"]) == ["vllm-rr", "vllm-session", "agentserving-fcfs"]
+    assert report["ratios"]["req_per_s"] == 2.5 and report["checks"]["req_per_s_ratio"]["ok"]
+    vs_session = report["comparisons"]["vllm-session"]["checks"]
+    assert set(vs_session) == {"req_per_s_ratio", "e2e_p95_ratio"}  # that baseline's targets
+    assert vs_session["req_per_s_ratio"] == {"value": 1.25, "target": ">= 1.3", "ok": False}
+    assert vs_session["e2e_p95_ratio"]["ok"]  # 0.6 / 1.0 <= 0.7
+    assert report["comparisons"]["agentserving-fcfs"]["checks"] == {}  # ratios only
+    assert round(report["comparisons"]["agentserving-fcfs"]["ratios"]["e2e_p95_s"], 3) == 0.667
+    text = print_report(report, title="t")
+    assert "targets met: 5 of 6" in text  # rr: 4 of 4; session: 1 of 2
+    assert "MISSED vs vllm-session: req_per_s_ratio = 1.250 (target >= 1.3)" in text
+    rows = {r[0]: r for r in config_rows(report)}
+    assert rows["vllm-session"][-2] == "x1.25 / x0.60" and rows["agentserving"][-2] == "-"
 
 
 def test_summarize_counts_sessions_and_percentiles():

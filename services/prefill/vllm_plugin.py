@@ -24,7 +24,8 @@ So vLLM still owns blocks, preemption, prefix-cache lookups and the output; the 
 which requests run and how many tokens each gets. Requires the FCFS request queue (a
 priority queue cannot be reordered). Known gaps: a waiting request's cached prefix is not
 known to vLLM before it is scheduled (``num_cached_tokens`` is -1 until then), so the policy
-sees 0 cached tokens for waiting requests; vLLM may still schedule fewer tokens than granted
+looks a waiting request's cached prefix up itself (vLLM's ``find_longest_cache_hit``; LMCache's
+external hits are not seen before scheduling); vLLM may still schedule fewer tokens than granted
 (its own budgets, encoder inputs, block allocation failure), never more.
 
 What was exercised here (``tests/test_vllm_plugin.py``). vLLM cannot *run* on these machines
@@ -43,10 +44,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from agentserving.prefill.policies import build_policy
+from agentserving.prefill.policies import POLICY_CLASSES, build_policy
 from agentserving.prefill.policies.base import PurePolicy
 from agentserving.prefill.policies.types import Decision, ReqView, SchedState
 
@@ -55,14 +56,21 @@ POLICY_ENV = "AGENTSERVING_PREFILL_POLICY"
 
 # ------------------------------------------------------------------ pure translation
 
-def views_from_vllm(waiting: Iterable[Any], running: Iterable[Any]) -> tuple[
+def views_from_vllm(waiting: Iterable[Any], running: Iterable[Any],
+                    cached: Callable[[Any], int] | None = None) -> tuple[
         tuple[ReqView, ...], tuple[ReqView, ...]]:
     """vLLM ``Request``s (``request_id``, ``arrival_time``, ``num_prompt_tokens``,
     ``num_computed_tokens``, ``num_cached_tokens``) -> ``ReqView``s. Decode progress is not
-    planned by the policy (``decode_left`` 0: a prefill pod)."""
+    planned by the policy (``decode_left`` 0: a prefill pod). A waiting request's cached
+    prefix is ``cached(request)`` (the scheduler's prefix-cache lookup): vLLM itself only knows
+    it once the request is scheduled, and without it a short append to a long cached context
+    looks like a long prompt."""
     def view(r: Any, is_running: bool) -> ReqView:
-        computed = r.num_computed_tokens if is_running else max(
-            0, getattr(r, "num_cached_tokens", 0) or 0)
+        if is_running:
+            computed = r.num_computed_tokens
+        else:
+            known = getattr(r, "num_cached_tokens", 0) or 0
+            computed = max(0, known, cached(r) if cached is not None else 0)
         return ReqView(r.request_id, float(r.arrival_time), int(r.num_prompt_tokens),
                        computed=int(min(computed, r.num_prompt_tokens)), running=is_running)
 
@@ -106,22 +114,29 @@ class PolicyGlue:
         self.block_size = block_size
         self.max_running = max_running
 
-    def decide(self, waiting: Iterable[Any], running: Iterable[Any]) -> Decision:
-        wait, run = views_from_vllm(waiting, running)
+    def decide(self, waiting: Iterable[Any], running: Iterable[Any],
+               cached: Callable[[Any], int] | None = None) -> Decision:
+        wait, run = views_from_vllm(waiting, running, cached)
         state = SchedState(wait, run, max_running=self.max_running,
                            kv_capacity_tokens=self.kv_capacity_tokens,
                            block_size=self.block_size, now=time.monotonic())
         return self.policy.decide(state)
 
 
-def policy_from_env(default: str) -> PurePolicy:
+def policy_from_env(default: str, step_tokens: int | None = None) -> PurePolicy:
     """``NAME[?opt=value&...]`` from ``AGENTSERVING_PREFILL_POLICY`` (vLLM passes no options to
-    a scheduler class), integer options parsed as ints."""
+    a scheduler class), integer options parsed as ints. ``step_tokens`` (vLLM's token budget
+    per step) is the policy's own unless the spec sets it: a policy planning bigger steps than
+    vLLM runs would size its chunks for a budget that is not there."""
+    import inspect
     import urllib.parse
 
     spec = os.environ.get(POLICY_ENV, default)
     name, _, query = spec.partition("?")
     opts: dict[str, Any] = {}
+    cls = POLICY_CLASSES.get(name)
+    if step_tokens and cls is not None and "step_tokens" in inspect.signature(cls).parameters:
+        opts["step_tokens"] = step_tokens
     for k, v in urllib.parse.parse_qsl(query):
         opts[k] = (int(v) if v.lstrip("-").isdigit() else
                    float(v) if k in ("long_cap", "context_cost", "split_overhead",
@@ -146,14 +161,15 @@ def make_scheduler_cls(base: type, default_policy: str = "longcap-dynamic") -> t
             block_size = int(getattr(self, "block_size", 16))
             blocks = int(getattr(getattr(self, "cache_config", None), "num_gpu_blocks", 0)
                          or 0)
-            self.glue = PolicyGlue(policy_from_env(self.policy_spec),
+            budget = getattr(self, "max_num_scheduled_tokens", None)
+            self.glue = PolicyGlue(policy_from_env(self.policy_spec, budget),
                                    kv_capacity_tokens=blocks * block_size or 1 << 40,
                                    block_size=block_size,
                                    max_running=int(getattr(self, "max_num_running_reqs", 64)))
 
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             waiting = list(self.waiting)
-            decision = self.glue.decide(waiting, self.running)
+            decision = self.glue.decide(waiting, self.running, self._cached_tokens)
             self.waiting.clear()
             self.waiting.extend(order_waiting(waiting, decision))
             self._grants = budgets(decision)
@@ -161,6 +177,21 @@ def make_scheduler_cls(base: type, default_policy: str = "longcap-dynamic") -> t
                 return super().schedule(*args, **kwargs)
             finally:
                 self._grants = None
+
+        def _cached_tokens(self, request: Any) -> int:
+            """Tokens of ``request`` already in this pod's prefix cache: vLLM's own lookup
+            (``find_longest_cache_hit``, which counts no stats and takes no blocks); 0 when
+            the scheduler has none (a stand-in, prefix caching off)."""
+            coordinator = getattr(getattr(self, "kv_cache_manager", None), "coordinator",
+                                  None)
+            hashes = getattr(request, "block_hashes", None)
+            if coordinator is None or not hashes:
+                return 0
+            try:
+                hit = coordinator.find_longest_cache_hit(hashes, request.num_tokens - 1)
+            except (AttributeError, TypeError, ValueError):
+                return 0
+            return int(hit[1])
 
         def _mamba_block_aligned_split(self, request: Any, num_new_tokens: int,
                                        *args: Any) -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from agentserving.core.cli import option
+from agentserving.core.hashing import HashScheme
 from agentserving.proxy.settings import ProxySettings, RoutingName
 
 
@@ -38,6 +39,13 @@ from agentserving.proxy.settings import ProxySettings, RoutingName
         help="kv-aware: cached tokens worth giving up to avoid one more in-flight turn.")
 @option("--chunk-size", type=click.IntRange(min=1), default=256,
         help="Tokens per KV chunk (turns kvindex scores into tokens).")
+@option("--prompt-hash-scheme", type=click.Choice([s.value for s in HashScheme]),
+        default=None,
+        help="kv-aware: hash each token-id prompt with this scheme (blocks of --chunk-size) "
+             "for the kvindex lookup, instead of using the chunk hashes the pods returned on "
+             "the session's previous turn; vllm-sha256 with --chunk-size 128 routes plain "
+             "vLLM pods by their own KV events (the kvindex's --vllm-events). Unset: the "
+             "pods' hashes.")
 @option("--local-prefill-tokens", type=click.IntRange(min=0), default=2048,
         help="P/D: a turn whose decode pod already holds the session's context and would "
              "compute at most this many prompt tokens runs there, skipping the prefill pod and "

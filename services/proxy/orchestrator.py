@@ -15,7 +15,7 @@ import asyncio
 import functools
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,7 @@ from agentserving.proxy.disagg import HeldContext, prefill_on_decode_pod, prompt
 from agentserving.proxy.memory_hooks import AgentMemory
 from agentserving.proxy.metrics import ProxyMetrics
 from agentserving.proxy.pods import PodPool
+from agentserving.proxy.prompt_hashes import prompt_chunk_hashes
 from agentserving.proxy.routing import Candidate, LeastLoaded, RouteInput, RoutingPolicy
 from agentserving.proxy.sessions import SessionState, SessionTable, session_key
 from agentserving.proxy.settings import ProxySettings
@@ -125,11 +126,11 @@ class Orchestrator:
         index_ok = True
         # One prefill pod leaves nothing to choose: the lookup (a kvindex round trip, the
         # larger part of the proxy's added latency) is only made when it can change the order.
-        if self.kvindex is not None and state.chunk_hashes and len(candidates) > 1 and \
-                self.policy.name == "kv-aware":
+        hashes = self._lookup_hashes(turn, state) if len(candidates) > 1 else None
+        if self.kvindex is not None and hashes and self.policy.name == "kv-aware":
             try:
                 found = await self.kvindex.lookup(LookupRequest(
-                    chunk_hashes=state.chunk_hashes, pods=[c.name for c in candidates],
+                    chunk_hashes=hashes, pods=[c.name for c in candidates],
                     role=PodRole.PREFILL))
                 prefixes = {p.pod: p for p in found.pods}
             except (ServiceUnavailable, RequestRejected) as exc:
@@ -145,6 +146,14 @@ class Orchestrator:
         turn.headers[H_ROUTING] = self.policy.name
         self.metrics.overhead.observe(time.perf_counter() - t0)
         return prefill_order, decode_order
+
+    def _lookup_hashes(self, turn: Turn, state: SessionState) -> list[str] | None:
+        """What the kvindex is asked about: the prompt's own hashes (--prompt-hash-scheme),
+        else the chunk hashes the pods returned on the session's previous turn."""
+        scheme = self.settings.prompt_hash_scheme
+        own = prompt_chunk_hashes(turn.endpoint, turn.body, scheme, self.settings.chunk_size) \
+            if scheme is not None else None
+        return own or state.chunk_hashes
 
     async def _local_pod(self, turn: Turn, state: SessionState,
                          prefill_order: list[Candidate], decode_order: list[Candidate]
@@ -193,7 +202,8 @@ class Orchestrator:
                             ) -> JSONResponse:
         outcome = TurnOutcome()
         last_error = "no attempt made"
-        for prefill, decode in attempts:
+        failed: set[str] = set()
+        for prefill, decode in untried(attempts, failed):
             try:
                 if decode is None:
                     resp = await self._call(prefill, self._solo_stage(prefill), post_json,
@@ -205,6 +215,7 @@ class Orchestrator:
                                             self._decode_body(turn.body, params), turn)
             except UpstreamFailed as exc:
                 last_error = str(exc)
+                failed.add(exc.pod)
                 self._retrying(exc)
                 continue
             payload = resp.json() if resp.headers.get("content-type", "").startswith(
@@ -229,7 +240,8 @@ class Orchestrator:
     async def _run_streaming(self, turn: Turn, state: SessionState, attempts: list[Attempt]
                              ) -> JSONResponse | StreamingResponse:
         last_error = "no attempt made"
-        for prefill, decode in attempts:
+        failed: set[str] = set()
+        for prefill, decode in untried(attempts, failed):
             try:
                 if decode is None:
                     resp = await self._call(prefill, self._solo_stage(prefill), open_stream,
@@ -241,6 +253,7 @@ class Orchestrator:
                                             self._decode_body(turn.body, params), turn)
             except UpstreamFailed as exc:
                 last_error = str(exc)
+                failed.add(exc.pod)
                 self._retrying(exc)
                 continue
             if not resp.is_success:  # the worker rejected the request: pass its verdict on
@@ -295,10 +308,10 @@ class Orchestrator:
                   local_pod: Candidate | None = None) -> list[Attempt]:
         """(prefill, decode) pairs to try in order; decode pods rotate with the attempts. A
         turn run whole on its decode pod is ``(decode pod, None)``, tried first; the P/D pairs
-        follow it as fallbacks. The last resort, after the P/D pairs, is a decode pod (another
-        one than a local pod tried first) running the turn whole: a prefill pool that is down
-        (rolling, its only pod restarting) while the session's decode pod terminates costs
-        the turn its prefill speed-up, never the turn."""
+        follow it as fallbacks. The last resorts, after the P/D pairs, are the other decode
+        pods, each running the turn whole: a prefill pool that is down (rolling, its only pod
+        restarting) while decode pods terminate one by one costs the turn its prefill
+        speed-up, never the turn (a roll can leave the first of them a pod just removed)."""
         n = self.settings.max_attempts
         pairs: list[Attempt] = [(local_pod, None)] if local_pod is not None else []
         for i in range(min(n, max(len(prefill_order), len(decode_order) or 1))
@@ -307,10 +320,8 @@ class Orchestrator:
             decode = decode_order[i % len(decode_order)] if decode_order else None
             pairs.append((prefill, decode))
         pairs = pairs[:n]
-        last_resort = next((d for d in decode_order
-                            if local_pod is None or d.name != local_pod.name), None)
-        if last_resort is not None:
-            pairs.append((last_resort, None))
+        pairs += [(d, None) for d in decode_order
+                  if local_pod is None or d.name != local_pod.name]
         return pairs
 
     def _solo_stage(self, pod: Candidate) -> str:
@@ -468,6 +479,14 @@ class Orchestrator:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def untried(attempts: list[Attempt], failed: set[str]) -> Iterator[Attempt]:
+    """The attempts left once a pod has failed this turn: none of them asks that pod again
+    (``failed`` grows as the caller's attempts fail)."""
+    for prefill, decode in attempts:
+        if prefill.name not in failed and (decode is None or decode.name not in failed):
+            yield prefill, decode
 
 
 def _json_or_error(content: bytes) -> dict[str, Any]:

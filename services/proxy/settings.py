@@ -7,6 +7,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from agentserving.core.hashing import HashScheme
+
 
 class RoutingName(StrEnum):
     KV_AWARE = "kv-aware"
@@ -31,6 +33,9 @@ class ProxySettings(BaseModel):
         default=2048, ge=0,
         description="Tokens of cached prefix one in-flight request on a pod is worth giving up.")
     chunk_size: int = Field(default=256, gt=0)
+    prompt_hash_scheme: HashScheme | None = Field(
+        default=None, description="Hash token-id prompts with this scheme for the kvindex "
+        "lookup (None: the chunk hashes the pods returned on the session's last turn).")
     local_prefill_tokens: int = Field(
         default=2048, ge=0,
         description="Skip the prefill pod when the session's decode pod would compute at most "

@@ -205,12 +205,30 @@ def test_kvindex_store_choices(settings):
     ({"engine": {"type": "vllm-ascend"}}, "spec.prefill.accelerator.type"),
     ({"engine": {"type": "vllm"}, "decode": {"accelerator": {"type": "ascend"}}},
      "spec.decode.accelerator.type"),
+    ({"engine": {"type": "vllm"}, "prefill": {"schedulerPolicy": "shadow"}},
+     "spec.prefill.schedulerPolicy"),
+    ({"engine": {"type": "vllm-ascend"}, "prefill": {"schedulerPolicy": "longcap-dynamic",
+                                                      "accelerator": {"type": "ascend"}}},
+     "spec.prefill.schedulerPolicy"),
 ])
 def test_unservable_specs_name_the_field(settings, spec, field):
     with pytest.raises(SpecError) as e:
         build_children(make_instance({"model": {"name": "tiny"}, **spec}), settings)
     assert e.value.field_path == field
     assert str(e.value).startswith(field)
+
+
+def test_a_vllm_prefill_pool_runs_its_policy_inside_vllms_scheduler(settings):
+    spec = {"model": {"name": "tiny"}, "engine": {"type": "vllm"},
+            "prefill": {"schedulerPolicy": "longcap-dynamic"}}
+    children = by_key(build_children(make_instance(spec), settings))
+    serve = {role: vllm_serve_of(children[("StatefulSet", f"demo-{role}")]["spec"]["template"]
+                                 ["spec"]["containers"][0]) for role in ("prefill", "decode")}
+    prefill, decode = serve["prefill"], serve["decode"]
+    at = prefill["argv"].index("--scheduler-cls")
+    assert prefill["argv"][at + 1] == "agentserving.prefill.vllm_plugin.PolicyScheduler"
+    assert prefill["env"]["AGENTSERVING_PREFILL_POLICY"] == "longcap-dynamic"
+    assert "--scheduler-cls" not in decode["argv"]  # the decode pool keeps vLLM's fcfs
 
 
 def test_changing_one_pools_replicas_changes_only_that_pool(settings):

@@ -77,7 +77,7 @@ def test_every_agentserving_container_parses_with_the_real_cli(path):
     assert {s.chunk_size for sub, s in parsed.values() if sub in ("worker", "proxy")} == {chunk}
 
 
-# vLLM pods run vLLM's own scheduler (the operator refuses any other schedulerPolicy there)
+# Reference pods run the pool's policy under the ShadowScheduler (vLLM pods: test_builders)
 REFERENCE_EXAMPLES = [p for p in EXAMPLES
                       if yaml.safe_load(p.read_text())["spec"]["engine"]["type"] == "reference"]
 

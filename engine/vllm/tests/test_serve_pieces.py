@@ -68,8 +68,33 @@ def test_the_connector_reads_what_the_command_writes() -> None:
     assert s.hash_scheme is HashScheme.LMCACHE_BUILTIN
 
 
+def test_plain_vllm_has_no_connector_and_sized_device_kv() -> None:
+    cmd = _build(vllm_kv_connector="none", kv_cache_blocks=64, pod_name="p2",
+                 kv_events_endpoint="tcp://127.0.0.1:5557")
+    assert "--kv-transfer-config" not in cmd.argv and "--middleware" not in cmd.argv
+    assert not any(k.startswith("LMCACHE_") for k in cmd.env)
+    assert "AGENTSERVING_VLLM_MEMORY_URL" not in cmd.env
+    assert _flag(cmd.argv, "--num-gpu-blocks-override") == "64"
+    events = json.loads(_flag(cmd.argv, "--kv-events-config"))
+    assert events == {"enable_kv_cache_events": True, "publisher": "zmq",
+                      "endpoint": "tcp://127.0.0.1:5557", "topic": "p2"}
+    assert "--scheduler-cls" not in cmd.argv  # fcfs: vLLM's own scheduler
+
+
+def test_a_prefill_policy_runs_inside_vllms_scheduler() -> None:
+    cmd = _build(scheduler_policy="longcap-dynamic?long_cap=0.5", chunk_align=128)
+    assert _flag(cmd.argv, "--scheduler-cls") == serve_command.SCHEDULER_CLS
+    assert cmd.env[serve_command.POLICY_ENV] == "longcap-dynamic?long_cap=0.5&chunk_align=128"
+    from agentserving.prefill import vllm_plugin
+
+    assert serve_command.POLICY_ENV == vllm_plugin.POLICY_ENV
+    assert serve_command.SCHEDULER_CLS == (f"{vllm_plugin.__name__}.PolicyScheduler")
+
+
 @pytest.mark.parametrize("kwargs, flag", [
-    ({"scheduler_policy": "longcap-dynamic"}, "--scheduler-policy"),
+    ({"scheduler_policy": "shadow"}, "--scheduler-policy"),
+    ({"chunk_align": 128}, "--chunk-align"),
+    ({"vllm_kv_connector": "none", "kv_transfer_url": "lm://x:1"}, "--kv-transfer-url"),
     ({"engine_processes": 2}, "--engine-processes"),
     ({"hash_scheme": "blake3"}, "--hash-scheme"),
     ({"kv_block_size": 48, "chunk_size": 96, "prefill_chunk_tokens": 96}, "--kv-block-size"),

@@ -143,3 +143,50 @@ def test_vllms_real_scheduler_schedules_what_the_policy_decides(tmp_path):
     # turn that arrived last ran in the first step
     first = steps[0]["vllm"]
     assert first["long"] < 8192 and first["d"] == 40
+
+
+def test_a_waiting_requests_cached_prefix_comes_from_the_schedulers_lookup():
+    append = FakeRequest("append", 1.0, num_prompt_tokens=5000)  # 4,864 of them cached
+    first = FakeRequest("first", 0.5, num_prompt_tokens=5000)  # nothing cached
+    running = FakeRequest("run", 0.1, num_prompt_tokens=900, num_computed_tokens=300)
+    cached = {"append": 4864}
+    wait, run = vllm_plugin.views_from_vllm([append, first], [running],
+                                            lambda r: cached.get(r.request_id, 0))
+    assert [(v.req_id, v.computed) for v in wait] == [("append", 4864), ("first", 0)]
+    assert run[0].computed == 300  # a running request's progress is vLLM's own
+    assert [v.computed for v in vllm_plugin.views_from_vllm([append], [])[0]] == [0]
+    # what it changes: the append is a short one, finished in this step beside the long
+    # first turn; seen as 5,000 uncached tokens it would be a second long, left waiting
+    policy = LongcapDynamic(step_tokens=2048, short_tokens=1024)
+
+    def step(views):
+        return dict(policy.decide(SchedState(views, (), max_running=8,
+                                             kv_capacity_tokens=1 << 20, block_size=16)).prefill)
+    assert step(wait) == {"first": 1912, "append": 136}
+    assert "append" not in step(vllm_plugin.views_from_vllm([first, append], [])[0])
+
+
+def test_the_policy_plans_vllms_step_budget_unless_told_otherwise(monkeypatch):
+    monkeypatch.setenv(vllm_plugin.POLICY_ENV, "longcap-dynamic")
+    assert vllm_plugin.policy_from_env("x", step_tokens=2048).step_tokens == 2048
+    monkeypatch.setenv(vllm_plugin.POLICY_ENV, "longcap-dynamic?step_tokens=4096")
+    assert vllm_plugin.policy_from_env("x", step_tokens=2048).step_tokens == 4096
+    monkeypatch.setenv(vllm_plugin.POLICY_ENV, "fcfs-chunk?chunk_tokens=512")
+    assert vllm_plugin.policy_from_env("x", step_tokens=2048).chunk_tokens == 512
+
+
+def test_the_subclass_asks_vllms_prefix_cache_and_survives_its_absence():
+    cls = vllm_plugin.make_scheduler_cls(StandIn)
+    sched = cls(budget=2048)
+    req = FakeRequest("r", 0.0, 5000)
+    assert sched._cached_tokens(req) == 0  # the stand-in has no kv_cache_manager
+    calls = []
+
+    class Coordinator:
+        def find_longest_cache_hit(self, hashes, max_length):
+            calls.append((hashes, max_length))
+            return ((), 4864, 0)
+
+    sched.kv_cache_manager = type("M", (), {"coordinator": Coordinator()})()
+    req.block_hashes, req.num_tokens = ["h0", "h1"], 5000
+    assert sched._cached_tokens(req) == 4864 and calls == [(["h0", "h1"], 4999)]

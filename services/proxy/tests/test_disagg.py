@@ -19,9 +19,9 @@ from agentserving.proxy.disagg import (
     prompt_size,
 )
 from agentserving.proxy.metrics import ProxyMetrics
-from agentserving.proxy.orchestrator import Orchestrator, Turn
+from agentserving.proxy.orchestrator import Orchestrator, Turn, untried
 from agentserving.proxy.pods import PodPool
-from agentserving.proxy.routing import make_policy
+from agentserving.proxy.routing import Candidate, make_policy
 from agentserving.proxy.sessions import SessionState
 from agentserving.proxy.settings import ProxySettings
 
@@ -102,6 +102,7 @@ def test_a_short_append_runs_first_on_the_sessions_decode_pod(pod):
     assert pairs[1][0] == "http://p0" and pairs[1][1] is not None  # P/D is the fallback
     other = {"http://d0": "http://d1", "http://d1": "http://d0"}[pod]
     assert pairs[-1] == (other, None)  # the last resort: another decode pod, the turn whole
+    assert (pod, None) not in pairs[1:]  # the pod tried first is not a last resort again
     assert len(pairs) <= ProxySettings().max_attempts + 1
 
 
@@ -114,9 +115,20 @@ def test_long_appends_first_turns_and_disabled_threshold_disaggregate():
     gone = attempts_for(SessionState(last_decode_pod="http://d9", prompt_tokens=3000), 3100)
     for pairs in (long_append, first_turn, disabled, gone):
         assert pairs[0][0] == "http://p0" and pairs[0][1] is not None
-        # after every P/D pair, the last resort: a decode pod computes the whole turn
-        assert pairs[-1][0].startswith("http://d") and pairs[-1][1] is None
-        assert len(pairs) <= ProxySettings().max_attempts + 1
+        # after every P/D pair, the last resorts: every decode pod computes the whole turn
+        assert pairs[-2:] == [("http://d0", None), ("http://d1", None)]
+        assert len(pairs) <= ProxySettings().max_attempts + 2
+
+
+def test_a_pod_that_failed_this_turn_is_not_asked_again():
+    p0, d0, d1 = (Candidate(name=n, url=n) for n in ("p0", "d0", "d1"))
+    attempts = [(d0, None), (p0, d0), (p0, d1), (d0, None), (d1, None)]
+    failed: set[str] = set()
+    tried = []
+    for pair in untried(attempts, failed):
+        tried.append(pair)
+        failed.add({0: "d0", 1: "p0"}.get(len(tried) - 1, "none"))  # d0 fails, then p0
+    assert tried == [(d0, None), (p0, d1), (d1, None)]
 
 
 def test_a_saturated_prefill_pool_sends_turns_to_a_decode_pod():

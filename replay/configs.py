@@ -1,0 +1,168 @@
+"""The configurations `agentserving bench` compares: what each one deploys, on which engine.
+
+Pure: a ``BenchConfig`` names a system users run (or agentserving, or agentserving with one
+part taken out) and ``fleet_spec`` turns it, with the run's sizes, into the ``FleetSpec`` of a
+local fleet. Every configuration of one engine gets the same worker count, model and device KV.
+
+On vLLM (the default engine, what users deploy):
+
+- ``vllm-rr``: independent vLLM pods with their automatic prefix cache, round-robin
+  (production-stack's default router);
+- ``vllm-session``: the same pods behind session affinity (a sticky-session router);
+- ``vllm-precise``: the same pods behind precise prefix-cache routing driven by their own KV
+  events (the strongest router users deploy today: llm-d's precise scorer);
+- ``agentserving``: vLLM + LMCache tiers (CPU DRAM, local disk), kvindex routing, P/D with
+  conditional disaggregation, seed 003's Longcap-FCFS + Dynamic Chunk inside vLLM's
+  scheduler on the prefill pods;
+- ``agentserving-fcfs``: the same without the scheduler (vLLM's own FCFS on the prefill pod).
+
+On the reference engine (the quick run): ``baseline`` (round-robin workers with no cross-turn
+reuse at all), ``baseline-apc`` (round-robin workers reusing only their own prefix cache) and
+``agentserving``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentserving.core.hashing import HashScheme
+from agentserving.engine.scheduler.policy import DECODE_POD_CHUNK_TOKENS, DECODE_POD_POLICY
+
+# Decode pods prefill the short appends the proxy keeps off the prefill pod (conditional
+# disaggregation): small chunks, each followed by decode-only steps, so the turns decoding beside
+# them keep their pace (measured: docs/replay.md). The reference engine's scheduler only.
+DECODE_POD_ARGS = ["--prefill-chunk-tokens", str(DECODE_POD_CHUNK_TOKENS),
+                   "--scheduler-policy", DECODE_POD_POLICY]
+# agentserving's prefill-pod scheduling policy on each engine (measured: docs/replay.md)
+PREFILL_POLICY = {"reference": "fcfs", "vllm": "longcap-dynamic"}
+VLLM_STEP_TOKENS = 2048  # tokens per vLLM step (--max-num-batched-tokens) on every vLLM pod
+VLLM_BLOCK_TOKENS = 128  # vLLM-CPU's KV block
+# Device KV per vLLM pod: 64 blocks = 8,192 tokens (8,064 usable), room for bench-agent's
+# longest turn (7.2k tokens with its output) but under a third of a pod's share of its 14
+# sessions' contexts with session affinity: the working set does not fit, as in seed 003
+# (with 128 blocks vllm-session still reached 94 % of the ideal hit; with 64, 75 %).
+DEVICE_KV_BLOCKS = 64
+# agentserving's proxy on vLLM: a first turn that finds the prefill pod busy runs whole on the
+# least-loaded decode pod (E2E P95 4.6 s -> 3.1 s on bench-agent, req/s 2.51 -> 2.76, hit
+# unchanged; measured December 2026 with 128 device blocks)
+VLLM_PROXY_ARGS = ["--max-prefill-backlog", "1"]
+# The first configuration of each engine is the one the others' ratios are taken against.
+DEFAULT_CONFIGS = {"reference": ("baseline", "agentserving"),
+                   "vllm": ("vllm-rr", "vllm-session", "vllm-precise", "agentserving",
+                            "agentserving-fcfs")}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    name: str
+    engines: tuple[str, ...]
+    description: str
+    routing: str
+    disaggregated: bool = False  # prefill + decode pools (else N workers that do both)
+    tiers: bool = True  # LMCache CPU DRAM (+ disk) tiers, kvindex residency
+    own_prefix_cache_only: bool = False  # reference engine: a CPU tier, but no disk, no P/D
+    prefill_policy: str | None = None  # None: the engine's PREFILL_POLICY; "fcfs": stock
+    precise: bool = False  # vLLM KV events -> kvindex; the proxy hashes prompts vLLM's way
+
+
+CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
+    BenchConfig("vllm-rr", ("vllm",), "independent vLLM pods, their automatic prefix cache, "
+                "round-robin (production-stack's default)", routing="round-robin", tiers=False),
+    BenchConfig("vllm-session", ("vllm",), "independent vLLM pods, their automatic prefix "
+                "cache, session-affinity routing (a sticky-session router)", routing="session",
+                tiers=False),
+    BenchConfig("vllm-precise", ("vllm",), "independent vLLM pods, their automatic prefix "
+                "cache, precise prefix-cache routing by their own KV events (llm-d's precise "
+                "scorer: the kvindex ingests the events, the proxy hashes prompts vLLM's way)",
+                routing="kv-aware", tiers=False, precise=True),
+    BenchConfig("baseline", ("reference",), "independent workers, round-robin, a CPU tier "
+                "too small for one chunk: no cross-turn KV reuse, no P/D",
+                routing="round-robin"),
+    BenchConfig("baseline-apc", ("reference",), "independent workers, round-robin, each "
+                "reusing only what it computed itself (like vLLM's APC)", routing="round-robin",
+                own_prefix_cache_only=True),
+    BenchConfig("agentserving", ("reference", "vllm"), "LMCache CPU + disk tiers, kvindex "
+                "routing, P/D with conditional disaggregation, seed 003's prefill scheduling",
+                routing="kv-aware", disaggregated=True),
+    BenchConfig("agentserving-fcfs", ("reference", "vllm"), "agentserving without its prefill "
+                "scheduler (the engine's own FCFS on the prefill pods)", routing="kv-aware",
+                disaggregated=True, prefill_policy="fcfs"),
+)}
+
+
+def resolve(names: str, engine: str) -> list[BenchConfig]:
+    """``--configs`` (comma-separated, or empty for the engine's defaults) -> configs; an
+    unknown name or one the engine cannot run is a ``ValueError`` naming it."""
+    wanted = [n.strip() for n in names.split(",") if n.strip()] or list(DEFAULT_CONFIGS[engine])
+    out = []
+    for name in wanted:
+        config = CONFIGS.get(name)
+        if config is None:
+            raise ValueError(f"unknown configuration {name!r}; known: {sorted(CONFIGS)}")
+        if engine not in config.engines:
+            raise ValueError(f"configuration {name!r} runs on {'/'.join(config.engines)}, "
+                             f"not --engine {engine}")
+        out.append(config)
+    return out
+
+
+@dataclass
+class FleetSizes:
+    """What every configuration of one run shares."""
+    engine: str = "vllm"
+    prefill: int = 1
+    decode: int = 2
+    model: str = "tiny"
+    cpu_cache_gib: float = 2.0
+    disk_cache_gib: float = 4.0
+    device_kv_blocks: int | None = None  # vLLM: device KV per pod, in blocks
+    worker_args: list[str] = field(default_factory=list)
+    worker_env: dict[str, str] = field(default_factory=dict)
+    proxy_args: list[str] = field(default_factory=list)  # agentserving's proxy only
+    prefill_policy: str | None = None  # agentserving's prefill pods (None: PREFILL_POLICY)
+    startup_timeout_s: float = 180.0
+    worker_command: list[str] | None = None
+
+
+def fleet_spec(config: BenchConfig, sizes: FleetSizes) -> Any:
+    from agentserving.replay.fleet.topology import FleetSpec
+
+    engine = sizes.engine
+    worker_args = list(sizes.worker_args)
+    if engine == "vllm":
+        # vLLM's own chunked-prefill budget for online serving, the same for every config
+        worker_args += ["--enforce-eager", "--prefill-chunk-tokens", str(VLLM_STEP_TOKENS),
+                        "--kv-block-size", str(VLLM_BLOCK_TOKENS)]
+        if sizes.device_kv_blocks:  # a context vLLM cannot hold is refused, not queued forever
+            tokens = (sizes.device_kv_blocks - 1) * VLLM_BLOCK_TOKENS  # vLLM keeps a null block
+            worker_args += ["--kv-cache-blocks", str(sizes.device_kv_blocks),
+                            "--max-model-len", str(tokens)]
+        if not config.tiers:
+            worker_args += ["--vllm-kv-connector", "none"]
+    common: dict[str, Any] = dict(model=sizes.model, worker_args=worker_args,
+                                  worker_env=dict(sizes.worker_env), engine=engine,
+                                  startup_timeout_s=sizes.startup_timeout_s,
+                                  worker_command=sizes.worker_command, routing=config.routing)
+    workers = sizes.prefill + sizes.decode
+    if not config.disaggregated:
+        if config.precise:  # routed by vLLM's own block hashes, in vLLM's block size
+            return FleetSpec(prefill=0, decode=0, both=workers, kv_events=True,
+                             chunk_size=VLLM_BLOCK_TOKENS, cpu_cache_gib=sizes.cpu_cache_gib,
+                             disk_cache_gib=0.0, proxy_args=[
+                                 "--prompt-hash-scheme", HashScheme.VLLM_SHA256.value], **common)
+        if not config.tiers or config.own_prefix_cache_only:
+            # vLLM: its device prefix cache alone; reference: a CPU tier, nothing else
+            return FleetSpec(prefill=0, decode=0, both=workers, cpu_cache_gib=sizes.cpu_cache_gib,
+                             disk_cache_gib=0.0, **common)
+        # 1 MiB of CPU tier holds no 256-token chunk of even the tiny model: no reuse.
+        return FleetSpec(prefill=0, decode=0, both=workers, cpu_cache_gib=0.001,
+                         disk_cache_gib=0.0, **common)
+    policy = config.prefill_policy or sizes.prefill_policy or PREFILL_POLICY[engine]
+    role_args = {"prefill": ["--scheduler-policy", policy]}
+    if engine == "reference":
+        role_args["decode"] = list(DECODE_POD_ARGS)
+    proxy_args = [*(VLLM_PROXY_ARGS if engine == "vllm" else []), *sizes.proxy_args]
+    return FleetSpec(prefill=sizes.prefill, decode=sizes.decode,
+                     cpu_cache_gib=sizes.cpu_cache_gib, disk_cache_gib=sizes.disk_cache_gib,
+                     role_args=role_args, proxy_args=proxy_args, **common)

@@ -40,6 +40,11 @@ class HashScheme(StrEnum):
     VLLM_SHA256 = "vllm-sha256"
 
 
+# The schemes of KV chunks that pods store and hand over (LMCache's, in chunks of chunk_size
+# tokens): what a worker, and a deployment's kvCache.hashScheme, may name. VLLM_SHA256 names
+# vLLM's own device blocks, which only the proxy and the kvindex see.
+CHUNK_HASH_SCHEMES = (HashScheme.BLAKE3, HashScheme.LMCACHE_BUILTIN, HashScheme.LMCACHE_ASCEND)
+
 # The chunk-hash scheme each engine computes natively (LMCache inside vLLM chains Python's
 # hash(), LMCache-Ascend its 2-tuple variant): the default wherever an engine is named.
 ENGINE_HASH_SCHEMES: dict[str, HashScheme] = {

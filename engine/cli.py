@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import click
 
 from agentserving.core.cli import option
-from agentserving.core.hashing import DEFAULT_CHUNK_SIZE, HashScheme
+from agentserving.core.hashing import CHUNK_HASH_SCHEMES, DEFAULT_CHUNK_SIZE
 from agentserving.core.schemas import PodRole
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ if TYPE_CHECKING:
         "runs (off: all layers before it).")
 @option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE,
         help="Tokens per KV chunk: the unit of storage, hashing and reuse.")
-@option("--hash-scheme", type=click.Choice([s.value for s in HashScheme]), default=None,
+@option("--hash-scheme", type=click.Choice([s.value for s in CHUNK_HASH_SCHEMES]), default=None,
         help="Chunk hash chain (see DESIGN.md, chunk_hash); must match the proxy/kvindex. "
         "Default: blake3 (reference engine), lmcache-builtin (vLLM).")
 @option("--engine-processes", type=click.IntRange(1, 32), default=1,

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agentserving.core.hashing import ENGINE_HASH_SCHEMES, HashScheme
+from agentserving.core.hashing import CHUNK_HASH_SCHEMES, ENGINE_HASH_SCHEMES, HashScheme
 from agentserving.core.schemas import PodRole
 
 GIB = 1024**3
@@ -109,6 +109,10 @@ class WorkerSettings(BaseModel):
     def _check(self) -> WorkerSettings:
         if self.hash_scheme is None:
             self.hash_scheme = ENGINE_HASH_SCHEMES[self.engine]
+        if self.hash_scheme not in CHUNK_HASH_SCHEMES:
+            raise ValueError(f"hash_scheme {self.hash_scheme.value} names vLLM's device blocks, "
+                             "not KV chunks a worker stores: use one of "
+                             f"{[s.value for s in CHUNK_HASH_SCHEMES]}")
         if self.prefill_chunk_tokens % self.chunk_size:
             raise ValueError(
                 f"prefill_chunk_tokens ({self.prefill_chunk_tokens}) must be a multiple of "

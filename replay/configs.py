@@ -83,7 +83,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 "reusing only what it computed itself (like vLLM's APC)", routing="round-robin",
                 own_prefix_cache_only=True),
     BenchConfig("agentserving", ("reference", "vllm"), "LMCache CPU + disk tiers, kvindex "
-                "routing, P/D with conditional disaggregation, seed 003's prefill scheduling",
+                "routing, P/D with conditional disaggregation, (on vLLM) seed 003's prefill "
+                "scheduling in vLLM's scheduler",
                 routing="kv-aware", disaggregated=True),
     BenchConfig("agentserving-fcfs", ("reference", "vllm"), "agentserving without its prefill "
                 "scheduler (the engine's own FCFS on the prefill pods)", routing="kv-aware",

@@ -58,9 +58,10 @@ def test_enums_match_the_contracts():
     assert props["engine"]["properties"]["type"]["enum"] == ["reference", "vllm", "vllm-ascend"]
     assert props["proxy"]["properties"]["routing"]["enum"] == ["kv-aware", "session",
                                                                "round-robin"]
-    from agentserving.core.hashing import HashScheme
+    from agentserving.core.hashing import CHUNK_HASH_SCHEMES
 
-    assert props["kvCache"]["properties"]["hashScheme"]["enum"] == [s.value for s in HashScheme]
+    assert props["kvCache"]["properties"]["hashScheme"]["enum"] == [
+        s.value for s in CHUNK_HASH_SCHEMES]
     assert props["decode"]["properties"]["accelerator"]["properties"]["type"]["enum"] == [
         "cpu", "nvidia", "ascend"]
 

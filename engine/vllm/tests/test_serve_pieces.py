@@ -117,6 +117,8 @@ def test_hash_scheme_default_follows_the_engine() -> None:
     assert WorkerSettings(engine="vllm").hash_scheme is HashScheme.LMCACHE_BUILTIN
     assert WorkerSettings(engine="vllm", hash_scheme="lmcache-ascend").hash_scheme is \
         HashScheme.LMCACHE_ASCEND
+    with pytest.raises(ValueError, match="vllm-sha256 names vLLM's device blocks"):
+        WorkerSettings(hash_scheme="vllm-sha256")  # the proxy's lookup scheme, not a chunk's
 
 
 def test_tiny_maps_to_the_seeded_model_folder() -> None:

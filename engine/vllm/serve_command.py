@@ -187,7 +187,8 @@ def build(settings: WorkerSettings, environ: dict[str, str] | None = None) -> Se
             "enable_kv_cache_events": True, "publisher": "zmq",
             "endpoint": settings.kv_events_endpoint, "topic": settings.pod_name})]
     policy = settings.scheduler_policy
-    if policy.partition("?")[0] != "fcfs":
+    in_vllm_scheduler = policy.partition("?")[0] != "fcfs"  # fcfs: vLLM's own, unchanged
+    if in_vllm_scheduler:
         argv += ["--scheduler-cls", SCHEDULER_CLS]
     if settings.model == "tiny":
         argv += ["--dtype", "float32"]  # the reference model is fp32 (as on the other engine)
@@ -207,7 +208,7 @@ def build(settings: WorkerSettings, environ: dict[str, str] | None = None) -> Se
         "VLLM_LOGGING_LEVEL": settings.log_level.upper(),
         "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache, used to prove a tier restore
     }
-    if policy.partition("?")[0] != "fcfs":
+    if in_vllm_scheduler:
         env[POLICY_ENV] = policy
     if not plain:
         env["AGENTSERVING_VLLM_MEMORY_URL"] = f"http://127.0.0.1:{settings.memory_port_start}"

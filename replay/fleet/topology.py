@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentserving.core.hashing import ENGINE_HASH_SCHEMES
+from agentserving.core.hashing import ENGINE_HASH_SCHEMES, HashScheme
 from agentserving.core.ports import bindable, pickable_ports
 from agentserving.replay.fleet.process import ProcessSpec
 
@@ -105,17 +105,18 @@ def kv_events_dir(run_dir: Path) -> Path:
     return Path(tempfile.gettempdir()) / f"agentserving-kv-events-{digest}"
 
 
-def _worker_names(spec: FleetSpec) -> list[str]:
-    return ([f"prefill-{k}" for k in range(spec.prefill)]
-            + [f"decode-{k}" for k in range(spec.decode)]
-            + [f"worker-{k}" for k in range(spec.both)])
+def _workers(spec: FleetSpec) -> list[tuple[str, str]]:
+    """(role, name) of every worker, in start order. With decode workers, the prefill pool
+    only prefills; without, it does both."""
+    return ([("prefill" if spec.decode else "both", f"prefill-{k}")
+             for k in range(spec.prefill)]
+            + [("decode", f"decode-{k}") for k in range(spec.decode)]
+            + [("both", f"worker-{k}") for k in range(spec.both)])
 
 
 def _registrar(spec: FleetSpec, name: str, role: str, url: str, kv_url: str) -> ProcessSpec:
     """Keeps a plain vLLM worker registered with the kvindex (it has no connector to do it),
     under vLLM's own block hashes: its residency is its KV event stream."""
-    from agentserving.core.hashing import HashScheme
-
     return ProcessSpec(
         name=f"{name}-registrar", role="registrar", env=dict(spec.env), startup_timeout_s=30.0,
         argv=[sys.executable, "-m", "agentserving.engine.vllm.registrar", "--kvindex", kv_url,
@@ -133,9 +134,9 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
     out: list[ProcessSpec] = []
     kv_port = ports.one()
     kv_url = f"http://{LOOPBACK}:{kv_port}"
-    names = _worker_names(spec)
+    workers = _workers(spec)
     events = {name: f"ipc://{kv_events_dir(run_dir) / name}.sock"
-              for name in names} if spec.kv_events else {}
+              for _, name in workers} if spec.kv_events else {}
     out.append(ProcessSpec(
         name="kvindex", role="kvindex", url=kv_url, env=dict(spec.env),
         argv=[*cmd, "kvindex", "--host", LOOPBACK, "--port", str(kv_port),
@@ -153,16 +154,9 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
             name="kvserver", role="kvserver", env=dict(spec.env), startup_timeout_s=60.0,
             argv=lmcache_server_argv(LOOPBACK, server_port)))
         engine_args += ["--kv-transfer-url", f"lm://{LOOPBACK}:{server_port}"]
-    # With decode workers, the prefill pool only prefills; without, it does both.
-    roles = ([("prefill" if spec.decode else "both", "prefill")] * spec.prefill
-             + [("decode", "decode")] * spec.decode + [("both", "worker")] * spec.both)
-    counters: dict[str, int] = {}
     prefill_urls: list[str] = []
     decode_urls: list[str] = []
-    for role, prefix in roles:
-        k = counters.get(prefix, 0)
-        counters[prefix] = k + 1
-        name = f"{prefix}-{k}"
+    for role, name in workers:
         port = ports.one()
         mem = ports.run(4)  # scheduler + engine processes (memory API, seed 000)
         url = f"http://{LOOPBACK}:{port}"

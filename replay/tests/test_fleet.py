@@ -270,3 +270,13 @@ def test_kv_events_give_every_worker_a_stream_the_kvindex_reads_and_a_registrar(
     assert len(set(sockets)) == 2  # one per worker
     plain = build(FleetSpec(engine="vllm", prefill=0, decode=0, both=2), tmp_path)
     assert not any(p.role == "registrar" or "--vllm-events" in p.argv for p in plain)
+
+
+def test_fleet_ports_lie_below_the_ephemeral_range():
+    from agentserving.core.ports import ephemeral_range
+
+    low, _ = ephemeral_range()
+    alloc = PortAllocator(seed=3)
+    ports = [alloc.one() for _ in range(50)] + [alloc.run(4) + 3 for _ in range(10)]
+    assert all(10000 <= p < low for p in ports)  # a client socket never takes them
+    assert len(set(ports)) == len(ports)

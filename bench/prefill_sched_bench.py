@@ -44,7 +44,13 @@ from agentserving.prefill.policies import (
     SchedState,
     advance,
 )
-from agentserving.prefill.shadow import ShadowScheduler, StepTimeModel
+from agentserving.prefill.shadow import (
+    SEED_003_N1,
+    PrefetchScore,
+    ShadowScheduler,
+    StepTimeModel,
+    WindowScore,
+)
 from bench.common import write_result
 
 CHUNK = 256
@@ -336,8 +342,7 @@ def replay(policy: Any, trace: list[Turn], model: StepTimeModel, kv: dict[str, f
     horizon: dict[int, list[int]] = {}                # offset -> [exact, predictions]
     made_at: dict[int, float] = {}
     eta_err: list[float] = []
-    conf = {"tp": 0, "fp": 0, "fn": 0, "tn": 0, "fn_new_arrivals": 0}
-    pf_chunks = pf_used = pf_alive = pf_landed = 0
+    conf, pf_score = WindowScore(), PrefetchScore()
     prefetched: dict[str, tuple[str, ...]] = {}
     admitted_at: dict[str, float] = {}
     while len(done) < len(trace):
@@ -355,12 +360,7 @@ def replay(policy: Any, trace: list[Turn], model: StepTimeModel, kv: dict[str, f
             res = shadow.step(s)
             d = res.decision
             if pending_pred is not None:  # score the last step's N+1 prediction
-                pred, waiting_then = pending_pred
-                actual = set(d.admit)
-                for rid in waiting_then:
-                    p, a = rid in pred, rid in actual
-                    conf["tp" if p and a else "fp" if p else "fn" if a else "tn"] += 1
-                conf["fn_new_arrivals"] += len(actual - set(waiting_then))
+                conf.add(*pending_pred, set(d.admit))
             pending_pred = (res.window,
                             [w.req_id for w in s.waiting])
             step_no = len(forward)
@@ -382,7 +382,7 @@ def replay(policy: Any, trace: list[Turn], model: StepTimeModel, kv: dict[str, f
                     pins[rid] = hashes
                 tiers.prefetch(hashes, now, pin=env.pin_prefetch)
                 prefetched[rid] = hashes
-                pf_chunks += len(hashes)
+                pf_score.chunks += len(hashes)
         else:
             d = policy.decide(s)
         fwd = model.predict_step(d, s) + env.per_seq_s * len(d.prefill)
@@ -406,10 +406,8 @@ def replay(policy: Any, trace: list[Turn], model: StepTimeModel, kv: dict[str, f
                         waited = True
                         load = max(load, land - now)
                 load += kv["cpu"] if hit or waited else kv["disk"]
-                if h in pf:
-                    pf_used += hit or waited    # the prefetch saved a disk read
-                    pf_landed += landed
-                    pf_alive += landed and hit  # landed, and not evicted since
+                if h in pf:  # used: the prefetch saved a disk read; alive: landed, not evicted
+                    pf_score.add(0, used=hit or waited, landed=landed, alive=landed and hit)
                 tiers.put(h)
             if rid in pins:  # restored: the pins' job is done
                 tiers.unpin(pins.pop(rid))
@@ -450,11 +448,8 @@ def replay(policy: Any, trace: list[Turn], model: StepTimeModel, kv: dict[str, f
         out["turn_latency_s"] = dict(done)
         out["turn_wait_s"] = {rid: admitted_at[rid] - arrival[rid] for rid in done}
     if shadow is not None:
-        tp, fp, fn, tn = conf["tp"], conf["fp"], conf["fn"], conf["tn"]
         out["n_plus_1_prediction"] = {
-            **conf, "accuracy": (tp + tn) / max(1, tp + fp + fn + tn),
-            "precision": tp / max(1, tp + fp), "recall": tp / max(1, tp + fn),
-            "recall_incl_new_arrivals": tp / max(1, tp + fn + conf["fn_new_arrivals"]),
+            **conf.as_dict(),
             # every N+k prediction (k = 1..lookahead): admitted at exactly step N+k?
             "exact_step_by_offset": {k: v[0] / v[1] for k, v in sorted(horizon.items())},
             "predictions_by_offset": {k: v[1] for k, v in sorted(horizon.items())},
@@ -467,9 +462,7 @@ def replay(policy: Any, trace: list[Turn], model: StepTimeModel, kv: dict[str, f
         # (lost when evicted first, or still in flight: then read from disk again);
         # survival: of the prefetched chunks that had landed by admission, those still in
         # DRAM (lost only to eviction)
-        out["prefetch"] = {"chunks": pf_chunks, "used": pf_used, "landed": pf_landed,
-                           "consumption_precision": pf_used / max(1, pf_chunks),
-                           "survival": pf_alive / max(1, pf_landed)}
+        out["prefetch"] = pf_score.as_dict()
     return out
 
 
@@ -620,8 +613,9 @@ def main(argv: list[str] | None = None) -> int:
         "ratios_vs_fcfs_nochunk": {k: ratios(b, v["latency_s"]) for k, v in results.items()
                                    if k != "fcfs-nochunk"},
         "seed_003": {"p50_speedup": 12.5, "p85_speedup": 11.1, "p95_ratio": 116.6 / 92.9,
-                     "n1_accuracy": 0.9588, "n1_precision": 0.9124, "n1_recall": 0.9307,
-                     "prefetch_consumption": 0.9919, "prefetch_survival": 0.9950},
+                     **{f"n1_{k}": SEED_003_N1[k] for k in ("accuracy", "precision", "recall")},
+                     "prefetch_consumption": SEED_003_N1["consumption_precision"],
+                     "prefetch_survival": SEED_003_N1["survival"]},
     }
     out["planner_speed"] = planner_speed(trace[: min(len(trace), 600)], model, kv, env,
                                          args.seed, args.split_tail, longcap)

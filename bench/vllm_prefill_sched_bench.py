@@ -17,6 +17,16 @@ The same seeded trace for both, the way a prefill pod sees agent traffic:
 It reports each kind's P50/P85/P95/P99 per policy and the ratios (fcfs / longcap: above 1 is
 longcap faster), with the targets of issue 17 (short P50 and P85 at least 5x better, short P95
 no worse). Ratios within one run; absolute times depend on the machine's load.
+
+The prefetch study (``--prefetch``, on by default; ``--no-prefetch`` skips it): the same trace
+on a pod with AgentServing's LMCache connector whose tiers cannot keep the contexts close —
+device KV of ``--device-kv-blocks`` blocks and ``--dram-gib`` of LMCache DRAM, a disk tier for
+the rest — so a short append's context is read from disk when it is scheduled. Longcap alone,
+then Longcap under the ShadowScheduler (``?lookahead=5``), whose N+1 window starts each
+queued append's disk -> DRAM prefetch before vLLM admits it. Reported: the short turns'
+latency with and without the prefetch, and the N+1 window's prediction quality measured in
+vLLM's scheduler (``GET /memory/scheduler`` on the pod: accuracy, precision, recall, prefetch
+consumption and survival) next to seed 003's.
 """
 
 from __future__ import annotations
@@ -34,11 +44,16 @@ from typing import Any
 
 import httpx
 
+from agentserving.prefill.shadow import SEED_003_N1
 from bench.common import percentile, write_result
 
 NAME = "vllm_prefill_sched"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
 POLICIES = ("fcfs", "longcap-dynamic")  # vLLM's own, then seed 003's inside vLLM
+# the prefetch study: (name, --scheduler-policy), both on LMCache tiers too small to hold the
+# contexts close
+PREFETCH_RUNS = (("longcap-dynamic+tiers", "longcap-dynamic"),
+                 ("longcap-dynamic+shadow+tiers", "longcap-dynamic?lookahead=5"))
 QUANTILES = (0.5, 0.85, 0.95, 0.99)
 
 
@@ -56,6 +71,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=30.0,
                    help="seconds over which the measured turns arrive (Poisson)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run the prefetch study (LMCache tiers, ShadowScheduler)")
+    p.add_argument("--device-kv-blocks", type=int, default=80,
+                   help="prefetch study: vLLM device KV per pod, in 128-token blocks")
+    p.add_argument("--dram-gib", type=float, default=0.1,
+                   help="prefetch study: LMCache DRAM tier per pod (GiB; the tiny model's "
+                   "256-token chunk is 2 MiB)")
     args = p.parse_args(argv)
     if args.quick:
         args.longs, args.shorts, args.duration, args.sessions = 4, 16, 10.0, 4
@@ -105,28 +127,72 @@ async def replay(url: str, contexts: list[list[int]], turns: list[dict[str, Any]
 
 
 def run_policy(policy: str, run_dir: Path, contexts: list[list[int]],
-               turns: list[dict[str, Any]]) -> dict[str, Any]:
+               turns: list[dict[str, Any]], *, name: str | None = None,
+               tiers: tuple[int, float] | None = None) -> dict[str, Any]:
+    """One pod running ``policy`` over the trace. ``tiers`` = (device KV blocks, LMCache DRAM
+    GiB): AgentServing's LMCache connector with a disk tier, and the scheduler plugin's live
+    figures read from the pod at the end; None: plain vLLM."""
     from agentserving.replay.configs import VLLM_BLOCK_TOKENS, VLLM_STEP_TOKENS
     from agentserving.replay.fleet.supervisor import Fleet
     from agentserving.replay.fleet.topology import FleetSpec, build
 
-    spec = FleetSpec(engine="vllm", prefill=0, decode=0, both=1, proxy=False,
-                     startup_timeout_s=600, worker_args=[
-                         "--vllm-kv-connector", "none", "--enforce-eager",
-                         "--prefill-chunk-tokens", str(VLLM_STEP_TOKENS),
-                         "--kv-block-size", str(VLLM_BLOCK_TOKENS),
-                         "--scheduler-policy", policy])
-    folder = run_dir / policy
+    name = name or policy
+    args = ["--enforce-eager", "--prefill-chunk-tokens", str(VLLM_STEP_TOKENS),
+            "--kv-block-size", str(VLLM_BLOCK_TOKENS), "--scheduler-policy", policy]
+    if tiers is None:
+        spec = FleetSpec(engine="vllm", prefill=0, decode=0, both=1, proxy=False,
+                         startup_timeout_s=600, worker_args=["--vllm-kv-connector", "none",
+                                                             *args])
+    else:
+        blocks, dram = tiers
+        spec = FleetSpec(engine="vllm", prefill=0, decode=0, both=1, proxy=False,
+                         startup_timeout_s=600, cpu_cache_gib=dram, disk_cache_gib=4.0,
+                         worker_args=[*args, "--kv-cache-blocks", str(blocks),
+                                      "--max-model-len", str((blocks - 1) * VLLM_BLOCK_TOKENS)])
+    folder = run_dir / name.replace("+", "-")
+    live: dict[str, Any] | None = None
     with Fleet(build(spec, folder), folder,
-               on_event=lambda m: print(f"  [{policy}] {m[:150]}", flush=True)) as fleet:
-        url = next(p.spec.url for p in fleet.procs if p.spec.role == "both")
-        latencies = asyncio.run(replay(url, contexts, turns))
+               on_event=lambda m: print(f"  [{name}] {m[:150]}", flush=True)) as fleet:
+        pod = next(p.spec for p in fleet.procs if p.spec.role == "both")
+        latencies = asyncio.run(replay(pod.url, contexts, turns))
+        if tiers is not None and "lookahead" in policy:
+            live = httpx.get(f"{pod.memory_url}/memory/scheduler", timeout=10).json()
     stats = {kind: {f"p{round(q * 100)}_s": round(percentile(v, q), 4) for q in QUANTILES}
              for kind, v in latencies.items()}
-    print(f"{policy}: short P50 {stats['short']['p50_s']:.3f}s P85 "
+    print(f"{name}: short P50 {stats['short']['p50_s']:.3f}s P85 "
           f"{stats['short']['p85_s']:.3f}s P95 {stats['short']['p95_s']:.3f}s; long P50 "
           f"{stats['long']['p50_s']:.3f}s", flush=True)
-    return {"latency": stats, "turns": {k: len(v) for k, v in latencies.items()}}
+    out = {"policy": policy, "latency": stats, "turns": {k: len(v) for k, v in latencies.items()}}
+    if live is not None:
+        out["shadow_live"] = live
+    return out
+
+
+def prefetch_study(args: argparse.Namespace, run_dir: Path, contexts: list[list[int]],
+                   turns: list[dict[str, Any]]) -> dict[str, Any]:
+    """Longcap with and without the ShadowScheduler's prefetch, on tiers that make the contexts
+    come from disk; the live N+1 figures beside seed 003's."""
+    tiers = (args.device_kv_blocks, args.dram_gib)
+    runs = {name: run_policy(policy, run_dir, contexts, turns, name=name, tiers=tiers)
+            for name, policy in PREFETCH_RUNS}
+    plain, shadow = (runs[n]["latency"] for n, _ in PREFETCH_RUNS)
+    live = runs[PREFETCH_RUNS[1][0]].get("shadow_live", {})
+    window = live.get("n_plus_1_prediction", {})
+    prefetch = live.get("prefetch", {})
+    measured = {"accuracy": window.get("accuracy"), "precision": window.get("precision"),
+                "recall": window.get("recall"),
+                "consumption_precision": prefetch.get("consumption_precision"),
+                "survival": prefetch.get("survival")}
+    return {
+        "tiers": {"device_kv_blocks": args.device_kv_blocks, "lmcache_dram_gib": args.dram_gib,
+                  "lmcache_disk_gib": 4.0},
+        "runs": runs,
+        "short_ratio_without_over_with_prefetch": {
+            k: round(plain["short"][k] / shadow["short"][k], 3) for k in plain["short"]},
+        "n_plus_1_live": measured,
+        "n_plus_1_seed_003": SEED_003_N1,
+        "prefetches": {k: prefetch.get(k) for k in ("chunks", "used", "landed")},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="vllm-sched-bench-") as tmp:
         results = {p: run_policy(p, Path(tmp), contexts, turns) for p in POLICIES}
+        study = prefetch_study(args, Path(tmp), contexts, turns) if args.prefetch else None
     base, ours = (results[p]["latency"] for p in POLICIES)
     ratios = {kind: {k: round(base[kind][k] / ours[kind][k], 3) for k in base[kind]}
               for kind in base}
@@ -157,12 +224,23 @@ def main(argv: list[str] | None = None) -> int:
         "policies": results,
         "ratios_fcfs_over_longcap": ratios,
         "checks": checks,
+        "prefetch_study": study,
         "environment": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "seconds": round(time.time() - started, 1)})
     print("fcfs / longcap (above 1: longcap faster): short " + ", ".join(
         f"{k} x{v}" for k, v in ratios["short"].items()) + "; checks " + ", ".join(
         f"{k} {'ok' if v else 'MISSED'}" for k, v in checks.items()))
+    if study is not None:
+        live = study["n_plus_1_live"]
+        print("prefetch (without / with, short turns): " + ", ".join(
+            f"{k} x{v}" for k, v in study["short_ratio_without_over_with_prefetch"].items()))
+        print("N+1 window on the live engine (seed 003): " + ", ".join(
+            f"{k} {_pct(v)} ({_pct(SEED_003_N1[k])})" for k, v in live.items()))
     return 0
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{100 * v:.2f}%"
 
 
 if __name__ == "__main__":

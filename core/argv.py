@@ -70,3 +70,11 @@ def render_argv(command: click.Command, settings: BaseModel, fields: Iterable[st
     for name in fields:
         out += render_option(option_for(command, name), getattr(settings, name))
     return out
+
+
+def settings_argv(command: click.Command, settings_cls: type[BaseModel],
+                  values: dict[str, Any]) -> list[str]:
+    """The flags that give ``command`` these ``values``, once ``settings_cls`` accepted them
+    (pydantic's ``ValidationError`` names the field it refuses): how the operator and the local
+    fleet type a service's command line, so neither can hand it a value it would refuse."""
+    return render_argv(command, settings_cls(**values), values)

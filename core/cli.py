@@ -8,8 +8,12 @@ auto_envvar_prefix); ``--help`` shows each variable's name.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
+from collections.abc import Callable
+from enum import Enum
+from typing import Any
 
 import click
 
@@ -30,6 +34,40 @@ SUBCOMMANDS: dict[str, str] = {
 
 # Every option shows its default and its environment variable in --help.
 option = functools.partial(click.option, show_default=True, show_envvar=True)
+
+
+def settings_option(settings: type) -> Callable[..., Callable[[Any], Any]]:
+    """``option`` for the fields of ``settings`` (a pydantic model or a dataclass), each
+    default read from its field: a knob's default is written once, where the settings object
+    that validates it is, and ``--help`` shows that one. The field is the option's Python name
+    (``"lease_ttl_s"`` in the declarations, or the long flag's); an empty collection is no
+    default (click's own for a repeatable flag). Use: ``setting = settings_option(S)``, then
+    ``@setting("--port", type=..., help=...)``."""
+
+    def setting(*decls: str, **kwargs: Any) -> Callable[[Any], Any]:
+        if "default" in kwargs:
+            raise TypeError(f"{decls[0]}: the default is {settings.__name__}'s, not the option's")
+        flag = next(d for d in decls if d.startswith("--")).split("/")[0]
+        name = next((d for d in decls if not d.startswith("-")), flag[2:].replace("-", "_"))
+        default = field_default(settings, name)
+        if not (isinstance(default, (list, tuple, dict, set)) and not default):
+            kwargs["default"] = default.value if isinstance(default, Enum) else default
+        return option(*decls, **kwargs)
+
+    return setting
+
+
+def field_default(settings: type, name: str) -> Any:
+    """The default of field ``name`` of a pydantic model or a dataclass (KeyError: none)."""
+    fields = getattr(settings, "model_fields", None)
+    if fields is not None:
+        return fields[name].get_default(call_default_factory=True)
+    found = {f.name: f for f in dataclasses.fields(settings)}[name]
+    if found.default_factory is not dataclasses.MISSING:
+        return found.default_factory()
+    if found.default is dataclasses.MISSING:
+        raise KeyError(f"{settings.__name__}.{name} has no default")
+    return found.default
 
 
 class LazyGroup(click.Group):

@@ -10,9 +10,17 @@ import re
 from enum import StrEnum
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    WithJsonSchema,
+)
 
-from agentserving.core.hashing import HashScheme, is_chunk_hash
+from agentserving.core.hashing import DEFAULT_CHUNK_SIZE, HashScheme, is_chunk_hash
 
 
 class Tier(StrEnum):
@@ -32,6 +40,29 @@ TIER_BACKENDS: dict[Tier, str] = {
 }
 
 
+# Evict locations: tier names or LMCache backend names (the handlers check them, naming the
+# bad one; the schemas list them). A pod's memory API has no device tier to evict from.
+EVICT_LOCATIONS = sorted([t.value for t in Tier] + list(TIER_BACKENDS.values()))
+POD_EVICT_LOCATIONS = sorted([t.value for t in TIER_BACKENDS] + list(TIER_BACKENDS.values()))
+EvictLocation = Annotated[str, WithJsonSchema({"type": "string", "enum": EVICT_LOCATIONS})]
+PodEvictLocation = Annotated[str, WithJsonSchema({"type": "string",
+                                                  "enum": POD_EVICT_LOCATIONS})]
+
+
+def _wire_int(value: object) -> object:
+    """JSON's integer, as its schema means it: 5 and 5.0, never "5" nor true."""
+    if isinstance(value, str | bool):
+        raise ValueError("expected an integer")
+    return value
+
+
+# An integer on the wire: pydantic's lax int without its str/bool coercions.
+WireInt = Annotated[int, BeforeValidator(_wire_int)]
+# The bound sits inside, where the schema shows it as "minimum" (outside a union or a mapping's
+# values it would not).
+NonNegWireInt = Annotated[int, Field(ge=0), BeforeValidator(_wire_int)]
+
+
 class PodRole(StrEnum):
     PREFILL = "prefill"
     DECODE = "decode"
@@ -46,31 +77,60 @@ def _check_chunk_hash(value: str) -> str:
     return value
 
 
-ChunkHash = Annotated[str, AfterValidator(_check_chunk_hash)]
+# The schemas declare what the validators check (a fuzzer or a client generator reads them);
+# the validators keep their own messages, clearer than pydantic's "should match pattern".
+CHUNK_HASH_PATTERN = r"^-?[0-9a-f]{1,64}$"
 
-_POD_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+ChunkHash = Annotated[str, AfterValidator(_check_chunk_hash), WithJsonSchema({
+    "type": "string", "pattern": CHUNK_HASH_PATTERN,
+    "description": "A chunk hash: lower-case hex, 1-64 digits, optionally '-'-signed."})]
+
+POD_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$"
+_POD_NAME = re.compile(POD_NAME_PATTERN)
 
 
 def _check_pod_name(value: str) -> str:
-    if not _POD_NAME.match(value):
+    if not _POD_NAME.fullmatch(value):  # match() would let a trailing newline through
         raise ValueError("pod name must be 1-253 characters of [A-Za-z0-9._-], starting alnum")
     return value
 
 
-PodName = Annotated[str, AfterValidator(_check_pod_name)]
+PodName = Annotated[str, AfterValidator(_check_pod_name), WithJsonSchema({
+    "type": "string", "pattern": POD_NAME_PATTERN,
+    "description": "1-253 characters of [A-Za-z0-9._-], starting alphanumeric."})]
+
+# No \s: it means more characters in Python than in the schema's (ECMA) regexes, e.g. U+0085.
+HTTP_URL_PATTERN = r"^https?://[^/\x00-\x20\x7f]"
 
 
 def _check_http_url(value: str) -> str:
-    if not re.match(r"^https?://[^/\s]+", value):
+    if not re.match(HTTP_URL_PATTERN, value):
         raise ValueError("must be an http(s):// URL")
     return value.rstrip("/")
 
 
-HttpUrlStr = Annotated[str, AfterValidator(_check_http_url)]
+HttpUrlStr = Annotated[str, AfterValidator(_check_http_url), WithJsonSchema({
+    "type": "string", "pattern": HTTP_URL_PATTERN, "description": "An http(s):// URL."})]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, not_found_error, conflict_error, ...")
+    param: str | None = Field(default=None, description="The offending field, e.g. "
+                              "'chunk_hashes[3]'.")
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer of every service, in OpenAI's shape."""
+
+    error: ErrorDetail
 
 
 class Strict(BaseModel):
-    """Unknown fields are errors: a typo in a field name must not pass silently."""
+    """Unknown fields are errors: a typo in a field name must not pass silently. Numbers and
+    flags use WireInt/StrictBool: ``"5"`` or ``0`` where the schema says integer or boolean
+    is a 400 naming the field, not a silent coercion."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -87,8 +147,8 @@ class PodRegistration(Strict):
     role: PodRole = PodRole.BOTH
     model: str = Field(min_length=1)
     hash_scheme: HashScheme = HashScheme.BLAKE3
-    chunk_size: int = Field(default=256, gt=0)
-    capacity_bytes: dict[Tier, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    chunk_size: WireInt = Field(default=DEFAULT_CHUNK_SIZE, gt=0)
+    capacity_bytes: dict[Tier, NonNegWireInt] = Field(default_factory=dict)
     labels: dict[str, str] = Field(default_factory=dict)
 
 
@@ -123,10 +183,17 @@ class EventOp(StrEnum):
 
 
 class ResidencyEvent(Strict):
+    # the schema says what model_post_init checks: a tier unless the op is 'cleared'
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"op": {"enum": [EventOp.STORED.value, EventOp.REMOVED.value]}}},
+        "then": {"required": ["tier"], "properties": {"tier": {"not": {"type": "null"}}}},
+    })
+
     op: EventOp
     tier: Tier | None = Field(default=None, description="Required unless op is 'cleared'.")
     chunk_hashes: list[ChunkHash] = Field(default_factory=list)
-    bytes: int | None = Field(default=None, ge=0, description="Total bytes of these chunks.")
+    bytes: NonNegWireInt | None = Field(default=None,
+                                        description="Total bytes of these chunks.")
 
     def model_post_init(self, _context: object) -> None:
         if self.op is not EventOp.CLEARED and self.tier is None:
@@ -135,7 +202,7 @@ class ResidencyEvent(Strict):
 
 class EventBatch(Strict):
     pod: PodName
-    seq: int = Field(ge=0)
+    seq: WireInt = Field(ge=0)
     events: list[ResidencyEvent]
 
 
@@ -150,9 +217,9 @@ class EventBatchResult(BaseModel):
 class ChunkSnapshot(Strict):
     """A pod's full residency, replacing whatever the index holds for it."""
 
-    seq: int = Field(ge=0)
+    seq: WireInt = Field(ge=0)
     chunks: dict[Tier, list[ChunkHash]]
-    bytes: dict[Tier, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    bytes: dict[Tier, NonNegWireInt] = Field(default_factory=dict)
 
 
 class ChunkLocation(BaseModel):
@@ -197,14 +264,15 @@ class PrefetchRequest(Strict):
 
 class EvictRequest(Strict):
     chunk_hashes: list[ChunkHash] = Field(min_length=1)
-    locations: list[str] | None = Field(
+    locations: list[EvictLocation] | None = Field(
         default=None, description="Tiers or LMCache backends; none means every tier."
     )
     pod: str | None = None
     session_id: str | None = Field(
         default=None, description="The session asking: its own references never protect."
     )
-    force: bool = Field(default=False, description="Evict even chunks other sessions reference.")
+    force: StrictBool = Field(default=False,
+                              description="Evict even chunks other sessions reference.")
 
 
 class PodCallResult(BaseModel):
@@ -240,7 +308,7 @@ class MemoryPrefetchResponse(BaseModel):
 
 class MemoryEvictRequest(Strict):
     chunk_hashes: list[ChunkHash]
-    locations: list[str] | None = None
+    locations: list[PodEvictLocation] | None = None
 
 
 class MemoryEvictResponse(BaseModel):

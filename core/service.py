@@ -13,8 +13,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
+from starlette.routing import Match
+
+from agentserving.core.schemas import ErrorResponse
 
 
 class ApiError(Exception):
@@ -61,6 +65,68 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str]:
     return param, "; ".join(msgs)
 
 
+_ERROR_DESCRIPTIONS = {
+    400: "Bad input; `error.param` names the field.",
+    401: "Missing or invalid API key.",
+    404: "No such resource; `error.param` names the field.",
+    409: "Conflicts with what exists; `error.param` names the field.",
+    413: "The body or a list in it is over its size limit.",
+    503: "A backend (store, engine, upstream) is unavailable; retry.",
+}
+
+
+def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses=`` for the error answers a route really gives, in OpenAI's shape."""
+    return {code: {"model": ErrorResponse, "description": _ERROR_DESCRIPTIONS[code]}
+            for code in codes}
+
+
+_ERROR_REF = "#/components/schemas/ErrorResponse"
+
+
+def _document_validation_errors(app: FastAPI) -> None:
+    """FastAPI documents a request that fails validation as a 422 ``HTTPValidationError``;
+    ``install_error_handlers`` answers it as a 400 in OpenAI's error shape. Make the OpenAPI
+    document say so, for every route."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = generate()
+        for item in schema.get("paths", {}).values():
+            for op in item.values():
+                responses = op.get("responses") if isinstance(op, dict) else None
+                if not responses or "422" not in responses:
+                    continue
+                del responses["422"]
+                responses.setdefault("400", {
+                    "description": _ERROR_DESCRIPTIONS[400],
+                    "content": {"application/json": {"schema": {"$ref": _ERROR_REF}}}})
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        _, defs = models_json_schema([(ErrorResponse, "serialization")],
+                                     ref_template="#/components/schemas/{model}")
+        components.update(defs.get("$defs", {}))
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method the app's routes serve at this request's path (Starlette's own 405 names
+    only the first route's, though GET and DELETE of one path are two routes)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        match, _ = route.matches({**request.scope, "method": "GET"})
+        route_methods = getattr(route, "methods", None)
+        if match is not Match.NONE and route_methods:
+            methods.update(route_methods)
+    return sorted(methods)
+
+
 def install_error_handlers(app: FastAPI, max_body_bytes: int | None = None) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -76,9 +142,18 @@ def install_error_handlers(app: FastAPI, max_body_bytes: int | None = None) -> N
                             status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), type=kind), status_code=exc.status_code)
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # RFC 9110: Allow names every method of the path
+            headers["Allow"] = ", ".join(_allowed_methods(request))
+        message, param = str(exc.detail), None
+        if exc.status_code == 400:  # FastAPI's own: a body it could not parse (e.g. not UTF-8)
+            message, param = f"body: {message}: expected a JSON document in UTF-8", "body"
+        return JSONResponse(error_body(message, type=kind, param=param),
+                            status_code=exc.status_code, headers=headers or None)
+
+    _document_validation_errors(app)
 
     if max_body_bytes is not None:
         @app.middleware("http")

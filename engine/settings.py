@@ -11,7 +11,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from agentserving.core.hashing import CHUNK_HASH_SCHEMES, ENGINE_HASH_SCHEMES, HashScheme
+from agentserving.core.hashing import (
+    CHUNK_HASH_SCHEMES,
+    DEFAULT_CHUNK_SIZE,
+    ENGINE_HASH_SCHEMES,
+    HashScheme,
+)
 from agentserving.core.schemas import PodRole
 
 GIB = 1024**3
@@ -60,7 +65,7 @@ class WorkerSettings(BaseModel):
     seed: int = Field(default=0, description="Seed of the tiny model's random weights.")
     torch_threads: int = Field(default=0, ge=0, description="0: torch's default.")
     # -- KV cache (LMCache tiers)
-    chunk_size: int = Field(default=256, gt=0)
+    chunk_size: int = Field(default=DEFAULT_CHUNK_SIZE, gt=0)
     hash_scheme: HashScheme | None = Field(
         default=None, description="Default: the engine's own (blake3 on the reference "
         "engine, lmcache-builtin on vLLM).")

@@ -10,34 +10,36 @@ import logging
 
 import click
 
-from agentserving.core.cli import option
+from agentserving.core.cli import option, settings_option
 
-from .settings import DEFAULT_IMAGE_REGISTRY, DEFAULT_IMAGE_TAG, OperatorSettings
+from .settings import OperatorSettings
+
+setting = settings_option(OperatorSettings)
 
 
 @click.command(name="operator")
-@option("--namespace", "namespaces", multiple=True,
-        help="Namespace to watch (repeat for several; in the environment, space-separated). "
-             "None: every namespace, cluster-wide.")
-@option("--image-registry", default=DEFAULT_IMAGE_REGISTRY,
-        help="Registry/prefix of AgentServing's images: <registry>/{worker,proxy,kvindex}:<tag>.")
-@option("--image-tag", default=DEFAULT_IMAGE_TAG, help="Tag of AgentServing's images.")
-@option("--vllm-image", default=OperatorSettings.vllm_image,
-        help="Worker image for engine vllm when spec.engine.image is empty.")
-@option("--vllm-ascend-image", default=OperatorSettings.vllm_ascend_image,
-        help="Worker image for engine vllm-ascend when spec.engine.image is empty.")
-@option("--redis-image", default=OperatorSettings.redis_image,
-        help="Image of the in-cluster Redis (spec.kvindex.redis.inCluster).")
-@option("--kvindex-url-template", default=OperatorSettings.kvindex_url_template,
-        help="How the finalizer reaches a resource's kvindex to forget its pods; {name} and "
-             "{namespace} are the resource's.")
+@setting("--namespace", "namespaces", multiple=True,
+         help="Namespace to watch (repeat for several; in the environment, space-separated). "
+              "None: every namespace, cluster-wide.")
+@setting("--image-registry",
+         help="Registry/prefix of AgentServing's images: <registry>/{worker,proxy,kvindex}:<tag>.")
+@setting("--image-tag", help="Tag of AgentServing's images.")
+@setting("--vllm-image",
+         help="Worker image for engine vllm when spec.engine.image is empty.")
+@setting("--vllm-ascend-image",
+         help="Worker image for engine vllm-ascend when spec.engine.image is empty.")
+@setting("--redis-image",
+         help="Image of the in-cluster Redis (spec.kvindex.redis.inCluster).")
+@setting("--kvindex-url-template",
+         help="How the finalizer reaches a resource's kvindex to forget its pods; {name} and "
+              "{namespace} are the resource's.")
 @option("--cleanup-timeout", type=click.FloatRange(min=0.1), default=5.0,
         help="Seconds the finalizer may spend on kvindex clean-up before letting the "
              "deletion proceed anyway.")
 @option("--resync-interval", type=click.FloatRange(min=1.0), default=300.0,
         help="Seconds between re-applying each resource's children (drift correction).")
-@option("--field-manager", default=OperatorSettings.field_manager,
-        help="Server-side apply field manager name.")
+@setting("--field-manager",
+         help="Server-side apply field manager name.")
 @option("--metrics-host", default="0.0.0.0", help="Address of the Prometheus /metrics server.")
 @option("--metrics-port", type=click.IntRange(min=0, max=65535), default=9090,
         help="Port of the Prometheus /metrics server (0: off).")

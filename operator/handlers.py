@@ -52,11 +52,12 @@ def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         reconcile.refresh_status(memo.kube, meta["namespace"], meta["labels"][INSTANCE_LABEL])
 
 
-def forget_in_kvindex(name: str, namespace: str, memo: kopf.Memo, logger: logging.Logger,
-                      **_: Any) -> None:
+async def forget_in_kvindex(name: str, namespace: str, memo: kopf.Memo,
+                            logger: logging.Logger, **_: Any) -> None:
     settings: OperatorSettings = memo.settings
-    result = kvindex.forget_pods(settings.kvindex_url(name, namespace),
-                                 kvindex.pool_prefixes(name, POOLS), settings.cleanup_timeout_s)
+    result = await kvindex.forget_pods(settings.kvindex_url(name, namespace),
+                                       kvindex.pool_prefixes(name, POOLS),
+                                       settings.cleanup_timeout_s)
     metrics.KVINDEX_CLEANUP_PODS.labels("removed").inc(len(result.removed))
     metrics.KVINDEX_CLEANUP_PODS.labels("failed").inc(len(result.failed))
     if result.error:

@@ -2,16 +2,21 @@
 
 Best effort and bounded: it lists the kvindex's registered pods (``GET /v1/pods``) and
 removes the ones whose names belong to the resource's pools (``DELETE /v1/pods/{pod}``, which
-also drops their residency) until a deadline. A kvindex that is gone, unreachable or slow
-only shortens the clean-up; it never raises, so it never blocks the resource's deletion.
+also drops their residency) until a deadline, through the same ``KvindexClient`` every other
+component speaks the kvindex with. A kvindex that is gone, unreachable, slow or answering
+garbage only shortens the clean-up; it never raises, so it never blocks the resource's
+deletion.
 """
 
 from __future__ import annotations
 
-import time
+import asyncio
 from dataclasses import dataclass, field
 
 import httpx
+from pydantic import ValidationError
+
+from agentserving.core.clients import KvindexClient, NotFound, RequestRejected, ServiceUnavailable
 
 
 @dataclass
@@ -26,32 +31,29 @@ def pool_prefixes(name: str, pools: tuple[str, ...] = ("prefill", "decode")) -> 
     return tuple(f"{name}-{pool}-" for pool in pools)
 
 
-def forget_pods(base_url: str, prefixes: tuple[str, ...], timeout_s: float,
-                transport: httpx.BaseTransport | None = None) -> CleanupResult:
+async def forget_pods(base_url: str, prefixes: tuple[str, ...], timeout_s: float,
+                      transport: httpx.AsyncBaseTransport | None = None) -> CleanupResult:
     result = CleanupResult()
-    deadline = time.monotonic() + timeout_s
-
-    def left() -> float:
-        return max(deadline - time.monotonic(), 0.0)
-
-    try:
-        with httpx.Client(base_url=base_url.rstrip("/"), transport=transport,
-                          timeout=httpx.Timeout(min(timeout_s, 2.0))) as client:
-            resp = client.get("/v1/pods", timeout=left())
-            resp.raise_for_status()
-            pods = [p["pod"] for p in resp.json().get("pods", []) if isinstance(p, dict)]
-            for pod in sorted(p for p in pods if isinstance(p, str) and p.startswith(prefixes)):
-                if left() <= 0:
-                    result.failed.append(pod)
-                    continue
-                try:
-                    r = client.delete(f"/v1/pods/{pod}", timeout=left())
-                    if r.status_code in (200, 202, 204, 404):
+    pending: list[str] = []
+    async with httpx.AsyncClient(transport=transport,
+                                 timeout=httpx.Timeout(min(timeout_s, 2.0))) as http:
+        client = KvindexClient(base_url, client=http)
+        try:
+            async with asyncio.timeout(timeout_s):
+                listed = await client.pods()
+                pending = sorted(p.pod for p in listed.pods if p.pod.startswith(prefixes))
+                while pending:
+                    pod = pending.pop(0)
+                    try:
+                        await client.deregister(pod)
                         result.removed.append(pod)
-                    else:
+                    except NotFound:  # gone already: what the clean-up wanted
+                        result.removed.append(pod)
+                    except (ServiceUnavailable, RequestRejected):
                         result.failed.append(pod)
-                except httpx.HTTPError:
-                    result.failed.append(pod)
-    except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
-        result.error = f"{type(e).__name__}: {e}"
+        except TimeoutError:
+            result.error = f"TimeoutError: no answer within {timeout_s:g} s"
+        except (ServiceUnavailable, RequestRejected, ValidationError) as e:
+            result.error = f"{type(e).__name__}: {e}"
+    result.failed += pending  # not reached before the deadline
     return result

@@ -22,6 +22,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -30,9 +31,11 @@ from typing import Any
 import click
 
 from agentserving.core.cli import option
+from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.replay.configs import (
     CONFIGS,
     DEFAULT_CONFIGS,
+    DEFAULT_TIME_SCALE,
     DEVICE_KV_BLOCKS,
     VLLM_BLOCK_TOKENS,
     FleetSizes,
@@ -72,6 +75,19 @@ def from_vllm_metrics(raw: dict[str, float]) -> dict[str, float]:
         out["computed_prompt_tokens_total"] = total["prompt_tokens_total"] - total.get(
             "prompt_tokens_cached_total", 0.0)
     return out
+
+
+def scrape_scheduler_stats(memory_url: str) -> dict[str, Any] | None:
+    """The live figures of the prefill policy in a vLLM pod's scheduler (``GET
+    /memory/scheduler``: the ShadowScheduler's N+1 window and prefetches); None where vLLM's
+    own scheduler runs, or the pod has no memory API."""
+    import httpx
+
+    try:
+        resp = httpx.get(f"{memory_url}/memory/scheduler", timeout=5.0)
+    except httpx.HTTPError:
+        return None
+    return resp.json() if resp.status_code == 200 else None
 
 
 def scrape_metrics(url: str, prefix: str) -> dict[str, float]:
@@ -152,10 +168,11 @@ def run_config(config: str, spec: Any, trace: Any, run_dir: Path, replay_opts: d
     """One configuration: fresh fleet, replay, stop. Returns the replay summary."""
     from agentserving.replay.client import Replayer, ReplayOptions
     from agentserving.replay.fleet.supervisor import Fleet
-    from agentserving.replay.fleet.topology import build
+    from agentserving.replay.fleet.topology import build, disk_root
 
-    specs = build(spec, run_dir / "fleets" / config)
-    fleet = Fleet(specs, run_dir / "fleets" / config, log_dir=run_dir / "logs" / config,
+    fleet_dir = run_dir / "fleets" / config
+    specs = build(spec, fleet_dir)
+    fleet = Fleet(specs, fleet_dir, log_dir=run_dir / "logs" / config,
                   on_event=lambda m: echo(f"[{config}] {m}"))
     started = time.monotonic()
     with fleet:
@@ -169,11 +186,17 @@ def run_config(config: str, spec: Any, trace: Any, run_dir: Path, replay_opts: d
                    if mp.spec.role in ("prefill", "decode", "both") and mp.spec.url}
         proxy_url = fleet.url("proxy")
         proxy = scrape_metrics(proxy_url, "proxy_") if proxy_url else {}
+        scheduler = {mp.spec.name: stats for mp in fleet.procs if mp.spec.memory_url
+                     and (stats := scrape_scheduler_stats(mp.spec.memory_url)) is not None}
+    # the disk tier's KV files are a cache, not a result (~430 MB a vLLM configuration here)
+    shutil.rmtree(disk_root(spec, fleet_dir), ignore_errors=True)
     summary = dict(result.summary)
     summary["fleet"] = {"processes": [{"name": s.name, "role": s.role} for s in specs],
                         "died_during_replay": died}
     summary["workers"] = workers
     summary["proxy"] = proxy
+    if scheduler:
+        summary["scheduler"] = scheduler
     summary["per_turn"] = per_turn_breakdown(workers, proxy, summary.get("turns_completed") or 0)
     for line in time_breakdown(workers):
         echo(f"[{config}] {line}")
@@ -192,8 +215,11 @@ def run_config(config: str, spec: Any, trace: Any, run_dir: Path, replay_opts: d
 @option("--limit", type=click.IntRange(min=1), default=None, help="First N sessions only.")
 @option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
         help="Sessions/s (Poisson) instead of the workload's own start times.")
-@option("--time-scale", type=click.FloatRange(min=0), default=1.0,
-        help="Multiply the workload's times (arrivals, tool gaps) by X.")
+@option("--time-scale", type=click.FloatRange(min=0), default=None,
+        help="Multiply the workload's times (arrivals, tool gaps) by X [default: "
+             + "; ".join(f"{e}: {x}" for e, x in DEFAULT_TIME_SCALE.items())
+             + "; on vLLM at the workload's own times its arrivals, not the fleet's "
+               "capacity, set agentserving's req/s].")
 @option("--prefill", type=click.IntRange(min=1), default=1,
         help="agentserving: prefill workers.")
 @option("--decode", type=click.IntRange(min=0), default=2,
@@ -242,7 +268,7 @@ def run_config(config: str, spec: Any, trace: Any, run_dir: Path, replay_opts: d
         help="Run this instead of `agentserving worker` (same flags; tests use a stand-in).")
 @option("--progress/--no-progress", default=True, help="Show progress bars.")
 def command(engine: str, workload: str, limit: int | None, rate: float | None,
-            time_scale: float, prefill: int, decode: int, configs: str, model: str,
+            time_scale: float | None, prefill: int, decode: int, configs: str, model: str,
             cpu_cache_gib: float, disk_cache_gib: float, device_kv_blocks: int,
             torch_threads: int, worker_args: tuple[str, ...], prefill_policy: str | None,
             proxy_args: tuple[str, ...], max_active_sessions: int | None,
@@ -252,11 +278,11 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
     """Replay an agent workload against what users run today and agentserving; report side
     by side.
 
-    On vLLM (default): vllm-rr, vllm-session, agentserving and agentserving-fcfs, the same
-    pod count and device KV each. On the reference engine: baseline and agentserving. Writes
-    RUN_DIR/report.json, RUN_DIR/plots/*.png, each configuration's turn records and the
-    fleets' logs, and prints which targets were met; `agentserving report RUN_DIR` redraws
-    the plots.
+    On vLLM (default): vllm-rr, vllm-session, vllm-precise, agentserving and its ablations
+    (agentserving-fcfs, agentserving-noprefetch), the same pod count and device KV each. On
+    the reference engine: baseline and agentserving. Writes RUN_DIR/report.json,
+    RUN_DIR/plots/*.png, each configuration's turn records and the fleets' logs, and prints
+    which targets were met; `agentserving report RUN_DIR` redraws the plots.
     """
     from agentserving.replay.loader import load_trace
     from agentserving.replay.mooncake import MooncakeOptions
@@ -275,6 +301,7 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--configs") from exc
     names = [c.name for c in chosen]
+    time_scale = DEFAULT_TIME_SCALE[engine] if time_scale is None else time_scale
     run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     trace = load_trace(workload, limit=limit, mooncake=MooncakeOptions(
@@ -295,7 +322,8 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
         prefill_policy=prefill_policy, startup_timeout_s=startup_timeout_s,
         worker_command=shlex.split(worker_command) if worker_command else None)
     replay_opts = dict(rate=rate, time_scale=time_scale, progress=progress,
-                       max_active_sessions=max_active_sessions, chunk_size=256)
+                       max_active_sessions=max_active_sessions,
+                       chunk_size=DEFAULT_CHUNK_SIZE)
     summaries: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
     for config in chosen:

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from agentserving.core.cli import option
+from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.replay.mooncake import MooncakeOptions
 
 
@@ -41,7 +42,7 @@ def default_run_dir(kind: str) -> Path:
         help="At most N sessions in flight (an agent pool); default unlimited.")
 @option("--request-timeout", "request_timeout_s", type=click.FloatRange(min=0.1),
         default=600.0, help="Seconds before a turn counts as failed.")
-@option("--chunk-size", type=click.IntRange(min=1), default=256,
+@option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE,
         help="KV chunk size, for the trace's ideal hit rate.")
 @option("--mooncake-block-tokens", type=click.IntRange(1, 512), default=512,
         help="Mooncake traces: tokens per hash block (below 512 scales prompts down).")

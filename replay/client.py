@@ -37,6 +37,7 @@ import blake3
 import httpx
 import numpy as np
 
+from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.replay.ideal import ideal_hit
 from agentserving.replay.metrics import summarize
 from agentserving.replay.trace import ResolvedSession, ResolvedTurn, Trace, resolve_all
@@ -54,7 +55,7 @@ class ReplayOptions:
     vocab_size: int | None = None  # None: the trace header's
     max_active_sessions: int | None = None
     request_timeout_s: float = 600.0
-    chunk_size: int = 256  # for the ideal hit rate
+    chunk_size: int = DEFAULT_CHUNK_SIZE  # for the ideal hit rate
     progress: bool = True
     headers: dict[str, str] = field(default_factory=dict)
 

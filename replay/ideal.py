@@ -23,6 +23,7 @@ from typing import TypeVar
 
 import numpy as np
 
+from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.replay.trace import ResolvedSession, ResolvedTurn
 
 T = TypeVar("T")
@@ -86,7 +87,7 @@ def _chain(tokens: list[int], chunk_size: int) -> list[bytes]:
     return out
 
 
-def ideal_hit(sessions: Iterable[ResolvedSession], *, chunk_size: int = 256,
+def ideal_hit(sessions: Iterable[ResolvedSession], *, chunk_size: int = DEFAULT_CHUNK_SIZE,
               include_outputs: bool = True) -> IdealResult:
     ordered = planned_order(list(sessions))
     seen: set[bytes] = set()

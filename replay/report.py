@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from agentserving.prefill.shadow import SEED_003_N1, PrefetchScore, WindowScore
 from agentserving.replay.metrics import METRIC_KEYS, TABLE, ratios
 
 # The targets agentserving must meet against each baseline (issues 7 and 17): seed 003's gains
@@ -52,6 +53,27 @@ SEED_003 = {
     "e2e_p99_s": (492.56, 138.29),
     "itl_p99_s": (1.356, 0.103),
 }
+
+
+def shadow_figures(config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The N+1 window's prediction quality and prefetch figures of one configuration, summed
+    over its pods' live scheduler stats (``summary["scheduler"]``); None without any."""
+    pods = [s for s in (config.get("scheduler") or {}).values()
+            if "n_plus_1_prediction" in s]
+    if not pods:
+        return None
+    n = {k: sum(p["n_plus_1_prediction"][k] for p in pods) for k in ("tp", "fp", "fn", "tn")}
+    pf = {k: sum(p["prefetch"][k] for p in pods) for k in ("chunks", "used", "landed", "alive")}
+    rates = WindowScore(**n).rates()
+    prefetch = PrefetchScore(**pf).as_dict()
+    return {"accuracy": rates["accuracy"], "precision": rates["precision"],
+            "recall": rates["recall"], "consumption_precision": prefetch["consumption_precision"],
+            "survival": prefetch["survival"], "window": n,
+            "prefetch": {k: pf[k] for k in ("chunks", "used", "landed")}}
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
 
 
 def comparisons_for(names: list[str], candidate: str = CANDIDATE) -> list[str]:
@@ -182,7 +204,17 @@ def print_report(report: Mapping[str, Any], title: str) -> str:
         lines += _print_checks(console, comp["checks"], f"vs {base}: ")
     met = sum(ln.startswith("ok") for ln in lines)
     console.print(f"targets met: {met} of {len(lines)}")
-    return text + _plain(table) + "\n".join(lines) + f"\ntargets met: {met} of {len(lines)}\n"
+    shadow = [f"{name}: " + ", ".join(
+        f"{k} {_pct(fig[k])} ({100 * v:.2f}%)" for k, v in SEED_003_N1.items())
+        + f"; {fig['window']['tp'] + fig['window']['fn']} admissions after a wait, "
+        f"{fig['prefetch']['chunks']} chunks prefetched"
+        for name, m in report["configs"].items() if (fig := shadow_figures(m))]
+    if shadow:
+        console.print("N+1 window in vLLM's scheduler, live (seed 003's in brackets):")
+        for line in shadow:
+            console.print(f"  {line}")
+    return (text + _plain(table) + "\n".join(lines) + f"\ntargets met: {met} of {len(lines)}\n"
+            + "".join(f"N+1 window {ln}\n" for ln in shadow))
 
 
 def _console() -> Any:

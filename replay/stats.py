@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.replay.ideal import ideal_hit
 from agentserving.replay.trace import Trace, resolve_all
 
@@ -19,7 +20,7 @@ def _dist(values: list[float]) -> dict[str, float] | None:
             "p90": round(float(np.percentile(a, 90)), 3), "max": round(float(a.max()), 3)}
 
 
-def trace_stats(trace: Trace, *, chunk_size: int = 256) -> dict[str, Any]:
+def trace_stats(trace: Trace, *, chunk_size: int = DEFAULT_CHUNK_SIZE) -> dict[str, Any]:
     sessions = resolve_all(trace)
     turns = [t for rs in sessions for t in rs.turns]
     ideal = ideal_hit(sessions, chunk_size=chunk_size)

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from agentserving.core.cli import option
+from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.replay.mooncake import MooncakeOptions
 
 
@@ -70,7 +71,7 @@ def mooncake_cmd(path: Path, max_requests: int | None, block_tokens: int,
 
 @command.command("stats")
 @click.argument("trace_spec")
-@option("--chunk-size", type=click.IntRange(min=1), default=256,
+@option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE,
         help="KV chunk size for the ideal hit rate.")
 @option("--limit", type=click.IntRange(min=1), default=None, help="First N sessions only.")
 @option("--mooncake-block-tokens", type=click.IntRange(1, 512), default=512)

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.core.schemas import PodRegistration, PodRole, Tier
 from agentserving.engine.scheduler.policy import (
     DECODE_POD_CHUNK_TOKENS,
@@ -64,7 +65,7 @@ class SimConfig:
     shadow: bool = True                   # wrap it in the ShadowScheduler (N+1 prefetch)
     routing: str | None = None            # default: kv-aware (agentserving), round-robin
     baseline_policy: str = "fcfs-chunk"   # the baseline's scheduler (vLLM-like chunked prefill)
-    chunk: int = 256
+    chunk: int = DEFAULT_CHUNK_SIZE
     rate: float | None = None             # root sessions/s (Poisson); None: trace start times
     time_scale: float = 1.0
     seed: int = 0

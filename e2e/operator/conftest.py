@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from agentserving.core.schemas import PodInfo
+
 from ..k8s.cluster import REPO, Binaries, Cluster, Fatal, free_port, wait_for
 
 OPERATOR_NAMESPACE = "agentserving-system"
@@ -79,7 +81,8 @@ def chart_rbac(cluster, binaries, crd):
 
 
 class FakeKvindex:
-    """The kvindex REST subset the finalizer uses, under /<namespace>/<name>/ per resource."""
+    """The kvindex REST subset the finalizer uses, under /<namespace>/<name>/ per resource,
+    answering with the real schema (the finalizer reads it through core.clients)."""
 
     def __init__(self):
         self.deleted: list[tuple[str, str, str]] = []
@@ -104,7 +107,10 @@ class FakeKvindex:
                     time.sleep(30)
                 pods = [f"{name}-prefill-0", f"{name}-decode-0", f"{name}-decode-1",
                         f"{name}x-prefill-0", "someone-else-decode-0"]
-                self._reply(200, {"pods": [{"pod": p, "last_heartbeat": 0} for p in pods]})
+                self._reply(200, {"pods": [PodInfo(
+                    pod=p, memory_api_url=f"http://{p}:6999", model="tiny", registered_at=0,
+                    last_heartbeat=0, lease_expires_at=15, seq=0, needs_resync=False,
+                ).model_dump(mode="json") for p in pods]})
 
             def do_DELETE(self):  # noqa: N802
                 ns, name, rest = self.path.strip("/").split("/", 2)

@@ -27,6 +27,7 @@ def test_bench_writes_report_and_plots(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
     assert set(report["configs"]) == {"baseline", "agentserving"}
+    assert report["settings"]["time_scale"] == 1.0  # the reference engine's own pace (vLLM: 0.5)
     for m in report["configs"].values():
         assert set(METRIC_KEYS) <= set(m)
         assert m["turns_failed"] == 0 and m["turns_not_sent"] == 0
@@ -43,6 +44,10 @@ def test_bench_writes_report_and_plots(tmp_path):
     for name in ("latency_cdf", "throughput", "hit_rate", "ratios"):
         assert (run_dir / "plots" / f"{name}.png").stat().st_size > 5000
     assert f"report: {run_dir / 'report.json'}" in out.stdout
+    # agentserving's workers had a disk tier under the run; its KV files went with the fleet
+    fleet = (run_dir / "fleets" / "agentserving" / "fleet.json").read_text()
+    assert "--disk-cache-dir" in fleet
+    assert not (run_dir / "fleets" / "agentserving" / "disk").exists()
 
 
 STUB = Path(__file__).resolve().parents[2] / "replay" / "tests" / "stub_worker.py"

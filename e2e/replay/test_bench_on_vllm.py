@@ -23,7 +23,7 @@ def test_plain_vllm_pods_precise_routing_and_agentserving_side_by_side(tmp_path)
     out = subprocess.run([AGENTSERVING, "bench", "--engine", "vllm",
                           "--configs", "vllm-rr,vllm-precise,agentserving",
                           "--workload", "bundled:bench-small", "--limit", "3", "--decode", "1",
-                          "--device-kv-blocks", "128", "--no-progress",
+                          "--device-kv-blocks", "128", "--time-scale", "1.0", "--no-progress",
                           "--run-dir", str(run_dir)],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -49,4 +49,11 @@ def test_plain_vllm_pods_precise_routing_and_agentserving_side_by_side(tmp_path)
     # vLLM's own metrics reached the breakdown: every pod computed some prompt tokens
     for m in (rr, precise):
         assert all(w["computed_prompt_tokens_total"] > 0 for w in m["workers"].values())
+    # the prefill pod ran Longcap under the ShadowScheduler inside vLLM's scheduler and
+    # reported its live N+1 window (the decode pod runs vLLM's own: nothing to report)
+    (pod, live), = cand["scheduler"].items()
+    assert pod.startswith("prefill") and live["policy"] == "shadow(longcap-dynamic)"
+    assert live["steps"] > 0 and live["plans"]["requests"] > 0
+    window = live["n_plus_1_prediction"]
+    assert window["tp"] + window["fp"] + window["fn"] + window["tn"] > 0
     assert "targets met:" in out.stdout

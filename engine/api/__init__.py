@@ -1,1 +1,2 @@
-"""The worker API process: its HTTP server, wire protocol and client of the engine processes."""
+"""The worker API process: its HTTP server and client of the engine processes (the OpenAI
+request bodies it accepts are in ``agentserving.core.openai_protocol``)."""

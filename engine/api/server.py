@@ -23,15 +23,20 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from agentserving.core.hashing import ChunkHasher
 from agentserving.core.logging import get_logger
-from agentserving.core.schemas import PodRole
-from agentserving.core.service import ApiError, install_error_handlers, install_metrics_route
-from agentserving.engine import ipc
-from agentserving.engine.api.engine_client import EngineClient, EngineDead
-from agentserving.engine.api.protocol import (
+from agentserving.core.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
 )
+from agentserving.core.schemas import PodRole
+from agentserving.core.service import (
+    ApiError,
+    error_responses,
+    install_error_handlers,
+    install_metrics_route,
+)
+from agentserving.engine import ipc
+from agentserving.engine.api.engine_client import EngineClient, EngineDead
 from agentserving.engine.metrics import WorkerMetrics
 from agentserving.engine.model.tokenizer import Tokenizer
 from agentserving.engine.settings import WorkerSettings
@@ -39,6 +44,53 @@ from agentserving.engine.settings import WorkerSettings
 log = get_logger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16
+TOKEN_ID_OUT_OF_VOCABULARY = "token_id_out_of_vocabulary"  # the error code of such a 400
+
+# A completion answers JSON, or an SSE stream with "stream": true; its errors are OpenAI's.
+# A 400 with code context_length_exceeded is the one answer a schema-valid body can get: the
+# prompt's token count is only known once it is tokenized.
+_COMPLETION_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"description": "The completion; with `stream`, server-sent events ending in "
+                         "`data: [DONE]`. Both carry `kv_transfer_params.chunk_hashes`.",
+          "content": {"application/json": {}, "text/event-stream": {}}},
+    **error_responses(400, 404, 413, 503),
+}
+_COMPLETION_RESPONSES[400] = {
+    **_COMPLETION_RESPONSES[400],
+    "description": "Bad input, `error.param` names the field; or, with code "
+                   "`context_length_exceeded`, the prompt plus the tokens to generate exceed "
+                   "the model's context.",
+}
+
+
+def _narrow_to_model(app: FastAPI, vocab_size: int) -> None:
+    """This worker's OpenAPI says what it accepts: token ids below its vocabulary (the shared
+    models allow any model's). The context length stays a runtime 400: no schema can say how
+    many tokens a prompt string makes."""
+    generate = app.openapi
+
+    def narrow(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("type") == "integer" and node.get("minimum") == 0 and "maximum" in node:
+                node["maximum"] = vocab_size - 1
+            for value in node.values():
+                narrow(value)
+        elif isinstance(node, list):
+            for value in node:
+                narrow(value)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = generate()
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            props = schema["components"]["schemas"][name]["properties"]
+            narrow(props["forced_output_token_ids"])
+            if "prompt" in props:
+                narrow(props["prompt"])
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 class WorkerApi:
@@ -86,7 +138,7 @@ def create_api_app(api: WorkerApi) -> FastAPI:
     install_metrics_route(app, api.metrics.registry)
     app.state.api = api
 
-    @app.get("/healthz", tags=["health"],
+    @app.get("/healthz", tags=["health"], responses=error_responses(503),
              summary="The worker can serve: every engine process is loaded and alive.")
     async def healthz() -> dict[str, str]:
         if not api.client.ready:
@@ -94,7 +146,8 @@ def create_api_app(api: WorkerApi) -> FastAPI:
                            type="service_unavailable")
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["health"], summary="Every engine process is loaded and serving.")
+    @app.get("/readyz", tags=["health"], responses=error_responses(503),
+             summary="Every engine process is loaded and serving.")
     async def readyz() -> dict[str, Any]:
         if not api.client.ready:
             raise ApiError(503, api.client.dead or "engines loading",
@@ -112,7 +165,7 @@ def create_api_app(api: WorkerApi) -> FastAPI:
             "role": api.settings.role.value,
         }]}
 
-    @app.post("/v1/completions", tags=["openai"])
+    @app.post("/v1/completions", tags=["openai"], responses=_COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, request: Request) -> Any:
         t0 = time.perf_counter()
         if isinstance(body.prompt, str):
@@ -122,7 +175,7 @@ def create_api_app(api: WorkerApi) -> FastAPI:
         turn = _Turn("completion", body, ids, body.logprobs)
         return await _serve(api, turn, "prompt", t0, DEFAULT_COMPLETION_MAX_TOKENS)
 
-    @app.post("/v1/chat/completions", tags=["openai"])
+    @app.post("/v1/chat/completions", tags=["openai"], responses=_COMPLETION_RESPONSES)
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         t0 = time.perf_counter()
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
@@ -132,6 +185,7 @@ def create_api_app(api: WorkerApi) -> FastAPI:
         turn = _Turn("chat", body, ids, n)
         return await _serve(api, turn, "messages", t0, None)
 
+    _narrow_to_model(app, api.tokenizer.vocab_size)
     return app
 
 
@@ -151,7 +205,8 @@ def _validate(api: WorkerApi, turn: _Turn, prompt_field: str, default_max: int |
     for i, t in enumerate(turn.prompt_ids):
         if t >= vocab:
             raise ApiError(400, f"{prompt_field}[{i}]: token id {t} is not below the "
-                           f"vocabulary size {vocab}", param=prompt_field)
+                           f"vocabulary size {vocab}", param=prompt_field,
+                           code=TOKEN_ID_OUT_OF_VOCABULARY)
     if n >= api.max_model_len:
         raise ApiError(400, f"This model's maximum context length is {api.max_model_len} "
                        f"tokens; the prompt has {n} tokens.", param=prompt_field,
@@ -160,7 +215,8 @@ def _validate(api: WorkerApi, turn: _Turn, prompt_field: str, default_max: int |
     for i, t in enumerate(forced or []):
         if t >= vocab:
             raise ApiError(400, f"forced_output_token_ids[{i}]: token id {t} is not below "
-                           f"the vocabulary size {vocab}", param="forced_output_token_ids")
+                           f"the vocabulary size {vocab}", param="forced_output_token_ids",
+                           code=TOKEN_ID_OUT_OF_VOCABULARY)
     requested = body.max_completion_tokens or body.max_tokens
     if forced is not None:
         turn.max_tokens = len(forced)

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.core.logging import get_logger
 from agentserving.core.schemas import TIER_BACKENDS, Tier
 from agentserving.engine.kv.connector import CPUKVConnector, digest
@@ -72,7 +73,7 @@ class KVStoreConfig:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
-    chunk_size: int = 256
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     cpu_gib: float = 1.0
     disk_dir: Path | None = None
     disk_gib: float = 0.0

@@ -79,7 +79,12 @@ def sample(logits: torch.Tensor, *, temperature: float | None, top_p: float | No
     another pod (P/D hand-off) draws the same tokens a single pod would."""
     if not temperature:
         return int(torch.argmax(logits).item())
-    probs = torch.softmax(logits / temperature, dim=-1)
+    scaled = logits / temperature
+    if bool(torch.isnan(scaled).any() or torch.isposinf(scaled).any()):
+        # a temperature so small (1e-308 is valid; in float32 it is 0) that logits / T
+        # overflow and softmax would be NaN: its limit, greedy, is what it asks for
+        return int(torch.argmax(logits).item())
+    probs = torch.softmax(scaled, dim=-1)
     if top_p is not None and top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_probs, dim=-1) - sorted_probs < top_p

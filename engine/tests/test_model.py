@@ -75,6 +75,16 @@ def test_sampling_is_a_function_of_seed_and_position():
     assert draws == again and draws != other
 
 
+@pytest.mark.parametrize("temperature", [1.1125369292536007e-308, 5e-324, 1e-40])
+def test_a_vanishing_temperature_samples_the_top_token(temperature):
+    # logits / T overflowed to inf and softmax gave NaN: the worker answered 500 (API fuzzer)
+    logits = torch.randn(32000, generator=torch.Generator().manual_seed(0))
+    assert sample(logits, temperature=temperature, top_p=None, seed=3, position=0) == \
+        int(torch.argmax(logits))
+    assert sample(logits, temperature=temperature, top_p=5e-324, seed=3, position=1) == \
+        int(torch.argmax(logits))
+
+
 def test_unknown_model_spec_is_refused():
     with pytest.raises(ModelNotAvailable):
         load_tokenizer("/no/such/model")

@@ -14,7 +14,8 @@ adds, as LMCache-Ascend does on NPUs (seed 000):
   (``hashes.RecordingTokenDatabase``) and returned as ``kv_transfer_params.chunk_hashes``
   from ``request_finished``; recomputed from the prompt only when none were kept. The
   forwarding memory API on ``memory_port_start`` and the kvindex registration + residency
-  reports (``services.SchedulerServices``).
+  reports (``services.SchedulerServices``); ``agentserving_hooks``, what a prefill policy
+  running in vLLM's scheduler asks of LMCache's tiers (``scheduler_hooks``).
 - worker role (TP rank k): the memory API on ``memory_port_start + 1 + k`` over LMCache's
   storage manager in this process (``storage.LMCacheStorageBackend``), started once LMCache's
   engine exists (after ``register_kv_caches``).
@@ -63,6 +64,7 @@ from .hashes import (
     merge_chunk_hashes,
     prompt_tokens,
 )
+from .scheduler_hooks import SchedulerKvHooks
 from .services import (
     SchedulerServices,
     WorkerServices,
@@ -92,6 +94,8 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         self._as_scheduler: SchedulerServices | None = None
         self._as_worker: WorkerServices | None = None
         self._as_barrier: Any = None  # the flush's key (prefill pods with a KV server)
+        # what a prefill policy in vLLM's scheduler asks of the tiers (scheduler_hooks)
+        self.agentserving_hooks: SchedulerKvHooks | None = None
         impl = self._lmcache_engine
         if role == KVConnectorRole.SCHEDULER:
             if self._as_settings.chunk_hashes and impl.lookup_client is not None:
@@ -119,6 +123,9 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
 
         self._as_scheduler = SchedulerServices(settings, world, configured_backends(config),
                                                registration, finished=self._as_finished)
+        self.agentserving_hooks = SchedulerKvHooks(
+            self._as_scheduler, lambda request: (f() if (f := self._recompute(request)) else None),
+            world_size=world)
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -18,7 +18,7 @@ import signal
 from collections.abc import Sequence
 
 from agentserving.core.clients import KvindexClient, NotFound, RequestRejected, ServiceUnavailable
-from agentserving.core.hashing import HashScheme
+from agentserving.core.hashing import DEFAULT_CHUNK_SIZE, HashScheme
 from agentserving.core.logging import get_logger
 from agentserving.core.schemas import PodRegistration, PodRole
 
@@ -77,7 +77,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="served model name")
     p.add_argument("--hash-scheme", choices=[s.value for s in HashScheme],
                    default="lmcache-builtin")
-    p.add_argument("--chunk-size", type=int, default=256)
+    p.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
     p.add_argument("--interval", type=float, default=5.0, help="lease renewal, seconds")
     p.add_argument("--engine", default="vllm-ascend", help="the pod's engine label")
     p.add_argument("--residency", default="lmcache-controller",

@@ -46,7 +46,7 @@ from pathlib import Path
 
 from agentserving.core.hashing import HashScheme
 from agentserving.engine.settings import WorkerSettings
-from agentserving.prefill.policies import POLICY_CLASSES as VLLM_POLICIES
+from agentserving.prefill.policies import SCHEDULER_POLICY_NAMES as VLLM_SCHEDULER_POLICIES
 
 CONNECTOR = "AgentServingConnectorV1"
 CONNECTOR_MODULE = "agentserving.engine.vllm.connector"
@@ -101,9 +101,17 @@ def check_settings(settings: WorkerSettings) -> None:
             raise VllmConfigError(f"{flag}: only the reference engine has it (--engine "
                                   "reference)")
     policy, _, options = settings.scheduler_policy.partition("?")
-    if policy != "fcfs" and policy not in VLLM_POLICIES:
+    if policy != "fcfs" and policy not in VLLM_SCHEDULER_POLICIES:
         raise VllmConfigError(f"--scheduler-policy {policy}: on vLLM, one of "
-                              f"{['fcfs', *VLLM_POLICIES]}")
+                              f"{['fcfs', *VLLM_SCHEDULER_POLICIES]}")
+    if policy != "fcfs":  # refused here rather than in vLLM's engine process
+        from agentserving.prefill.vllm_plugin import policy_from_spec  # numpy: not at import
+
+        try:
+            policy_from_spec(settings.scheduler_policy, settings.prefill_chunk_tokens)
+        except (ValueError, TypeError) as exc:
+            raise VllmConfigError(f"--scheduler-policy {settings.scheduler_policy}: {exc}") \
+                from exc
     if policy == "fcfs" and options:
         flag = "--chunk-align" if settings.chunk_align else "--scheduler-policy"
         raise VllmConfigError(f"{flag}: vLLM's own fcfs scheduler takes no options (use a "

@@ -172,6 +172,27 @@ def add_finished_hashes_route(app: Any, finished: ChunkHashCache) -> None:
         return {"request_id": request_id, "chunk_hashes": hashes}
 
 
+def _ignore(changes: list[Change]) -> None:
+    """Residency changes with no kvindex to report them to."""
+
+
+def add_scheduler_stats_route(app: Any, stats: Callable[[], Callable[[], dict[str, Any]] | None]
+                              ) -> None:
+    """``GET /memory/scheduler``: the live figures of the prefill policy running in this
+    pod's vLLM scheduler (``prefill.vllm_plugin``: the N+1 window's prediction quality, the
+    prefetches it started); 404 when vLLM's own scheduler runs."""
+    from agentserving.core.service import ApiError
+
+    @app.get("/memory/scheduler", tags=["memory"],
+             summary="The vLLM scheduler plugin's live figures (404 without the plugin).")
+    async def scheduler_stats() -> dict[str, Any]:
+        fn = stats()
+        if fn is None:
+            raise ApiError(404, "no AgentServing scheduler policy runs in this pod's vLLM "
+                           "scheduler (--scheduler-policy fcfs)", type="not_found_error")
+        return fn()
+
+
 class SchedulerServices:
     """Forwarding memory API + residency reporting, on one asyncio loop in its own thread."""
 
@@ -186,6 +207,9 @@ class SchedulerServices:
         self.book = ResidencyBook(chunk_bytes)
         self.reporter: KvindexReporter | None = None
         self.poller: ResidencyPoller | None = None
+        self.fanout: EngineFanout | None = None
+        # the scheduler plugin's live figures, served at GET /memory/scheduler (publish())
+        self.scheduler_stats: Callable[[], dict[str, Any]] | None = None
         self.loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
@@ -202,10 +226,11 @@ class SchedulerServices:
     async def _main(self) -> None:
         s = self.settings
         self._stop = asyncio.Event()
-        fanout = EngineFanout(s.worker_urls(self.world_size), timeout_s=5.0)
+        fanout = self.fanout = EngineFanout(s.worker_urls(self.world_size), timeout_s=5.0)
         app = forwarding_memory_app(fanout, self.backends)
         if self.finished is not None:
             add_finished_hashes_route(app, self.finished)
+        add_scheduler_stats_route(app, lambda: self.scheduler_stats)
         server = _Server(uvicorn.Config(app, host=s.memory_host, port=s.memory_port_start,
                                         log_level="warning", access_log=False))
         tasks = [asyncio.create_task(server.serve())]
@@ -215,8 +240,11 @@ class SchedulerServices:
                 heartbeat_interval_s=s.heartbeat_interval_s,
                 flush_interval_s=s.report_interval_s)
             self.reporter.start()
-            self.poller = ResidencyPoller(fanout, self.book, self.reporter.on_changes)
-            tasks.append(asyncio.create_task(self._poll_forever()))
+        # the book is also what a prefill policy in vLLM's scheduler reads tiers from
+        # (scheduler_hooks), kvindex or not
+        on_changes = self.reporter.on_changes if self.reporter is not None else _ignore
+        self.poller = ResidencyPoller(fanout, self.book, on_changes)
+        tasks.append(asyncio.create_task(self._poll_forever()))
         self._started.set()
         log.info("vllm_scheduler_services", memory_port=s.memory_port_start,
                  kvindex=s.kvindex_url, ranks=self.world_size)

@@ -27,6 +27,7 @@ from agentserving.engine.settings import WorkerSettings
 from .common import (
     KVCACHE_DIR,
     MEMORY_PORT_START,
+    POOLS,
     WORKER_PORT,
     SpecError,
     env_var,
@@ -184,10 +185,12 @@ def worker_argv(ctx: WorkerContext, values: dict[str, Any]) -> list[str]:
 
 
 def scheduler_policy(ctx: WorkerContext) -> str:
-    """The reference worker's ``--scheduler-policy``: the pool's policy, run under the
-    ShadowScheduler (its ``lookahead`` option) when kvCache.prefetch asks for it."""
+    """The worker's ``--scheduler-policy``: the pool's policy, run under the ShadowScheduler
+    (its ``lookahead`` option) when kvCache.prefetch asks for it. On vllm only a policy that
+    runs in vLLM's scheduler can (fcfs there is vLLM's own, unchanged)."""
     name, prefetch = ctx.pool["schedulerPolicy"], ctx.kv["prefetch"]
-    if prefetch["policy"] == "shadow-scheduler":
+    if prefetch["policy"] == "shadow-scheduler" and not (
+            ctx.spec["engine"]["type"] == "vllm" and name == "fcfs"):
         return f"{name}?lookahead={prefetch['lookahead']}"
     return name
 
@@ -213,7 +216,7 @@ def vllm_agentserving_worker(ctx: WorkerContext) -> dict[str, Any]:
     values = {"engine": "vllm", **worker_values(ctx),
               "tensor_parallel_size": ctx.tensor_parallel}
     if ctx.pool["schedulerPolicy"] != "fcfs":  # a prefill policy as vLLM's --scheduler-cls
-        values["scheduler_policy"] = ctx.pool["schedulerPolicy"]
+        values["scheduler_policy"] = scheduler_policy(ctx)
     if ctx.kvserver_url:
         values["kv_transfer_url"] = ctx.kvserver_url
     values["vllm_args"] = vllm_args
@@ -298,8 +301,14 @@ def validate_engine(spec: dict[str, Any]) -> None:
     if "lookahead" in prefetch and prefetch["policy"] != "shadow-scheduler":
         raise SpecError("spec.kvCache.prefetch.lookahead", "only the shadow-scheduler "
                         f"prefetch policy looks ahead (policy is {prefetch['policy']})")
+    if engine == "vllm" and prefetch["policy"] == "shadow-scheduler" and all(
+            spec[role]["schedulerPolicy"] == "fcfs" for role in POOLS):
+        raise SpecError("spec.kvCache.prefetch.policy", "the ShadowScheduler runs a prefill "
+                        "policy ahead inside vLLM's scheduler, and every pool runs vLLM's own "
+                        "(schedulerPolicy fcfs): set spec.prefill.schedulerPolicy to "
+                        "longcap-dynamic, or prefetch policy none")
     if engine != "reference":
-        if prefetch["policy"] != "none":
+        if engine != "vllm" and prefetch["policy"] != "none":
             raise SpecError("spec.kvCache.prefetch.policy",
                             f"{engine} has no ShadowScheduler: only none")
         return

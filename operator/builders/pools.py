@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from agentserving.prefill.policies import POLICY_CLASSES as VLLM_POLICIES
+from agentserving.prefill.policies import SCHEDULER_POLICY_NAMES as VLLM_SCHEDULER_POLICIES
 
 from .common import (
     CONFIG_DIR,
@@ -63,9 +63,9 @@ def _validate_scheduler_policy(inst: Instance, role: str) -> None:
     prefetch = inst.spec["kvCache"]["prefetch"]["policy"]
     where = f"spec.{role}.schedulerPolicy"
     if engine == "vllm":
-        if policy != "fcfs" and policy not in VLLM_POLICIES:
+        if policy != "fcfs" and policy not in VLLM_SCHEDULER_POLICIES:
             raise SpecError(where, f"vllm pods run vLLM's own scheduler (fcfs) or one of "
-                            f"{sorted(VLLM_POLICIES)} inside it")
+                            f"{sorted(VLLM_SCHEDULER_POLICIES)} inside it")
     elif engine != "reference":
         if policy != "fcfs":
             raise SpecError(where, f"{engine} pods run vLLM's own scheduler: only fcfs")
@@ -73,7 +73,7 @@ def _validate_scheduler_policy(inst: Instance, role: str) -> None:
         raise SpecError(where, "fcfs, the engine's built-in FCFS, cannot run under the "
                         "ShadowScheduler (kvCache.prefetch.policy shadow-scheduler): use "
                         "fcfs-chunk, or prefetch policy none")
-    elif policy == "shadow" and prefetch != "shadow-scheduler":
+    if policy == "shadow" and prefetch != "shadow-scheduler":
         raise SpecError(where, "shadow is the ShadowScheduler, which kvCache.prefetch.policy "
                         f"{prefetch} turns off: use its base policy, longcap-dynamic")
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from agentserving.core.argv import render_argv
+from agentserving.core.argv import settings_argv
 from agentserving.kvindex.cli import command as kvindex_command
 from agentserving.kvindex.settings import KvindexSettings
 from agentserving.proxy.cli import command as proxy_command
@@ -89,10 +89,9 @@ def _argv(subcommand: str, command: Any, settings_cls: type[BaseModel], where: s
           values: dict[str, Any]) -> list[str]:
     """``agentserving SUBCOMMAND`` with ``values``, validated by the service's settings."""
     try:
-        settings = settings_cls(**values)
+        return ["agentserving", subcommand, *settings_argv(command, settings_cls, values)]
     except ValidationError as exc:
         raise SpecError(where, f"the {subcommand} refuses it: {exc.errors()[0]['msg']}") from exc
-    return ["agentserving", subcommand, *render_argv(command, settings, values)]
 
 
 def kvindex_argv(inst: Instance) -> list[str]:

@@ -3,7 +3,9 @@
 ``FleetSpec`` says how many prefill, decode and both-role workers, which kvindex store, which
 routing and cache settings; ``build(spec)`` picks free loopback ports and returns the
 ``ProcessSpec`` of every process, in start order, with the command lines of
-``agentserving kvindex``, ``agentserving worker`` and ``agentserving proxy``.
+``agentserving kvindex``, ``agentserving worker`` and ``agentserving proxy``, each rendered
+from that service's own settings through its own command (``core.argv``), as the operator
+renders its pods': a flag the command lacks or a value its settings refuse fails here.
 """
 
 from __future__ import annotations
@@ -16,8 +18,15 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentserving.core.hashing import ENGINE_HASH_SCHEMES, HashScheme
+from agentserving.core.argv import settings_argv
+from agentserving.core.hashing import DEFAULT_CHUNK_SIZE, ENGINE_HASH_SCHEMES, HashScheme
 from agentserving.core.ports import bindable, pickable_ports
+from agentserving.engine.cli import command as worker_command
+from agentserving.engine.settings import WorkerSettings
+from agentserving.kvindex.cli import command as kvindex_command
+from agentserving.kvindex.settings import KvindexSettings
+from agentserving.proxy.cli import command as proxy_command
+from agentserving.proxy.settings import ProxySettings
 from agentserving.replay.fleet.process import ProcessSpec
 
 LOOPBACK = "127.0.0.1"
@@ -68,7 +77,7 @@ class FleetSpec:
     # LMCache server carries the prefill -> decode hand-off)
     engine: str = "reference"
     routing: str = "kv-aware"
-    chunk_size: int = 256
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     hash_scheme: str | None = None  # None: the engine's own (blake3; vLLM lmcache-builtin)
     # vLLM: every worker publishes its KV events to the kvindex, which a registrar process per
     # worker keeps it registered for (plain vLLM pods; the proxy then hashes prompts the vLLM
@@ -105,6 +114,11 @@ def kv_events_dir(run_dir: Path) -> Path:
     return Path(tempfile.gettempdir()) / f"agentserving-kv-events-{digest}"
 
 
+def disk_root(spec: FleetSpec, run_dir: Path) -> Path:
+    """Where the workers' disk-tier folders go (one per worker below it)."""
+    return spec.disk_cache_root or run_dir / "disk"
+
+
 def _workers(spec: FleetSpec) -> list[tuple[str, str]]:
     """(role, name) of every worker, in start order. With decode workers, the prefill pool
     only prefills; without, it does both."""
@@ -139,13 +153,13 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
               for _, name in workers} if spec.kv_events else {}
     out.append(ProcessSpec(
         name="kvindex", role="kvindex", url=kv_url, env=dict(spec.env),
-        argv=[*cmd, "kvindex", "--host", LOOPBACK, "--port", str(kv_port),
-              "--store", spec.kvindex,
-              *(arg for name, ep in events.items() for arg in ("--vllm-events",
-                                                                f"{name}={ep}"))],
+        argv=[*cmd, "kvindex", *settings_argv(kvindex_command, KvindexSettings, {
+            "host": LOOPBACK, "port": kv_port, "store": spec.kvindex}),
+              *(f"--vllm-events={name}={ep}" for name, ep in events.items())],
         startup_timeout_s=30.0))
-    engine_args = ["--engine", spec.engine] if spec.engine != "reference" else []
-    engine_args += ["--hash-scheme", spec.hash_scheme or ENGINE_HASH_SCHEMES[spec.engine].value]
+    common = {"model": spec.model, "kvindex_url": kv_url, "cpu_cache_gib": spec.cpu_cache_gib,
+              "chunk_size": spec.chunk_size, "engine": spec.engine,
+              "hash_scheme": spec.hash_scheme or ENGINE_HASH_SCHEMES[spec.engine].value}
     if spec.engine == "vllm" and spec.prefill and spec.decode:
         from agentserving.engine.vllm.serve_command import lmcache_server_argv
 
@@ -153,28 +167,27 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
         out.append(ProcessSpec(
             name="kvserver", role="kvserver", env=dict(spec.env), startup_timeout_s=60.0,
             argv=lmcache_server_argv(LOOPBACK, server_port)))
-        engine_args += ["--kv-transfer-url", f"lm://{LOOPBACK}:{server_port}"]
+        common["kv_transfer_url"] = f"lm://{LOOPBACK}:{server_port}"
     prefill_urls: list[str] = []
     decode_urls: list[str] = []
     for role, name in workers:
         port = ports.one()
         mem = ports.run(4)  # scheduler + engine processes (memory API, seed 000)
         url = f"http://{LOOPBACK}:{port}"
-        argv = [*(spec.worker_command or [*cmd, "worker"]), "--role", role, "--port", str(port),
-                "--memory-port-start", str(mem), "--model", spec.model, "--pod-name", name,
-                "--kvindex", kv_url, "--cpu-cache-gib", f"{spec.cpu_cache_gib:g}",
-                "--chunk-size", str(spec.chunk_size), *engine_args]
+        values = {"role": role, "port": port, "memory_port_start": mem, "pod_name": name,
+                  **common}
         if spec.disk_cache_gib > 0:
-            disk = (spec.disk_cache_root or run_dir / "disk") / name
-            argv += ["--disk-cache-dir", str(disk), "--disk-cache-gib",
-                     f"{spec.disk_cache_gib:g}"]
-        argv += [*spec.worker_args, *spec.role_args.get(role, [])]
+            values.update(disk_cache_dir=disk_root(spec, run_dir) / name,
+                          disk_cache_gib=spec.disk_cache_gib)
+        if name in events:
+            values["kv_events_endpoint"] = events[name]
+        argv = [*(spec.worker_command or [*cmd, "worker"]),
+                *settings_argv(worker_command, WorkerSettings, values),
+                *spec.worker_args, *spec.role_args.get(role, [])]
         env = {**spec.env, **spec.worker_env}
         if spec.engine == "vllm":  # vLLM binds its worker to core 0 unless told: spread them
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                            str((len(prefill_urls) + len(decode_urls)) % (os.cpu_count() or 1)))
-        if name in events:
-            argv += ["--kv-events-endpoint", events[name]]
         out.append(ProcessSpec(name=name, role=role, url=url, argv=argv, env=env,
                                startup_timeout_s=spec.startup_timeout_s,
                                memory_url=f"http://{LOOPBACK}:{mem}"))
@@ -183,13 +196,10 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
         (decode_urls if role == "decode" else prefill_urls).append(url)
     if spec.proxy and (prefill_urls or decode_urls):
         port = spec.proxy_port or ports.one()
-        argv = [*cmd, "proxy", "--host", LOOPBACK, "--port", str(port), "--kvindex", kv_url,
-                "--routing", spec.routing, "--chunk-size", str(spec.chunk_size)]
-        for url in prefill_urls:
-            argv += ["--prefill", url]
-        for url in decode_urls:
-            argv += ["--decode", url]
-        argv += spec.proxy_args
+        argv = [*cmd, "proxy", *settings_argv(proxy_command, ProxySettings, {
+            "host": LOOPBACK, "port": port, "kvindex_url": kv_url, "routing": spec.routing,
+            "chunk_size": spec.chunk_size, "prefill_urls": prefill_urls,
+            "decode_urls": decode_urls}), *spec.proxy_args]
         out.append(ProcessSpec(name="proxy", role="proxy", url=f"http://{LOOPBACK}:{port}",
                                argv=argv, env=dict(spec.env), startup_timeout_s=60.0))
     return out

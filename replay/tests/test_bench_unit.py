@@ -55,8 +55,10 @@ def test_the_vllm_configurations_share_pods_and_device_kv(tmp_path):
         flags = dict(zip(spec.worker_args[1::2], spec.worker_args[2::2], strict=False))
         assert flags["--kv-cache-blocks"] == "100"
         assert flags["--max-model-len"] == str(99 * VLLM_BLOCK_TOKENS)  # less vLLM's null block
-    assert cand.role_args["prefill"] == ["--scheduler-policy", "longcap-dynamic"]
-    assert fcfs.role_args["prefill"] == ["--scheduler-policy", "fcfs"]  # the ablation
+    assert cand.role_args["prefill"] == ["--scheduler-policy", "longcap-dynamic?lookahead=5"]
+    assert fcfs.role_args["prefill"] == ["--scheduler-policy", "fcfs"]  # the ablations
+    assert s["agentserving-noprefetch"].role_args["prefill"] == ["--scheduler-policy",
+                                                                 "longcap-dynamic"]
     assert "decode" not in cand.role_args  # the reference engine's decode-pod policy only
     assert cand.proxy_args == ["--max-prefill-backlog", "1"]  # first turns may go local
     precise = s["vllm-precise"]

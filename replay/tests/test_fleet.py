@@ -21,6 +21,15 @@ from agentserving.replay.fleet.supervisor import Fleet
 from agentserving.replay.fleet.topology import FleetSpec, PortAllocator, build
 from agentserving.replay.testing import pid_alive
 
+
+def parsed(spec: ProcessSpec) -> dict:
+    """The parameters the process's own command parses from its rendered command line."""
+    from agentserving.core.cli import SUBCOMMANDS, main
+
+    sub = next(i for i, a in enumerate(spec.argv) if a in SUBCOMMANDS)
+    command = main.get_command(None, spec.argv[sub])  # type: ignore[arg-type]
+    return command.make_context(spec.argv[sub], list(spec.argv[sub + 1:])).params
+
 AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 
 
@@ -127,16 +136,15 @@ def test_topologies():
     assert [(p.name, p.role) for p in pd] == [("kvindex", "kvindex"), ("prefill-0", "prefill"),
                                               ("decode-0", "decode"), ("decode-1", "decode"),
                                               ("proxy", "proxy")]
-    assert pd[0].argv[-2:] == ["--store", "redis://127.0.0.1:1/0"]
-    w = pd[1].argv
-    assert w[w.index("--kvindex") + 1] == pd[0].url
-    assert w[w.index("--disk-cache-dir") + 1] == "/tmp/r/disk/prefill-0"
-    assert w[w.index("--chunk-size") + 1] == "256" and "--hash-scheme" in w
-    proxy = pd[-1].argv
-    assert proxy[proxy.index("--routing") + 1] == "kv-aware"
-    assert [proxy[i + 1] for i, a in enumerate(proxy) if a == "--decode"] == \
-        [pd[2].url, pd[3].url]
-    assert [proxy[i + 1] for i, a in enumerate(proxy) if a == "--prefill"] == [pd[1].url]
+    assert parsed(pd[0])["store"] == "redis://127.0.0.1:1/0"
+    w = parsed(pd[1])
+    assert w["kvindex_url"] == pd[0].url and w["role"] == "prefill"
+    assert str(w["disk_cache_dir"]) == "/tmp/r/disk/prefill-0" and w["disk_cache_gib"] == 2
+    assert w["chunk_size"] == 256 and w["hash_scheme"] == "blake3"
+    proxy = parsed(pd[-1])
+    assert proxy["routing"] == "kv-aware"
+    assert list(proxy["decode_urls"]) == [pd[2].url, pd[3].url]
+    assert list(proxy["prefill_urls"]) == [pd[1].url]
     urls = [p.url for p in pd]
     assert len(set(urls)) == len(urls)
     mem = [int(p.argv[p.argv.index("--memory-port-start") + 1]) for p in pd[1:4]]
@@ -146,8 +154,8 @@ def test_topologies():
                            cpu_cache_gib=0.001), Path("/tmp/r"), ports)
     assert [p.role for p in base] == ["kvindex", "both", "both", "proxy"]
     assert "--disk-cache-dir" not in base[1].argv
-    assert base[1].argv[base[1].argv.index("--cpu-cache-gib") + 1] == "0.001"
-    assert base[-1].argv.count("--prefill") == 2 and "--decode" not in base[-1].argv
+    assert parsed(base[1])["cpu_cache_gib"] == 0.001
+    assert len(parsed(base[-1])["prefill_urls"]) == 2 and not parsed(base[-1])["decode_urls"]
     # no decode pool: the prefill workers do both
     solo = build(FleetSpec(prefill=1, decode=0), Path("/tmp/r"), ports)
     assert solo[1].role == "both" and solo[1].name == "prefill-0"
@@ -250,15 +258,12 @@ def test_kv_events_give_every_worker_a_stream_the_kvindex_reads_and_a_registrar(
     spec = FleetSpec(engine="vllm", prefill=0, decode=0, both=2, kv_events=True,
                      chunk_size=128)
     procs = {p.name: p for p in build(spec, tmp_path)}
-    kvindex = procs["kvindex"].argv
-    streams = dict(kvindex[i + 1].split("=", 1) for i, a in enumerate(kvindex)
-                   if a == "--vllm-events")
+    streams = dict(e.split("=", 1) for e in parsed(procs["kvindex"])["vllm_events"])
     assert sorted(streams) == ["worker-0", "worker-1"]
     assert len(set(streams.values())) == 2 and all(ep.startswith("ipc://")
                                                    for ep in streams.values())
     for name, endpoint in streams.items():
-        worker = procs[name].argv
-        assert worker[worker.index("--kv-events-endpoint") + 1] == endpoint
+        assert parsed(procs[name])["kv_events_endpoint"] == endpoint
         reg = procs[f"{name}-registrar"].argv
         flags = dict(zip(reg[3::2], reg[4::2], strict=False))
         assert reg[1:3] == ["-m", "agentserving.engine.vllm.registrar"]
@@ -269,7 +274,8 @@ def test_kv_events_give_every_worker_a_stream_the_kvindex_reads_and_a_registrar(
     assert sockets and all(len(a) - len("ipc://") <= 100 for a in sockets)
     assert len(set(sockets)) == 2  # one per worker
     plain = build(FleetSpec(engine="vllm", prefill=0, decode=0, both=2), tmp_path)
-    assert not any(p.role == "registrar" or "--vllm-events" in p.argv for p in plain)
+    assert not any(p.role == "registrar" or any(a.startswith("--vllm-events") for a in p.argv)
+                   for p in plain)
 
 
 def test_fleet_ports_lie_below_the_ephemeral_range():

@@ -15,6 +15,7 @@ from agentserving.replay.report import (
     comparisons_for,
     config_rows,
     print_report,
+    shadow_figures,
     table_rows,
 )
 
@@ -105,6 +106,22 @@ def test_every_baseline_gets_its_own_ratios_and_targets():
     assert "MISSED vs vllm-session: req_per_s_ratio = 1.250 (target >= 1.3)" in text
     rows = {r[0]: r for r in config_rows(report)}
     assert rows["vllm-session"][-2] == "x1.25 / x0.60" and rows["agentserving"][-2] == "-"
+
+
+def test_the_live_n_plus_1_figures_are_summed_over_pods_and_printed():
+    def pod(tp, fp, fn, tn, chunks, used, landed, alive):
+        return {"n_plus_1_prediction": {"tp": tp, "fp": fp, "fn": fn, "tn": tn},
+                "prefetch": {"chunks": chunks, "used": used, "landed": landed, "alive": alive}}
+
+    cand = {**_summary(), "scheduler": {"prefill-0": pod(8, 2, 1, 9, 10, 9, 10, 9),
+                                        "prefill-1": pod(1, 0, 1, 8, 0, 0, 0, 0)}}
+    fig = shadow_figures(cand)
+    assert fig["precision"] == 9 / 11 and fig["recall"] == 9 / 11
+    assert fig["accuracy"] == 26 / 30 and fig["consumption_precision"] == 0.9
+    assert fig["survival"] == 0.9 and fig["prefetch"] == {"chunks": 10, "used": 9, "landed": 10}
+    assert shadow_figures(_summary()) is None  # vLLM's own scheduler: nothing to report
+    text = print_report(build_report({"vllm-rr": _summary(), "agentserving": cand}), title="t")
+    assert "N+1 window agentserving: accuracy 86.7% (95.88%), precision 81.8% (91.24%)" in text
 
 
 def test_summarize_counts_sessions_and_percentiles():

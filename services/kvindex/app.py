@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from agentserving.core.service import (
     ApiError,
+    error_responses,
     install_error_handlers,
     install_health_route,
     install_metrics_route,
@@ -78,7 +79,8 @@ def create_app(settings: KvindexSettings, index: Index | None = None,
     install_metrics_route(app, registry)
     install_health_route(app)
 
-    @app.get("/readyz", tags=["health"], summary="The store behind the index answers.")
+    @app.get("/readyz", tags=["health"], responses=error_responses(503),
+             summary="The store behind the index answers.")
     async def readyz() -> dict[str, str]:
         st: KvindexState = app.state.kv
         try:

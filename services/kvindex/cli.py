@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import click
 
-from agentserving.core.cli import option
+from agentserving.core.cli import option, settings_option
 from agentserving.kvindex.settings import KvindexSettings
+
+setting = settings_option(KvindexSettings)
 
 
 def _parse_pairs(values: tuple[str, ...], flag: str, form: str) -> dict[str, str]:
@@ -20,29 +22,29 @@ def _parse_pairs(values: tuple[str, ...], flag: str, form: str) -> dict[str, str
 
 
 @click.command("kvindex")
-@option("--host", default="127.0.0.1", help="Address to bind (0.0.0.0 in a pod).")
-@option("--port", type=click.IntRange(0, 65535), default=8300, help="HTTP port.")
-@option("--store", default="memory",
-        help="'memory' (one process, lost on exit) or a Redis URL, e.g. redis://redis:6379/0.")
-@option("--lease-ttl", "lease_ttl_s", type=click.FloatRange(min=0.01), default=15.0,
-        help="Seconds a pod stays registered without a heartbeat.")
-@option("--reap-interval", "reap_interval_s", type=click.FloatRange(min=0.01), default=1.0,
-        help="Seconds between sweeps that drop pods whose lease lapsed.")
-@option("--max-batch-chunks", type=click.IntRange(min=1), default=65536,
-        help="Most chunk hashes one request may carry (more: 413).")
-@option("--fanout-timeout", "fanout_timeout_s", type=click.FloatRange(min=0.01), default=2.0,
-        help="Seconds to wait for each pod's memory API during prefetch/evict fan-out.")
+@setting("--host", help="Address to bind (0.0.0.0 in a pod).")
+@setting("--port", type=click.IntRange(0, 65535), help="HTTP port.")
+@setting("--store",
+         help="'memory' (one process, lost on exit) or a Redis URL, e.g. redis://redis:6379/0.")
+@setting("--lease-ttl", "lease_ttl_s", type=click.FloatRange(min=0.01),
+         help="Seconds a pod stays registered without a heartbeat.")
+@setting("--reap-interval", "reap_interval_s", type=click.FloatRange(min=0.01),
+         help="Seconds between sweeps that drop pods whose lease lapsed.")
+@setting("--max-batch-chunks", type=click.IntRange(min=1),
+         help="Most chunk hashes one request may carry (more: 413).")
+@setting("--fanout-timeout", "fanout_timeout_s", type=click.FloatRange(min=0.01),
+         help="Seconds to wait for each pod's memory API during prefetch/evict fan-out.")
 @option("--vllm-events", multiple=True, metavar="POD=ENDPOINT",
         help="Subscribe to a vLLM KV event stream (ZMQ PUB) on behalf of POD; repeatable.")
-@option("--lmcache-controller", default=None, metavar="tcp://HOST:PORT",
-        help="Act as LMCache's controller for its workers: PULL on PORT, ROUTER on PORT+1.")
-@option("--lmcache-controller-reply", default=None, metavar="tcp://HOST:PORT",
-        help="Where LMCache workers' requests (DEALER) connect; default PORT+1.")
+@setting("--lmcache-controller", metavar="tcp://HOST:PORT",
+         help="Act as LMCache's controller for its workers: PULL on PORT, ROUTER on PORT+1.")
+@setting("--lmcache-controller-reply", metavar="tcp://HOST:PORT",
+         help="Where LMCache workers' requests (DEALER) connect; default PORT+1.")
 @option("--lmcache-instance", multiple=True, metavar="INSTANCE=POD",
         help="Name the pod of an LMCache instance id (default: the id itself); repeatable.")
-@option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
-        default="info", help="Log level.")
-@option("--log-json/--log-console", default=True, help="JSON log lines, or readable ones.")
+@setting("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+         help="Log level.")
+@setting("--log-json/--log-console", help="JSON log lines, or readable ones.")
 def command(**kwargs: object) -> None:
     """Run the kvindex: the cluster's directory of where every KV chunk lives."""
     import uvicorn

@@ -27,7 +27,7 @@ from agentserving.engine.scheduler.request import EngineRequest, RequestState
 from agentserving.prefill.policies import build_policy
 from agentserving.prefill.policies.base import PurePolicy
 from agentserving.prefill.policies.types import ReqView, SchedState
-from agentserving.prefill.shadow import ShadowScheduler
+from agentserving.prefill.shadow import ShadowScheduler, split_shadow_options
 
 
 class EnginePolicy:
@@ -98,13 +98,11 @@ class EnginePolicy:
 
 ENGINE_POLICIES = ("fcfs-nochunk", "fcfs-chunk", "longcap-dynamic", "shadow")
 _INT_OPTS = {"step_tokens", "short_tokens", "min_chunk", "max_long_running", "chunk_align",
-             "long_chunk_max", "short_step", "shorts_per_step",
-             "lookahead", "prefetch_window", "kv_capacity_tokens", "block_size",
-             "chunk_tokens"}
+             "long_chunk_max", "short_step", "shorts_per_step", "kv_capacity_tokens",
+             "block_size", "chunk_tokens"}
 
 
-_FLOAT_OPTS = {"long_cap", "context_cost", "split_overhead", "attention_cost", "step_cost",
-               "robust"}
+_FLOAT_OPTS = {"long_cap", "context_cost", "split_overhead", "attention_cost", "step_cost"}
 
 
 def make_engine_policy(name: str, chunk_tokens: int, **options: Any) -> EnginePolicy:
@@ -113,10 +111,7 @@ def make_engine_policy(name: str, chunk_tokens: int, **options: Any) -> EnginePo
     step budget to 4x it."""
     opts = {k: (int(v) if k in _INT_OPTS else float(v) if k in _FLOAT_OPTS else v)
             for k, v in options.items()}
-    lookahead = opts.pop("lookahead", 5 if name == "shadow" else 0)
-    window = opts.pop("prefetch_window", 1)
-    shadow_kw = {"robust": opts.pop("robust", 0.0),
-                 "commit": str(opts.pop("commit", "0")).lower() in ("1", "true", "yes")}
+    shadow_kw, opts = split_shadow_options(opts, 5 if name == "shadow" else 0)
     engine_kw = {k: opts.pop(k) for k in ("kv_capacity_tokens", "block_size") if k in opts}
     base = opts.pop("base", "longcap-dynamic") if name == "shadow" else name
     if base == "fcfs-chunk":
@@ -126,5 +121,5 @@ def make_engine_policy(name: str, chunk_tokens: int, **options: Any) -> EnginePo
     if base == "longcap-dynamic":
         opts.setdefault("min_chunk", chunk_tokens)
     policy = build_policy(base, **opts)
-    shadow = ShadowScheduler(policy, lookahead, window, **shadow_kw) if lookahead else None
+    shadow = ShadowScheduler(policy, **shadow_kw) if shadow_kw else None
     return EnginePolicy(policy, shadow=shadow, **engine_kw)

@@ -26,7 +26,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import Response, StreamingResponse
 
 from agentserving.core.logging import get_logger
-from agentserving.core.service import ApiError
+from agentserving.core.service import ApiError, error_responses
 from agentserving.engine.kv import handoff_wire
 
 log = get_logger(__name__)
@@ -136,7 +136,10 @@ def handoff_router(registry: HandoffRegistry) -> APIRouter:
     router = APIRouter(prefix="/v1/kv", tags=["kv-handoff"])
 
     @router.get("/{transfer_id}", summary="Pull (once) the KV a prefill kept for this transfer.",
-                response_class=StreamingResponse)
+                response_class=StreamingResponse, responses={
+                    200: {"description": "The KV frames (agentserving's hand-off wire format).",
+                          "content": {"application/octet-stream": {}}},
+                    **error_responses(400, 404)})
     def pull(transfer_id: str, start: int = Query(
             0, ge=0, description="First prompt token to send (the puller holds the ones "
                                  "before)")) -> StreamingResponse:
@@ -154,6 +157,7 @@ def handoff_router(registry: HandoffRegistry) -> APIRouter:
                                  headers={"x-kv-bytes": str(entry.nbytes)})
 
     @router.delete("/{transfer_id}", status_code=204, response_class=Response,
+                   responses=error_responses(404),
                    summary="Release a transfer's pinned KV without pulling it.")
     def release(transfer_id: str) -> Response:
         if not registry.release(transfer_id):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -336,3 +338,103 @@ class ShadowScheduler:
     def observe_step(self, decision: Decision, state: SchedState, seconds: float) -> None:
         """A measured step: the decision that ran, the state it ran on, its seconds."""
         self.model.observe_step(decision, state, seconds)
+
+
+# ------------------------------------------------------------------ options and scores
+
+SHADOW_OPTIONS = ("lookahead", "prefetch_window", "robust", "commit")
+# Seed 003's ShadowScheduler on its live system: the N+1 window (``WindowScore.rates``) and its
+# prefetches (``PrefetchScore.as_dict``)
+SEED_003_N1 = {"accuracy": 0.9588, "precision": 0.9124, "recall": 0.9307,
+               "consumption_precision": 0.9919, "survival": 0.9950}
+
+
+def split_shadow_options(opts: dict[str, Any], default_lookahead: int = 0
+                         ) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(ShadowScheduler keyword arguments, the policy's own options) from one option dict of
+    a ``--scheduler-policy NAME?opt=value`` spec, values as strings or numbers. The shadow is
+    wanted when ``lookahead`` (after defaulting) is above 0; the first dict is then
+    ``ShadowScheduler(policy, **it)``'s, else empty."""
+    rest = dict(opts)
+    lookahead = int(rest.pop("lookahead", default_lookahead))
+    given = [k for k in SHADOW_OPTIONS[1:] if k in rest]
+    window = int(rest.pop("prefetch_window", 1))
+    robust = float(rest.pop("robust", 0.0))
+    commit = str(rest.pop("commit", "0")).lower() in ("1", "true", "yes")
+    if lookahead <= 0:
+        if given:
+            raise ValueError(f"{given[0]}: a ShadowScheduler option, and lookahead is "
+                             f"{lookahead} (no ShadowScheduler): set lookahead >= 1")
+        return {}, rest
+    return {"lookahead": lookahead, "prefetch_window": window, "robust": robust,
+            "commit": commit}, rest
+
+
+@dataclasses.dataclass
+class WindowScore:
+    """How well the N+1 window predicted the next step's admissions: every request waiting
+    at step N is a positive (in the window) or a negative, and it was admitted at step N+1
+    or not. ``new_arrivals`` counts the admissions at N+1 of requests that were not waiting
+    at N (no prediction could name them: recall counts them only in
+    ``recall_incl_new_arrivals``). The same score for the simulator and the live engine."""
+
+    tp: int = 0
+    fp: int = 0
+    fn: int = 0
+    tn: int = 0
+    new_arrivals: int = 0
+
+    def add(self, window: frozenset[str] | set[str], waiting: Sequence[str],
+            admitted: set[str] | frozenset[str]) -> None:
+        for rid in waiting:
+            p, a = rid in window, rid in admitted
+            if p and a:
+                self.tp += 1
+            elif p:
+                self.fp += 1
+            elif a:
+                self.fn += 1
+            else:
+                self.tn += 1
+        self.new_arrivals += len(set(admitted) - set(waiting))
+
+    def rates(self) -> dict[str, float | None]:
+        """None where nothing was counted (no request ever waited through a step: the
+        window had nothing to predict)."""
+        tp, fp, fn, tn = self.tp, self.fp, self.fn, self.tn
+        return {"accuracy": ratio(tp + tn, tp + fp + fn + tn), "precision": ratio(tp, tp + fp),
+                "recall": ratio(tp, tp + fn),
+                "recall_incl_new_arrivals": ratio(tp, tp + fn + self.new_arrivals)}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"tp": self.tp, "fp": self.fp, "fn": self.fn, "tn": self.tn,
+                "fn_new_arrivals": self.new_arrivals, **self.rates()}
+
+
+@dataclasses.dataclass
+class PrefetchScore:
+    """What the prefetches were worth at their requests' admission: ``chunks`` asked to
+    move disk -> DRAM, ``used`` of them in DRAM when the request was admitted (the disk
+    reads saved: consumption), ``landed`` of them the prefetch had loaded by then, ``alive``
+    of those still in DRAM (survival: lost only to eviction in between)."""
+
+    chunks: int = 0
+    used: int = 0
+    landed: int = 0
+    alive: int = 0
+
+    def add(self, chunks: int, used: int, landed: int, alive: int) -> None:
+        self.chunks += chunks
+        self.used += used
+        self.landed += landed
+        self.alive += alive
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"chunks": self.chunks, "used": self.used, "landed": self.landed,
+                "alive": self.alive, "consumption_precision": ratio(self.used, self.chunks),
+                "survival": ratio(self.alive, self.landed)}
+
+
+def ratio(part: float, whole: float) -> float | None:
+    """part / whole, None when there is no whole (a figure of nothing is not 0 %)."""
+    return part / whole if whole else None

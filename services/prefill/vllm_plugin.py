@@ -42,29 +42,42 @@ decoding, async scheduling (``AsyncScheduler``), the priority queue.
 
 from __future__ import annotations
 
+import collections
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from agentserving.core.schemas import Tier
 from agentserving.prefill.policies import POLICY_CLASSES, build_policy
 from agentserving.prefill.policies.base import PurePolicy
 from agentserving.prefill.policies.types import Decision, ReqView, SchedState
+from agentserving.prefill.shadow import (
+    PrefetchScore,
+    ShadowScheduler,
+    WindowScore,
+    split_shadow_options,
+)
 
 POLICY_ENV = "AGENTSERVING_PREFILL_POLICY"
+# "0": the ShadowScheduler's prefetches are not measured at admission (the measurement reads
+# the ranks' residency once per step that admits a prefetched request)
+MEASURE_ENV = "AGENTSERVING_SHADOW_MEASURE"
 
 
 # ------------------------------------------------------------------ pure translation
 
 def views_from_vllm(waiting: Iterable[Any], running: Iterable[Any],
-                    cached: Callable[[Any], int] | None = None) -> tuple[
+                    cached: Callable[[Any], int] | None = None,
+                    disk: Callable[[Any], tuple[str, ...]] | None = None) -> tuple[
         tuple[ReqView, ...], tuple[ReqView, ...]]:
     """vLLM ``Request``s (``request_id``, ``arrival_time``, ``num_prompt_tokens``,
     ``num_computed_tokens``, ``num_cached_tokens``) -> ``ReqView``s. Decode progress is not
     planned by the policy (``decode_left`` 0: a prefill pod). A waiting request's cached
-    prefix is ``cached(request)`` (the scheduler's prefix-cache lookup): vLLM itself only knows
-    it once the request is scheduled, and without it a short append to a long cached context
-    looks like a long prompt."""
+    prefix is ``cached(request)`` (the scheduler's prefix-cache lookup, and LMCache's tiers):
+    vLLM itself only knows it once the request is scheduled, and without it a short append to
+    a long cached context looks like a long prompt. ``disk(request)``: its chunks LMCache holds
+    on disk only (what the ShadowScheduler prefetches)."""
     def view(r: Any, is_running: bool) -> ReqView:
         if is_running:
             computed = r.num_computed_tokens
@@ -72,7 +85,8 @@ def views_from_vllm(waiting: Iterable[Any], running: Iterable[Any],
             known = getattr(r, "num_cached_tokens", 0) or 0
             computed = max(0, known, cached(r) if cached is not None else 0)
         return ReqView(r.request_id, float(r.arrival_time), int(r.num_prompt_tokens),
-                       computed=int(min(computed, r.num_prompt_tokens)), running=is_running)
+                       computed=int(min(computed, r.num_prompt_tokens)), running=is_running,
+                       disk_chunks=disk(r) if disk is not None and not is_running else ())
 
     return (tuple(view(r, False) for r in waiting), tuple(view(r, True) for r in running))
 
@@ -104,44 +118,162 @@ def clip(grants: dict[str, int] | None, request: Any, num_new_tokens: int) -> in
     return min(num_new_tokens, grants.get(request.request_id, 0))
 
 
+def lmcache_plan(device_cached: int, hashes: Sequence[str], tiers: Sequence[Tier | None],
+                 chunk_tokens: int, prompt_tokens: int) -> tuple[int, tuple[str, ...]]:
+    """(cached prompt tokens, disk-only chunks worth prefetching) of a waiting request whose
+    first ``device_cached`` tokens are in vLLM's prefix cache and whose LMCache chunks lie in
+    ``tiers``. LMCache loads the leading run of chunks it holds in any tier, so that run is
+    cached too (capped one token short of the prompt: vLLM always computes the last one);
+    its disk-only chunks past the device prefix are what a prefetch moves to DRAM."""
+    lead = 0
+    while lead < len(tiers) and tiers[lead] is not None:
+        lead += 1
+    cached = max(device_cached, min(lead * chunk_tokens, prompt_tokens - 1))
+    first = device_cached // chunk_tokens
+    disk = tuple(h for h, t in zip(hashes[first:lead], tiers[first:lead], strict=True)
+                 if t is Tier.DISK)
+    return cached, disk
+
+
 class PolicyGlue:
     """The state a scheduler subclass keeps: the policy and the pod's KV shape."""
 
-    def __init__(self, policy: PurePolicy, *, kv_capacity_tokens: int, block_size: int,
-                 max_running: int) -> None:
+    def __init__(self, policy: PurePolicy | ShadowScheduler, *, kv_capacity_tokens: int,
+                 block_size: int, max_running: int) -> None:
         self.policy = policy
         self.kv_capacity_tokens = kv_capacity_tokens
         self.block_size = block_size
         self.max_running = max_running
 
+    def state(self, waiting: Iterable[Any], running: Iterable[Any],
+              cached: Callable[[Any], int] | None = None,
+              disk: Callable[[Any], tuple[str, ...]] | None = None) -> SchedState:
+        wait, run = views_from_vllm(waiting, running, cached, disk)
+        return SchedState(wait, run, max_running=self.max_running,
+                          kv_capacity_tokens=self.kv_capacity_tokens,
+                          block_size=self.block_size, now=time.monotonic())
+
     def decide(self, waiting: Iterable[Any], running: Iterable[Any],
                cached: Callable[[Any], int] | None = None) -> Decision:
-        wait, run = views_from_vllm(waiting, running, cached)
-        state = SchedState(wait, run, max_running=self.max_running,
-                           kv_capacity_tokens=self.kv_capacity_tokens,
-                           block_size=self.block_size, now=time.monotonic())
-        return self.policy.decide(state)
+        return self.policy.decide(self.state(waiting, running, cached))
 
 
-def policy_from_env(default: str, step_tokens: int | None = None) -> PurePolicy:
-    """``NAME[?opt=value&...]`` from ``AGENTSERVING_PREFILL_POLICY`` (vLLM passes no options to
-    a scheduler class), integer options parsed as ints. ``step_tokens`` (vLLM's token budget
-    per step) is the policy's own unless the spec sets it: a policy planning bigger steps than
-    vLLM runs would size its chunks for a budget that is not there."""
+class ShadowGlue:
+    """The ShadowScheduler inside vLLM's scheduler, and its figures on the live engine.
+
+    Each step: the last step's measured seconds (from one ``schedule()`` to the next, when it
+    ran any work) feed the step-time model; the shadow decides and looks ahead; the requests
+    newly in its N+1 window get their disk-only chunks prefetched (``hooks.prefetch``, not
+    awaited). After vLLM's own pass, the requests it newly scheduled score the last step's
+    window (``WindowScore``: seed 003's accuracy / precision / recall), and those of them that
+    were prefetched are measured (``hooks.measure``: chunks in DRAM at admission, chunks the
+    prefetch had loaded: consumption and survival, ``PrefetchScore``)."""
+
+    def __init__(self, shadow: ShadowScheduler, hooks: Any | None, measure: bool = True,
+                 clock: Callable[[], float] = time.perf_counter, keep: int = 4096) -> None:
+        self.shadow = shadow
+        self.hooks = hooks
+        self.measure = measure and hooks is not None
+        self.clock = clock
+        self.keep = keep
+        self.window = WindowScore()
+        self.prefetch = PrefetchScore()
+        self.steps = 0
+        self.observed = 0
+        # waiting-request plans seen (one per request per step), the tokens LMCache's tiers
+        # added to vLLM's prefix cache, and the disk-only chunks among them
+        self.plans = {"requests": 0, "lmcache_tokens": 0, "disk_chunks": 0}
+        self._last: tuple[Decision, SchedState, float] | None = None
+        self._scored: tuple[frozenset[str], list[str]] | None = None  # to score next
+        self._pending: tuple[frozenset[str], list[str]] | None = None  # this step's
+        self._prefetched: collections.OrderedDict[str, tuple[str, ...]] = (
+            collections.OrderedDict())
+
+    def step(self, state: SchedState) -> Decision:
+        now = self.clock()
+        if self._last is not None:
+            d, s, t0 = self._last
+            if d.prefill or d.decode:  # an idle gap is no step
+                self.shadow.observe_step(d, s, now - t0)
+                self.observed += 1
+        res = self.shadow.step(state)
+        for rid, hashes in res.prefetch:
+            if self.hooks is not None:
+                self.hooks.prefetch(rid, hashes)
+            self._prefetched[rid] = hashes
+            self.prefetch.chunks += len(hashes)
+        while len(self._prefetched) > self.keep:  # finished or aborted before admission
+            self._prefetched.popitem(last=False)
+        self._pending = (res.window, [w.req_id for w in state.waiting])
+        self._last = (res.decision, state, now)
+        self.steps += 1
+        return res.decision
+
+    def planned(self, device_cached: int, cached: int, disk_chunks: int) -> None:
+        """One waiting request's plan: tokens in vLLM's prefix cache, tokens cached in any
+        tier, chunks on disk only (what makes the prefetch have something to do)."""
+        self.plans["requests"] += 1
+        self.plans["lmcache_tokens"] += cached - device_cached
+        self.plans["disk_chunks"] += disk_chunks
+
+    def admitted(self, request_ids: set[str]) -> None:
+        """The requests vLLM newly scheduled in the step just decided."""
+        if self._scored is not None:
+            self.window.add(*self._scored, request_ids)
+        self._scored, self._pending = self._pending, None
+        done = [(rid, self._prefetched.pop(rid)) for rid in request_ids
+                if rid in self._prefetched]
+        if not done or not self.measure:
+            return
+        for (_, hashes), (in_cpu, loaded) in zip(done, self.hooks.measure(done), strict=True):
+            landed = min(loaded, len(hashes))
+            self.prefetch.add(0, used=min(in_cpu, len(hashes)), landed=landed,
+                              alive=min(in_cpu, landed))
+
+    def stats(self) -> dict[str, Any]:
+        return {"policy": self.shadow.name, "lookahead": self.shadow.lookahead,
+                "prefetch_window": self.shadow.prefetch_window, "steps": self.steps,
+                "steps_observed": self.observed, "n_plus_1_prediction": self.window.as_dict(),
+                "prefetch": self.prefetch.as_dict(),
+                "prefetch_measured": self.measure, "plans": dict(self.plans),
+                "step_model": [float(c) for c in self.shadow.model.coef]}
+
+
+_FLOAT_OPTS = ("long_cap", "context_cost", "split_overhead", "attention_cost", "step_cost")
+
+
+def policy_from_env(default: str, step_tokens: int | None = None
+                    ) -> PurePolicy | ShadowScheduler:
+    """``policy_from_spec`` of ``AGENTSERVING_PREFILL_POLICY`` (vLLM passes no options to a
+    scheduler class), else of ``default``."""
+    return policy_from_spec(os.environ.get(POLICY_ENV, default), step_tokens)
+
+
+def policy_from_spec(spec: str, step_tokens: int | None = None
+                     ) -> PurePolicy | ShadowScheduler:
+    """``NAME[?opt=value&...]``, integer options parsed as ints. ``step_tokens`` (vLLM's token
+    budget per step) is the policy's own unless the spec sets it: a policy planning bigger
+    steps than vLLM runs would size its chunks for a budget that is not there.
+    ``lookahead=K`` (K > 0, with ``prefetch_window``, ``robust``, ``commit``) wraps the policy
+    in the ShadowScheduler, as on the reference engine; ``shadow`` is ``longcap-dynamic``
+    with ``lookahead=5``. A bad name or option raises ``ValueError`` / ``TypeError``."""
     import inspect
     import urllib.parse
 
-    spec = os.environ.get(POLICY_ENV, default)
     name, _, query = spec.partition("?")
+    raw = dict(urllib.parse.parse_qsl(query))
+    shadow_kw, raw = split_shadow_options(raw, 5 if name == "shadow" else 0)
+    if name == "shadow":
+        name = raw.pop("base", "longcap-dynamic")
     opts: dict[str, Any] = {}
     cls = POLICY_CLASSES.get(name)
     if step_tokens and cls is not None and "step_tokens" in inspect.signature(cls).parameters:
         opts["step_tokens"] = step_tokens
-    for k, v in urllib.parse.parse_qsl(query):
+    for k, v in raw.items():
         opts[k] = (int(v) if v.lstrip("-").isdigit() else
-                   float(v) if k in ("long_cap", "context_cost", "split_overhead",
-                                     "attention_cost", "step_cost") else v)
-    return build_policy(name, **opts)
+                   float(v) if k in _FLOAT_OPTS else v)
+    policy = build_policy(name, **opts)
+    return ShadowScheduler(policy, **shadow_kw) if shadow_kw else policy
 
 
 # ------------------------------------------------------------------ the vLLM subclass
@@ -162,21 +294,58 @@ def make_scheduler_cls(base: type, default_policy: str = "longcap-dynamic") -> t
             blocks = int(getattr(getattr(self, "cache_config", None), "num_gpu_blocks", 0)
                          or 0)
             budget = getattr(self, "max_num_scheduled_tokens", None)
-            self.glue = PolicyGlue(policy_from_env(self.policy_spec, budget),
-                                   kv_capacity_tokens=blocks * block_size or 1 << 40,
+            policy = policy_from_env(self.policy_spec, budget)
+            self.glue = PolicyGlue(policy, kv_capacity_tokens=blocks * block_size or 1 << 40,
                                    block_size=block_size,
                                    max_running=int(getattr(self, "max_num_running_reqs", 64)))
+            # LMCache's tiers as AgentServing's connector sees them (None: no connector, or
+            # vLLM's plain prefix cache alone)
+            self.kv_hooks = getattr(getattr(self, "connector", None), "agentserving_hooks",
+                                    None)
+            self.lmcache_chunk_tokens = _lmcache_chunk_tokens(getattr(self, "connector", None))
+            self.shadow_glue: ShadowGlue | None = None
+            if isinstance(policy, ShadowScheduler):
+                measure = os.environ.get(MEASURE_ENV, "1") not in ("0", "false", "no")
+                self.shadow_glue = ShadowGlue(policy, self.kv_hooks, measure=measure)
+                if self.kv_hooks is not None:
+                    self.kv_hooks.publish(self.shadow_glue.stats)
 
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             waiting = list(self.waiting)
-            decision = self.glue.decide(waiting, self.running, self._cached_tokens)
+            plans = {r.request_id: self._plan(r) for r in waiting}
+            state = self.glue.state(waiting, self.running, lambda r: plans[r.request_id][0],
+                                    lambda r: plans[r.request_id][1])
+            shadow = self.shadow_glue
+            decision = shadow.step(state) if shadow is not None else self.glue.policy.decide(
+                state)
             self.waiting.clear()
             self.waiting.extend(order_waiting(waiting, decision))
             self._grants = budgets(decision)
             try:
-                return super().schedule(*args, **kwargs)
+                out = super().schedule(*args, **kwargs)
             finally:
                 self._grants = None
+            new = {getattr(r, "req_id", None) for r in getattr(out, "scheduled_new_reqs", ())}
+            new.discard(None)
+            if shadow is not None:
+                shadow.admitted(new)
+            if self.kv_hooks is not None:
+                self.kv_hooks.forget(new)
+            return out
+
+        def _plan(self, request: Any) -> tuple[int, tuple[str, ...]]:
+            """(cached prompt tokens, disk-only chunks) of a waiting request: vLLM's prefix
+            cache, then LMCache's tiers (``lmcache_plan``) when the connector shows them."""
+            device = self._cached_tokens(request)
+            hooks = self.kv_hooks
+            if hooks is None or not self.lmcache_chunk_tokens:
+                return device, ()
+            hashes = hooks.chunk_hashes(request)
+            cached, disk = lmcache_plan(device, hashes, hooks.tiers(hashes),
+                                        self.lmcache_chunk_tokens, int(request.num_prompt_tokens))
+            if self.shadow_glue is not None:
+                self.shadow_glue.planned(device, cached, len(disk))
+            return cached, disk
 
         def _cached_tokens(self, request: Any) -> int:
             """Tokens of ``request`` already in this pod's prefix cache: vLLM's own lookup
@@ -202,6 +371,12 @@ def make_scheduler_cls(base: type, default_policy: str = "longcap-dynamic") -> t
 
     PolicyScheduler.__qualname__ = PolicyScheduler.__name__ = f"Policy{base.__name__}"
     return PolicyScheduler
+
+
+def _lmcache_chunk_tokens(connector: Any) -> int:
+    """LMCache's chunk size behind AgentServing's connector (0 when there is none)."""
+    config = getattr(getattr(connector, "_lmcache_engine", None), "config", None)
+    return int(getattr(config, "chunk_size", 0) or 0)
 
 
 def _vllm_scheduler_base() -> type:

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from agentserving.core.clients import KvindexClient
 from agentserving.core.service import (
     ApiError,
+    error_responses,
     field_path,
     install_error_handlers,
     install_health_route,
@@ -24,6 +25,13 @@ from agentserving.proxy.auth import ApiKeys, Principal
 from agentserving.proxy.jsonio import loads
 from agentserving.proxy.memory_hooks import AgentMemory
 from agentserving.proxy.metrics import ProxyMetrics
+from agentserving.proxy.openapi import (
+    TURN_RESPONSES,
+    ChatTurn,
+    CompletionTurn,
+    document_turn_bodies,
+    turn_body,
+)
 from agentserving.proxy.orchestrator import H_NEXT_TOOL, Orchestrator, Turn
 from agentserving.proxy.pods import PodPool
 from agentserving.proxy.routing import make_policy
@@ -104,18 +112,21 @@ def create_app(settings: ProxySettings) -> FastAPI:
                     parent_session_id=request.headers.get("x-parent-session-id"),
                     memory=memory, next_tool=request.headers.get(H_NEXT_TOOL))
 
-    @app.post("/v1/chat/completions", tags=["openai"],
+    @app.post("/v1/chat/completions", tags=["openai"], responses=TURN_RESPONSES,
+              openapi_extra=turn_body(ChatTurn),
               summary="Chat completion, routed to the pod holding the session's KV.")
     async def chat_completions(request: Request) -> Any:
         return await app.state.orch.handle(
             await read_turn(request, "/v1/chat/completions", "messages"))
 
-    @app.post("/v1/completions", tags=["openai"],
+    @app.post("/v1/completions", tags=["openai"], responses=TURN_RESPONSES,
+              openapi_extra=turn_body(CompletionTurn),
               summary="Text completion, routed to the pod holding the session's KV.")
     async def completions(request: Request) -> Any:
         return await app.state.orch.handle(await read_turn(request, "/v1/completions", "prompt"))
 
-    @app.get("/v1/models", tags=["openai"], summary="The models the worker pools serve.")
+    @app.get("/v1/models", tags=["openai"], responses=error_responses(401),
+             summary="The models the worker pools serve.")
     async def models(request: Request) -> dict[str, Any]:
         authenticate(request)
         orch: Orchestrator = app.state.orch
@@ -125,7 +136,8 @@ def create_app(settings: ProxySettings) -> FastAPI:
             {"id": m, "object": "model", "created": 0, "owned_by": "agentserving"}
             for m in names]}
 
-    @app.get("/readyz", tags=["health"], summary="At least one worker pod is known.")
+    @app.get("/readyz", tags=["health"], responses=error_responses(503),
+             summary="At least one worker pod is known.")
     async def readyz() -> dict[str, Any]:
         orch: Orchestrator = app.state.orch
         if not orch.pool.prefill_candidates():
@@ -136,6 +148,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
         return {"status": "ready", "prefill_pods": len(pods),
                 "decode_pods": len(orch.pool.decode_candidates())}
 
+    document_turn_bodies(app)
     return app
 
 

@@ -6,58 +6,59 @@ from pathlib import Path
 
 import click
 
-from agentserving.core.cli import option
+from agentserving.core.cli import settings_option
 from agentserving.core.hashing import HashScheme
 from agentserving.proxy.settings import ProxySettings, RoutingName
 
+setting = settings_option(ProxySettings)
+
 
 @click.command("proxy")
-@option("--host", default="127.0.0.1", help="Address to bind (0.0.0.0 in a pod).")
-@option("--port", type=click.IntRange(0, 65535), default=8080, help="HTTP port.")
-@option("--kvindex", "kvindex_url", default=None,
-        help="kvindex base URL; without --prefill/--decode, pods are discovered from it.")
-@option("--prefill", "prefill_urls", multiple=True,
-        help="A prefill (or prefill+decode) worker's base URL; repeatable.")
-@option("--decode", "decode_urls", multiple=True,
-        help="A decode worker's base URL; repeatable. None: prefill pods do both.")
-@option("--routing", type=click.Choice([r.value for r in RoutingName]), default="kv-aware",
-        help="kv-aware: to the longest cached prefix, balanced by load; session: affinity; "
-             "round-robin: even spread, no KV awareness.")
-@option("--api-keys", "api_keys_file", type=click.Path(exists=True, dir_okay=False,
-                                                        path_type=Path), default=None,
-        help='JSON {"keys": [{"key", "tenant", "cache_salt"?}]}; when set, Bearer keys are '
-             "required and each tenant's chunks are salted apart.")
-@option("--discovery-interval", "discovery_interval_s", type=click.FloatRange(min=0.05),
-        default=2.0, help="Seconds between kvindex pod-registry refreshes.")
-@option("--kvindex-timeout", "kvindex_timeout_s", type=click.FloatRange(min=0.01), default=0.5,
-        help="Seconds to wait for the kvindex before routing without it.")
-@option("--upstream-timeout", "upstream_timeout_s", type=click.FloatRange(min=0.1),
-        default=600.0, help="Seconds a worker may take to answer a turn.")
-@option("--max-attempts", type=click.IntRange(min=1), default=3,
-        help="Pods tried for one turn before answering 502.")
-@option("--load-penalty-tokens", type=click.IntRange(min=0), default=2048,
-        help="kv-aware: cached tokens worth giving up to avoid one more in-flight turn.")
-@option("--chunk-size", type=click.IntRange(min=1), default=256,
-        help="Tokens per KV chunk (turns kvindex scores into tokens).")
-@option("--prompt-hash-scheme", type=click.Choice([s.value for s in HashScheme]),
-        default=None,
-        help="kv-aware: hash each token-id prompt with this scheme (blocks of --chunk-size) "
-             "for the kvindex lookup, instead of using the chunk hashes the pods returned on "
-             "the session's previous turn; vllm-sha256 with --chunk-size 128 routes plain "
-             "vLLM pods by their own KV events (the kvindex's --vllm-events). Unset: the "
-             "pods' hashes.")
-@option("--local-prefill-tokens", type=click.IntRange(min=0), default=2048,
-        help="P/D: a turn whose decode pod already holds the session's context and would "
-             "compute at most this many prompt tokens runs there, skipping the prefill pod and "
-             "the KV hand-off (conditional disaggregation); 0 always disaggregates.")
-@option("--max-prefill-backlog", type=click.IntRange(min=0), default=0,
-        help="P/D: when every prefill pod already has this many turns in flight, run the turn "
-             "whole on a decode pod instead of queueing it (0: no limit).")
-@option("--prefetch-lead", "prefetch_lead_s", type=click.FloatRange(min=0), default=0.5,
-        help="Seconds before a tool call's predicted return to prefetch the session's KV.")
-@option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
-        default="info", help="Log level.")
-@option("--log-json/--log-console", default=True, help="JSON log lines, or readable ones.")
+@setting("--host", help="Address to bind (0.0.0.0 in a pod).")
+@setting("--port", type=click.IntRange(0, 65535), help="HTTP port.")
+@setting("--kvindex", "kvindex_url",
+         help="kvindex base URL; without --prefill/--decode, pods are discovered from it.")
+@setting("--prefill", "prefill_urls", multiple=True,
+         help="A prefill (or prefill+decode) worker's base URL; repeatable.")
+@setting("--decode", "decode_urls", multiple=True,
+         help="A decode worker's base URL; repeatable. None: prefill pods do both.")
+@setting("--routing", type=click.Choice([r.value for r in RoutingName]),
+         help="kv-aware: to the longest cached prefix, balanced by load; session: affinity; "
+              "round-robin: even spread, no KV awareness.")
+@setting("--api-keys", "api_keys_file", type=click.Path(exists=True, dir_okay=False,
+                                                         path_type=Path),
+         help='JSON {"keys": [{"key", "tenant", "cache_salt"?}]}; when set, Bearer keys are '
+              "required and each tenant's chunks are salted apart.")
+@setting("--discovery-interval", "discovery_interval_s", type=click.FloatRange(min=0.05),
+         help="Seconds between kvindex pod-registry refreshes.")
+@setting("--kvindex-timeout", "kvindex_timeout_s", type=click.FloatRange(min=0.01),
+         help="Seconds to wait for the kvindex before routing without it.")
+@setting("--upstream-timeout", "upstream_timeout_s", type=click.FloatRange(min=0.1),
+         help="Seconds a worker may take to answer a turn.")
+@setting("--max-attempts", type=click.IntRange(min=1),
+         help="Pods tried for one turn before answering 502.")
+@setting("--load-penalty-tokens", type=click.IntRange(min=0),
+         help="kv-aware: cached tokens worth giving up to avoid one more in-flight turn.")
+@setting("--chunk-size", type=click.IntRange(min=1),
+         help="Tokens per KV chunk (turns kvindex scores into tokens).")
+@setting("--prompt-hash-scheme", type=click.Choice([s.value for s in HashScheme]),
+         help="kv-aware: hash each token-id prompt with this scheme (blocks of --chunk-size) "
+              "for the kvindex lookup, instead of using the chunk hashes the pods returned on "
+              "the session's previous turn; vllm-sha256 with --chunk-size 128 routes plain "
+              "vLLM pods by their own KV events (the kvindex's --vllm-events). Unset: the "
+              "pods' hashes.")
+@setting("--local-prefill-tokens", type=click.IntRange(min=0),
+         help="P/D: a turn whose decode pod already holds the session's context and would "
+              "compute at most this many prompt tokens runs there, skipping the prefill pod and "
+              "the KV hand-off (conditional disaggregation); 0 always disaggregates.")
+@setting("--max-prefill-backlog", type=click.IntRange(min=0),
+         help="P/D: when every prefill pod already has this many turns in flight, run the turn "
+              "whole on a decode pod instead of queueing it (0: no limit).")
+@setting("--prefetch-lead", "prefetch_lead_s", type=click.FloatRange(min=0),
+         help="Seconds before a tool call's predicted return to prefetch the session's KV.")
+@setting("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+         help="Log level.")
+@setting("--log-json/--log-console", help="JSON log lines, or readable ones.")
 def command(**kwargs: object) -> None:
     """Run the proxy: OpenAI API in, each turn routed to where its KV already is."""
     import uvicorn

@@ -61,6 +61,24 @@ Attempt = tuple[Candidate, Candidate | None]  # (pod that prefills, decode pod o
 
 
 @dataclass
+class Routed:
+    """The policy's rankings, and what the kvindex said on the way: a later question about
+    the same chunks (conditional disaggregation's) is answered from it, not asked again."""
+
+    prefill: list[Candidate]
+    decode: list[Candidate]
+    prefixes: dict[str, PodPrefix] = field(default_factory=dict)
+    asked: list[str] | None = None  # the chunk hashes the kvindex answered about
+
+    def held_chunks(self, pod: str, hashes: list[str]) -> int | None:
+        """Leading chunks of ``hashes`` ``pod`` holds, if the kvindex was asked about them."""
+        if self.asked is None or self.asked != hashes:
+            return None
+        found = self.prefixes.get(pod)
+        return found.prefix_chunks if found is not None else 0
+
+
+@dataclass
 class Turn:
     """One request as the proxy sees it."""
 
@@ -105,9 +123,9 @@ class Orchestrator:
         if turn.memory and self.kvindex and turn.session_id:
             await memory_hooks.before_turn(self.kvindex, turn.session_id, turn.memory,
                                            self._record_hook)
-        prefill_order, decode_order = await self._route(turn, state)
-        attempts = self._attempts(prefill_order, decode_order,
-                                  await self._local_pod(turn, state, prefill_order, decode_order))
+        routed = await self._route(turn, state)
+        attempts = self._attempts(routed.prefill, routed.decode,
+                                  await self._local_pod(turn, state, routed))
         if not attempts:
             self.metrics.failures.labels("no_pods").inc()
             raise ApiError(503, "no worker pods available", type="service_unavailable",
@@ -117,12 +135,12 @@ class Orchestrator:
         return await self._run_blocking(turn, state, attempts)
 
     # ------------------------------------------------------------------ routing
-    async def _route(self, turn: Turn, state: SessionState
-                     ) -> tuple[list[Candidate], list[Candidate]]:
+    async def _route(self, turn: Turn, state: SessionState) -> Routed:
         t0 = time.perf_counter()
         await self._ensure_pods()
         candidates = self.pool.prefill_candidates()
         prefixes: dict[str, PodPrefix] = {}
+        asked = None
         index_ok = True
         # One prefill pod leaves nothing to choose: the lookup (a kvindex round trip, the
         # larger part of the proxy's added latency) is only made when it can change the order.
@@ -133,6 +151,7 @@ class Orchestrator:
                     chunk_hashes=hashes, pods=[c.name for c in candidates],
                     role=PodRole.PREFILL))
                 prefixes = {p.pod: p for p in found.pods}
+                asked = hashes
             except (ServiceUnavailable, RequestRejected) as exc:
                 index_ok = False
                 self.metrics.degraded.inc()
@@ -145,7 +164,7 @@ class Orchestrator:
                        last_pod=state.last_decode_pod))
         turn.headers[H_ROUTING] = self.policy.name
         self.metrics.overhead.observe(time.perf_counter() - t0)
-        return prefill_order, decode_order
+        return Routed(prefill_order, decode_order, prefixes, asked)
 
     def _lookup_hashes(self, turn: Turn, state: SessionState) -> list[str] | None:
         """What the kvindex is asked about: the prompt's own hashes (--prompt-hash-scheme),
@@ -155,8 +174,7 @@ class Orchestrator:
             if scheme is not None else None
         return own or state.chunk_hashes
 
-    async def _local_pod(self, turn: Turn, state: SessionState,
-                         prefill_order: list[Candidate], decode_order: list[Candidate]
+    async def _local_pod(self, turn: Turn, state: SessionState, routed: Routed
                          ) -> Candidate | None:
         """Conditional disaggregation: the decode pod this turn runs whole on, or None for P/D.
         The session's own decode pod is chosen even when another one has fewer turns in flight:
@@ -164,6 +182,7 @@ class Orchestrator:
         its own (a first turn) runs on the least-loaded one, when the prefill pool is
         saturated. A long append asks the kvindex how much of the context the prefill pod
         holds: after local turns, it may lack what the decode pod computed."""
+        prefill_order, decode_order = routed.prefill, routed.decode
         own = next((c for c in decode_order if c.name == state.last_decode_pod), None)
         held = None if own is None or state.prompt_tokens is None else HeldContext(
             state.prompt_tokens, state.prompt_chars, self.settings.chunk_size)
@@ -174,23 +193,27 @@ class Orchestrator:
             self.settings.max_prefill_backlog)
         local = decide()
         if not local and held is not None and prefill_order and size.tokens is not None:
-            remote = await self._prefill_pod_lacks(state, prefill_order[0], size.tokens)
+            remote = await self._prefill_pod_lacks(state, routed, size.tokens)
             local = remote is not None and decide(remote_tokens=remote)
         if not local or not decode_order:
             return None
         return own or decode_order[0]
 
-    async def _prefill_pod_lacks(self, state: SessionState, pod: Candidate, tokens: int
+    async def _prefill_pod_lacks(self, state: SessionState, routed: Routed, tokens: int
                                  ) -> int | None:
-        """Prompt tokens ``pod`` would compute for this turn, by the kvindex (None: unknown)."""
+        """Prompt tokens the first-ranked prefill pod would compute for this turn, by the
+        kvindex (None: unknown); routing's own answer is used when it was about these chunks."""
         if self.kvindex is None or not state.chunk_hashes:
             return None
-        try:
-            found = await self.kvindex.lookup(LookupRequest(chunk_hashes=state.chunk_hashes,
-                                                            pods=[pod.name]))
-        except (ServiceUnavailable, RequestRejected):
-            return None
-        held = max((p.prefix_chunks for p in found.pods if p.pod == pod.name), default=0)
+        pod = routed.prefill[0].name
+        held = routed.held_chunks(pod, state.chunk_hashes)
+        if held is None:
+            try:
+                found = await self.kvindex.lookup(LookupRequest(
+                    chunk_hashes=state.chunk_hashes, pods=[pod]))
+            except (ServiceUnavailable, RequestRejected):
+                return None
+            held = max((p.prefix_chunks for p in found.pods if p.pod == pod), default=0)
         return tokens - held * self.settings.chunk_size
 
     async def _ensure_pods(self) -> None:
@@ -198,78 +221,66 @@ class Orchestrator:
             await self.pool.refresh()
 
     # ------------------------------------------------------------------ blocking
-    async def _run_blocking(self, turn: Turn, state: SessionState, attempts: list[Attempt]
-                            ) -> JSONResponse:
-        outcome = TurnOutcome()
+    async def _first_reply(self, turn: Turn, attempts: list[Attempt], fn
+                           ) -> tuple[Candidate, Candidate | None, Any, int | None]:
+        """The first attempt whose pods answer, with ``fn`` (``post_json`` or ``open_stream``)
+        for the pod that answers the caller: (prefill pod, decode pod or None, its reply, the
+        prompt tokens the prefill pod found cached or None). A pod that fails is not asked
+        again this turn; when all have failed, a 502 naming the last error."""
         last_error = "no attempt made"
         failed: set[str] = set()
         for prefill, decode in untried(attempts, failed):
             try:
                 if decode is None:
-                    resp = await self._call(prefill, self._solo_stage(prefill), post_json,
-                                            turn.body, turn)
-                    prefill_cached = None
-                else:
-                    params, prefill_cached = await self._prefill_for_decode(turn, prefill)
-                    resp = await self._call(decode, "decode", post_json,
-                                            self._decode_body(turn.body, params), turn)
+                    return prefill, None, await self._call(
+                        prefill, self._solo_stage(prefill), fn, turn.body, turn), None
+                params, prefill_cached = await self._prefill_for_decode(turn, prefill)
+                return prefill, decode, await self._call(
+                    decode, "decode", fn, self._decode_body(turn.body, params), turn), \
+                    prefill_cached
             except UpstreamFailed as exc:
                 last_error = str(exc)
                 failed.add(exc.pod)
                 self._retrying(exc)
-                continue
-            payload = resp.json() if resp.headers.get("content-type", "").startswith(
-                "application/json") else None
-            if resp.is_success and isinstance(payload, dict):
-                outcome.absorb(payload)
-                if decode is not None:
-                    patch_cached_tokens(payload, prefill_cached)
-                    outcome.cached_tokens = prefill_cached
-                self._finish(turn, state, prefill, outcome, decode)
-                self.metrics.ttft.observe(time.perf_counter() - turn.started)
-                return JSONResponse(payload, status_code=resp.status_code, headers=turn.headers)
-            self.metrics.failures.labels("rejected").inc()
-            return JSONResponse(payload if payload is not None else {"error": {
-                "message": resp.text[:500], "type": "upstream_error"}},
-                status_code=resp.status_code, headers=turn.headers)
         self.metrics.failures.labels("upstream").inc()
         raise ApiError(502, f"every worker failed this turn; last error: {last_error}",
                        type="upstream_error", code="all_pods_failed", headers=turn.headers)
 
+    async def _run_blocking(self, turn: Turn, state: SessionState, attempts: list[Attempt]
+                            ) -> JSONResponse:
+        prefill, decode, resp, prefill_cached = await self._first_reply(turn, attempts,
+                                                                        post_json)
+        payload = resp.json() if resp.headers.get("content-type", "").startswith(
+            "application/json") else None
+        if resp.is_success and isinstance(payload, dict):
+            outcome = TurnOutcome()
+            outcome.absorb(payload)
+            if decode is not None:
+                patch_cached_tokens(payload, prefill_cached)
+                outcome.cached_tokens = prefill_cached
+            self._finish(turn, state, prefill, outcome, decode)
+            self.metrics.ttft.observe(time.perf_counter() - turn.started)
+            return JSONResponse(payload, status_code=resp.status_code, headers=turn.headers)
+        self.metrics.failures.labels("rejected").inc()
+        return JSONResponse(payload if payload is not None else {"error": {
+            "message": resp.text[:500], "type": "upstream_error"}},
+            status_code=resp.status_code, headers=turn.headers)
+
     # ------------------------------------------------------------------ streaming
     async def _run_streaming(self, turn: Turn, state: SessionState, attempts: list[Attempt]
                              ) -> JSONResponse | StreamingResponse:
-        last_error = "no attempt made"
-        failed: set[str] = set()
-        for prefill, decode in untried(attempts, failed):
-            try:
-                if decode is None:
-                    resp = await self._call(prefill, self._solo_stage(prefill), open_stream,
-                                            turn.body, turn)
-                    cached_override = None
-                else:
-                    params, cached_override = await self._prefill_for_decode(turn, prefill)
-                    resp = await self._call(decode, "decode", open_stream,
-                                            self._decode_body(turn.body, params), turn)
-            except UpstreamFailed as exc:
-                last_error = str(exc)
-                failed.add(exc.pod)
-                self._retrying(exc)
-                continue
-            if not resp.is_success:  # the worker rejected the request: pass its verdict on
-                content = await resp.aread()
-                await resp.aclose()
-                self.metrics.failures.labels("rejected").inc()
-                return JSONResponse(_json_or_error(content), status_code=resp.status_code,
-                                    headers=turn.headers)
-            pod_for_load = decode or prefill
-            self.pool.acquire(pod_for_load.name)
-            return StreamingResponse(
-                self._stream_body(turn, state, prefill, decode, resp, cached_override),
-                media_type="text/event-stream", headers=turn.headers)
-        self.metrics.failures.labels("upstream").inc()
-        raise ApiError(502, f"every worker failed this turn; last error: {last_error}",
-                       type="upstream_error", code="all_pods_failed", headers=turn.headers)
+        prefill, decode, resp, cached_override = await self._first_reply(turn, attempts,
+                                                                         open_stream)
+        if not resp.is_success:  # the worker rejected the request: pass its verdict on
+            content = await resp.aread()
+            await resp.aclose()
+            self.metrics.failures.labels("rejected").inc()
+            return JSONResponse(_json_or_error(content), status_code=resp.status_code,
+                                headers=turn.headers)
+        self.pool.acquire((decode or prefill).name)
+        return StreamingResponse(
+            self._stream_body(turn, state, prefill, decode, resp, cached_override),
+            media_type="text/event-stream", headers=turn.headers)
 
     async def _stream_body(self, turn: Turn, state: SessionState, prefill: Candidate,
                            decode: Candidate | None, resp: StreamReply,
@@ -392,6 +403,10 @@ class Orchestrator:
         state.last_pod = prefill.name
         if decode is not None:
             state.last_decode_pod = decode.name
+        elif self._solo_stage(prefill) == "local":
+            # run whole on a decode pod (its first turn, the prefill pool saturated): the
+            # session's context is there now, and so are its next appends
+            state.last_decode_pod = prefill.name
         if outcome.chunk_hashes is not None:
             state.chunk_hashes = outcome.chunk_hashes
         state.prompt_tokens = outcome.prompt_tokens

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.core.schemas import PodPrefix
 
 
@@ -92,7 +93,8 @@ class KvAware:
 
     name = "kv-aware"
 
-    def __init__(self, chunk_size: int = 256, load_penalty_tokens: int = 2048) -> None:
+    def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE, load_penalty_tokens: int = 2048
+                 ) -> None:
         self.chunk_size = chunk_size
         self.load_penalty_tokens = load_penalty_tokens
         self._fallback = SessionAffinity()
@@ -125,8 +127,8 @@ class LeastLoaded:
                                                      affinity[c.name]))
 
 
-def make_policy(name: str, chunk_size: int = 256, load_penalty_tokens: int = 2048
-                ) -> RoutingPolicy:
+def make_policy(name: str, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                load_penalty_tokens: int = 2048) -> RoutingPolicy:
     if name == "kv-aware":
         return KvAware(chunk_size, load_penalty_tokens)
     if name == "session":

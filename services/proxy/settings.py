@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from agentserving.core.hashing import HashScheme
+from agentserving.core.hashing import DEFAULT_CHUNK_SIZE, HashScheme
 
 
 class RoutingName(StrEnum):
@@ -32,7 +32,7 @@ class ProxySettings(BaseModel):
     load_penalty_tokens: int = Field(
         default=2048, ge=0,
         description="Tokens of cached prefix one in-flight request on a pod is worth giving up.")
-    chunk_size: int = Field(default=256, gt=0)
+    chunk_size: int = Field(default=DEFAULT_CHUNK_SIZE, gt=0)
     prompt_hash_scheme: HashScheme | None = Field(
         default=None, description="Hash token-id prompts with this scheme for the kvindex "
         "lookup (None: the chunk hashes the pods returned on the session's last turn).")

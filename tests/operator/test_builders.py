@@ -207,6 +207,8 @@ def test_kvindex_store_choices(settings):
      "spec.decode.accelerator.type"),
     ({"engine": {"type": "vllm"}, "prefill": {"schedulerPolicy": "shadow"}},
      "spec.prefill.schedulerPolicy"),
+    ({"engine": {"type": "vllm"}, "kvCache": {"prefetch": {"policy": "shadow-scheduler"}}},
+     "spec.kvCache.prefetch.policy"),
     ({"engine": {"type": "vllm-ascend"}, "prefill": {"schedulerPolicy": "longcap-dynamic",
                                                       "accelerator": {"type": "ascend"}}},
      "spec.prefill.schedulerPolicy"),
@@ -229,6 +231,17 @@ def test_a_vllm_prefill_pool_runs_its_policy_inside_vllms_scheduler(settings):
     assert prefill["argv"][at + 1] == "agentserving.prefill.vllm_plugin.PolicyScheduler"
     assert prefill["env"]["AGENTSERVING_PREFILL_POLICY"] == "longcap-dynamic"
     assert "--scheduler-cls" not in decode["argv"]  # the decode pool keeps vLLM's fcfs
+
+
+def test_a_vllm_prefill_pool_runs_the_shadow_scheduler_when_prefetch_asks(settings):
+    spec = {"model": {"name": "tiny"}, "engine": {"type": "vllm"},
+            "prefill": {"schedulerPolicy": "longcap-dynamic"},
+            "kvCache": {"prefetch": {"policy": "shadow-scheduler", "lookahead": 3}}}
+    children = by_key(build_children(make_instance(spec), settings))
+    serve = {role: vllm_serve_of(children[("StatefulSet", f"demo-{role}")]["spec"]["template"]
+                                 ["spec"]["containers"][0]) for role in ("prefill", "decode")}
+    assert serve["prefill"]["env"]["AGENTSERVING_PREFILL_POLICY"] == "longcap-dynamic?lookahead=3"
+    assert "--scheduler-cls" not in serve["decode"]["argv"]  # fcfs: vLLM's own, no shadow
 
 
 def test_changing_one_pools_replicas_changes_only_that_pool(settings):

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -8,20 +9,35 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from agentserving.operator.kvindex import forget_pods, pool_prefixes
+from agentserving.operator import kvindex
+
+pool_prefixes = kvindex.pool_prefixes
 
 PODS = ["demo-prefill-0", "demo-decode-0", "demo-decode-1", "demo2-decode-0", "other-prefill-0",
         "demo-proxy-abc"]
 
 
-def mock_kvindex(pods, deleted, fail=()):
+def forget_pods(*args, **kwargs):  # type: ignore[no-untyped-def]
+    return asyncio.run(kvindex.forget_pods(*args, **kwargs))
+
+
+def pod_info(pod: str) -> dict:
+    """A registered pod as the kvindex lists it (core.schemas.PodInfo)."""
+    return {"pod": pod, "memory_api_url": f"http://{pod}:6999", "model": "tiny",
+            "registered_at": 0.0, "last_heartbeat": 0.0, "lease_expires_at": 15.0, "seq": 0,
+            "needs_resync": False}
+
+
+def mock_kvindex(pods, deleted, fail=(), gone=()):
     def handler(request: httpx.Request) -> httpx.Response:
         if request.method == "GET" and request.url.path == "/v1/pods":
-            return httpx.Response(200, json={"pods": [{"pod": p, "tier": "cpu"} for p in pods]})
+            return httpx.Response(200, json={"pods": [pod_info(p) for p in pods]})
         if request.method == "DELETE" and request.url.path.startswith("/v1/pods/"):
             pod = request.url.path.rsplit("/", 1)[1]
             if pod in fail:
                 return httpx.Response(500)
+            if pod in gone:
+                return httpx.Response(404, json={"error": {"message": f"no pod {pod}"}})
             deleted.append(pod)
             return httpx.Response(200, json={"removed": pod})
         return httpx.Response(404)
@@ -44,9 +60,11 @@ def test_forgets_only_this_resources_pool_pods():
 def test_failed_deletes_are_reported_not_raised():
     deleted: list[str] = []
     result = forget_pods("http://kvindex:8300", pool_prefixes("demo"), 5.0,
-                         transport=mock_kvindex(PODS, deleted, fail={"demo-decode-1"}))
+                         transport=mock_kvindex(PODS, deleted, fail={"demo-decode-1"},
+                                                gone={"demo-prefill-0"}))
     assert result.failed == ["demo-decode-1"]
     assert "demo-decode-1" not in deleted
+    assert sorted(result.removed) == ["demo-decode-0", "demo-prefill-0"]  # 404: gone already
 
 
 def test_unreachable_kvindex_does_not_raise():

@@ -153,3 +153,38 @@ def test_scheduler_deregisters_on_stop(pod):
           what="registered")
     pod["sched"].stop()
     assert POD not in {p["pod"] for p in httpx.get(f"{kvi}/v1/pods", timeout=5).json()["pods"]}
+
+
+def test_scheduler_hooks_read_the_tiers_prefetch_and_measure(pod):
+    """What a prefill policy in vLLM's scheduler asks of the pod (``SchedulerKvHooks``), over
+    the real ranks: tiers from the scheduler services' residency book, a prefetch that moves
+    disk-only chunks to DRAM on every rank, the measurement at admission, the stats route."""
+    from types import SimpleNamespace
+
+    from agentserving.engine.vllm.scheduler_hooks import SchedulerKvHooks
+
+    url, hashes, sched = pod["url"], pod["hashes"], pod["sched"]
+    db = pod["ranks"][0][0].token_database
+    ints = [h for _, e, h in db.process_tokens(pod["tokens"], make_key=False) if e % CHUNK == 0]
+    hooks = SchedulerKvHooks(sched, lambda request: ints, world_size=2)
+    request = SimpleNamespace(request_id="turn-1")
+    assert hooks.chunk_hashes(request) == hashes
+    until(lambda: hooks.tiers(hashes) == [Tier.CPU] * 3, what="residency polled")
+    assert hooks.tiers(["7f" * 8]) == [None]
+
+    r = httpx.get(f"{url}/memory/scheduler", timeout=5)
+    assert r.status_code == 404 and "fcfs" in r.json()["error"]["message"]
+    hooks.publish(lambda: {"steps": 7})
+    stats = httpx.get(f"{url}/memory/scheduler", timeout=5).json()
+    assert stats == {"steps": 7, "tiers": {"chunks": {"cpu": 3, "disk": 3},
+                                           "prefetches_started": 0, "prefetches_failed": 0}}
+
+    httpx.post(f"{url}/memory/evict", json={"chunk_hashes": hashes,
+                                            "locations": ["LocalCPUBackend"]}, timeout=10)
+    until(lambda: hooks.tiers(hashes) == [Tier.DISK] * 3, what="eviction polled")
+    assert hooks.measure([("never-prefetched", hashes)]) == [(0, 0)]
+    hooks.prefetch("turn-1", hashes)  # returns at once; the ranks load in the background
+    until(lambda: hooks.measure([("turn-1", hashes)]) == [(3, 3)], what="prefetch landed")
+    assert hooks.prefetches_started == 1 and hooks.prefetches_failed == 0
+    for b in pod["backends"]:
+        assert len(b.residency()[Tier.CPU]) == 3

@@ -91,8 +91,25 @@ def test_a_prefill_policy_runs_inside_vllms_scheduler() -> None:
     assert serve_command.SCHEDULER_CLS == (f"{vllm_plugin.__name__}.PolicyScheduler")
 
 
+@pytest.mark.parametrize("policy, lookahead", [
+    ("shadow", 5), ("longcap-dynamic?lookahead=3&robust=0.5", 3), ("fcfs-chunk?lookahead=2", 2)])
+def test_the_shadow_scheduler_runs_inside_vllms_scheduler_too(policy: str,
+                                                               lookahead: int) -> None:
+    cmd = _build(scheduler_policy=policy)
+    assert _flag(cmd.argv, "--scheduler-cls") == serve_command.SCHEDULER_CLS
+    assert cmd.env[serve_command.POLICY_ENV] == policy
+    from agentserving.prefill import vllm_plugin
+    from agentserving.prefill.shadow import ShadowScheduler
+
+    built = vllm_plugin.policy_from_spec(policy)
+    assert isinstance(built, ShadowScheduler)
+    assert built.lookahead == lookahead
+
+
 @pytest.mark.parametrize("kwargs, flag", [
-    ({"scheduler_policy": "shadow"}, "--scheduler-policy"),
+    ({"scheduler_policy": "lottery"}, "--scheduler-policy"),
+    ({"scheduler_policy": "longcap-dynamic?long_cpa=0.5"}, "--scheduler-policy"),
+    ({"scheduler_policy": "shadow?lookahead=0&prefetch_window=2"}, "--scheduler-policy"),
     ({"chunk_align": 128}, "--chunk-align"),
     ({"vllm_kv_connector": "none", "kv_transfer_url": "lm://x:1"}, "--kv-transfer-url"),
     ({"engine_processes": 2}, "--engine-processes"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends
 
 from agentserving.core.schemas import EvictRequest, FanoutResponse, PrefetchRequest
-from agentserving.core.service import ApiError
+from agentserving.core.service import ApiError, error_responses
 from agentserving.kvindex.controllers.fanout import (
     backends_for_locations,
     call_pods,
@@ -15,7 +15,7 @@ from agentserving.kvindex.controllers.fanout import (
 from agentserving.kvindex.http_apis.deps import KvindexState, guarded, state
 from agentserving.kvindex.http_apis.validation import check_chain_size
 
-router = APIRouter(prefix="/v1", tags=["control"])
+router = APIRouter(prefix="/v1", tags=["control"], responses=error_responses(503))
 
 
 async def _live_pods(st: KvindexState) -> dict:
@@ -27,7 +27,7 @@ def _check_pod(pod: str | None, pods: dict) -> None:
         raise ApiError(404, f"unknown pod '{pod}'", param="pod", type="not_found_error")
 
 
-@router.post("/prefetch", response_model=FanoutResponse,
+@router.post("/prefetch", response_model=FanoutResponse, responses=error_responses(404, 413),
              summary="Ask the holders of these chunks to load them from disk into DRAM.")
 async def prefetch(req: PrefetchRequest, st: KvindexState = Depends(state)) -> FanoutResponse:
     check_chain_size(req.chunk_hashes, st.settings.max_batch_chunks)
@@ -45,6 +45,7 @@ async def prefetch(req: PrefetchRequest, st: KvindexState = Depends(state)) -> F
 
 
 @router.post("/evict", response_model=FanoutResponse,
+             responses=error_responses(400, 404, 413),
              summary="Ask the holders of these chunks to drop them (named tiers, or all).")
 async def evict(req: EvictRequest, st: KvindexState = Depends(state)) -> FanoutResponse:
     check_chain_size(req.chunk_hashes, st.settings.max_batch_chunks)

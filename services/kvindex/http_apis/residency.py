@@ -4,23 +4,23 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from agentserving.core.hashing import is_chunk_hash
 from agentserving.core.schemas import (
+    ChunkHash,
     ChunkLocations,
     EventBatch,
     EventBatchResult,
     LookupRequest,
     LookupResponse,
 )
-from agentserving.core.service import ApiError
+from agentserving.core.service import error_responses
 from agentserving.kvindex.http_apis.deps import KvindexState, guarded, state
 from agentserving.kvindex.http_apis.validation import check_batch_size, check_chain_size
 from agentserving.kvindex.index.base import rank_prefixes
 
-router = APIRouter(prefix="/v1", tags=["residency"])
+router = APIRouter(prefix="/v1", tags=["residency"], responses=error_responses(503))
 
 
-@router.post("/events", response_model=EventBatchResult,
+@router.post("/events", response_model=EventBatchResult, responses=error_responses(404, 413),
              summary="Apply a pod's batch of residency events (idempotent by seq).")
 async def events(batch: EventBatch, st: KvindexState = Depends(state)) -> EventBatchResult:
     check_batch_size(batch, st.settings.max_batch_chunks)
@@ -32,15 +32,12 @@ async def events(batch: EventBatch, st: KvindexState = Depends(state)) -> EventB
 
 @router.get("/chunks/{chunk_hash}", response_model=ChunkLocations,
             summary="Every (pod, tier) holding a chunk.")
-async def locate(chunk_hash: str, st: KvindexState = Depends(state)) -> ChunkLocations:
-    if not is_chunk_hash(chunk_hash):
-        raise ApiError(400, "chunk_hash: not a chunk hash: expected lower-case hex",
-                       param="chunk_hash")
+async def locate(chunk_hash: ChunkHash, st: KvindexState = Depends(state)) -> ChunkLocations:
     return ChunkLocations(chunk_hash=chunk_hash,
                           locations=await guarded(st, st.index.locate(chunk_hash)))
 
 
-@router.post("/lookup", response_model=LookupResponse,
+@router.post("/lookup", response_model=LookupResponse, responses=error_responses(413),
              summary="For a prefix chain: each pod's cached prefix, its tiers, and the best pod.")
 async def lookup(req: LookupRequest, st: KvindexState = Depends(state)) -> LookupResponse:
     check_chain_size(req.chunk_hashes, st.settings.max_batch_chunks)

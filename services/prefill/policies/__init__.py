@@ -19,6 +19,9 @@ POLICY_CLASSES: dict[str, type] = {
     "fcfs-chunk": FcfsChunk,
     "longcap-dynamic": LongcapDynamic,
 }
+# what a --scheduler-policy may name besides the engine's own scheduler: the pure policies, and
+# ``shadow`` (longcap-dynamic under the ShadowScheduler)
+SCHEDULER_POLICY_NAMES = (*POLICY_CLASSES, "shadow")
 
 
 def build_policy(name: str, **options: Any) -> PurePolicy:
@@ -31,5 +34,5 @@ def build_policy(name: str, **options: Any) -> PurePolicy:
 
 
 __all__ = ["Decision", "FcfsChunk", "FcfsNoChunk", "LongcapDynamic", "POLICY_CLASSES",
-           "PurePolicy", "ReqView", "SchedState", "advance", "build_policy", "is_safe",
-           "max_advance"]
+           "PurePolicy", "ReqView", "SCHEDULER_POLICY_NAMES", "SchedState", "advance",
+           "build_policy", "is_safe", "max_advance"]

@@ -24,6 +24,7 @@ from agentserving.proxy.pods import PodPool
 from agentserving.proxy.routing import Candidate, make_policy
 from agentserving.proxy.sessions import SessionState
 from agentserving.proxy.settings import ProxySettings
+from agentserving.proxy.upstream import TurnOutcome
 
 
 def test_prompt_size_of_each_request_shape():
@@ -73,9 +74,11 @@ def test_the_decision_is_the_threshold_on_uncomputed_tokens(prev, grow, chunk, t
 
 def attempts_for(state: SessionState, prompt_len: int, threshold: int = 512,
                  max_backlog: int = 0, prefill_inflight: int = 0,
-                 kvindex: object = None) -> list[tuple[str, str | None]]:
+                 kvindex: object = None, prefill_urls: tuple[str, ...] = ("http://p0",)
+                 ) -> list[tuple[str, str | None]]:
     async def go() -> list[tuple[str, str | None]]:
-        settings = ProxySettings(prefill_urls=["http://p0"], decode_urls=["http://d0", "http://d1"],
+        settings = ProxySettings(prefill_urls=list(prefill_urls),
+                                 decode_urls=["http://d0", "http://d1"],
                                  local_prefill_tokens=threshold,
                                  max_prefill_backlog=max_backlog)
         async with aiohttp.ClientSession() as http:
@@ -86,9 +89,9 @@ def attempts_for(state: SessionState, prompt_len: int, threshold: int = 512,
                                 ProxyMetrics(CollectorRegistry()))
             turn = Turn(endpoint="/v1/completions", body={"prompt": [1] * prompt_len},
                         session_id="s", session_key="s")
-            prefill, decode = await orch._route(turn, state)
-            local = await orch._local_pod(turn, state, prefill, decode)
-            pairs = orch._attempts(prefill, decode, local)
+            routed = await orch._route(turn, state)
+            local = await orch._local_pod(turn, state, routed)
+            pairs = orch._attempts(routed.prefill, routed.decode, local)
         return [(p.name, d.name if d else None) for p, d in pairs]
 
     return asyncio.run(go())
@@ -182,3 +185,42 @@ def test_the_orchestrator_asks_the_kvindex_before_a_long_append(prefill_chunks, 
     short = PrefixIndex(prefill_chunks)
     assert attempts_for(state, 5200, threshold=2048, kvindex=short)[0] == ("http://d0", None)
     assert short.lookups == 0  # a short append needs no lookup
+
+
+@pytest.mark.parametrize("prefill_chunks, local", [(8, True), (19, False)])
+def test_routings_kvindex_answer_serves_the_long_append_question(prefill_chunks, local):
+    """With two prefill pods routing asks the kvindex about the session's chunks; conditional
+    disaggregation's question is about the same chunks, so it is answered from that reply."""
+    state = SessionState(last_decode_pod="http://d0", prompt_tokens=5000,
+                         chunk_hashes=[f"{i:064x}" for i in range(19)])
+    index = PrefixIndex(prefill_chunks)
+    pairs = attempts_for(state, 8000, threshold=2048, kvindex=index,
+                         prefill_urls=("http://p0", "http://p1"))
+    assert index.lookups == 1
+    assert (pairs[0] == ("http://d0", None)) == local
+
+
+def test_a_turn_run_whole_on_a_decode_pod_makes_it_the_sessions_own():
+    """A first turn that ran whole on a decode pod (the prefill pool was saturated) left the
+    session's context there: its next short append runs there too, not P/D through a prefill
+    pod that never saw it. A prefill pod serving a turn alone owns no session."""
+    async def go() -> tuple[SessionState, SessionState]:
+        settings = ProxySettings(prefill_urls=["http://p0"],
+                                 decode_urls=["http://d0", "http://d1"])
+        async with aiohttp.ClientSession() as http:
+            orch = Orchestrator(settings, PodPool(settings.prefill_urls, settings.decode_urls,
+                                                  None),
+                                None, make_policy("kv-aware"), http,
+                                ProxyMetrics(CollectorRegistry()))
+            turn = Turn(endpoint="/v1/completions", body={"prompt": [1] * 3000},
+                        session_id="s", session_key="s")
+            on_decode, on_prefill = SessionState(), SessionState()
+            orch._finish(turn, on_decode, Candidate("http://d1", "http://d1"),
+                         TurnOutcome(prompt_tokens=3000))
+            orch._finish(turn, on_prefill, Candidate("http://p0", "http://p0"),
+                         TurnOutcome(prompt_tokens=3000))
+        return on_decode, on_prefill
+
+    on_decode, on_prefill = asyncio.run(go())
+    assert on_decode.last_decode_pod == "http://d1" and on_prefill.last_decode_pod is None
+    assert attempts_for(on_decode, 3000 + 200)[0] == ("http://d1", None)

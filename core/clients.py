@@ -7,6 +7,7 @@ A 4xx surfaces as ``RequestRejected`` carrying the server's message and field.
 
 from __future__ import annotations
 
+import json
 from typing import Any, TypeVar
 
 import httpx
@@ -75,18 +76,29 @@ class _JsonClient:
             )
         except httpx.HTTPError as exc:
             raise ServiceUnavailable(f"{method} {self.base_url}{path}: {exc!r}") from exc
-        if resp.status_code >= 500:
-            raise ServiceUnavailable(f"{method} {path}: HTTP {resp.status_code} {resp.text[:200]}")
-        if resp.status_code >= 400:
-            try:
-                err = resp.json().get("error", {})
-            except ValueError:
-                err = {}
-            cls = NotFound if resp.status_code == 404 else RequestRejected
-            raise cls(resp.status_code, err.get("message", resp.text[:200]), err.get("param"))
-        if model is None or resp.status_code == 204:
-            return None
-        return model.model_validate_json(resp.content)
+        return answer(method, path, resp.status_code, resp.content, model)
+
+
+def answer(method: str, path: str, status: int, content: bytes, model: type[M] | None) -> Any:
+    """One reply, whatever the transport that fetched it: a 5xx is ``ServiceUnavailable``, a
+    4xx ``RequestRejected`` (404: ``NotFound``) with the server's message and field, else
+    ``model`` parsed (None for no model or a 204)."""
+    if status >= 500:
+        text = content.decode(errors="replace")
+        raise ServiceUnavailable(f"{method} {path}: HTTP {status} {text[:200]}")
+    if status >= 400:
+        try:
+            err = json.loads(content).get("error", {})
+        except (ValueError, AttributeError):
+            err = {}
+        if not isinstance(err, dict):
+            err = {}
+        cls = NotFound if status == 404 else RequestRejected
+        raise cls(status, err.get("message", content.decode(errors="replace")[:200]),
+                  err.get("param"))
+    if model is None or status == 204:
+        return None
+    return model.model_validate_json(content)
 
 
 class KvindexClient(_JsonClient):

@@ -222,12 +222,14 @@ class KvindexReporter:
                  chunks=sum(len(v) for v in snap.chunks.values()))
 
     async def _send_batch(self) -> None:
-        batch, rest = self._pending[: self.max_batch], self._pending[self.max_batch:]
+        batch = self._pending[: self.max_batch]
         events = group_events(batch, self.book.chunk_bytes)
         result = await self.client.events(EventBatch(pod=self.pod, seq=self.seq + 1,
                                                      events=events))
         self.seq += 1
-        self._pending = rest
+        # only what was sent goes: changes that came in while the batch was in flight were
+        # appended behind it and are the next batch (replacing the list dropped them for good)
+        del self._pending[: len(batch)]
         if self.metrics is not None:
             self.metrics.kvindex_batches.inc()  # type: ignore[attr-defined]
         if result.needs_resync:

@@ -60,7 +60,8 @@ def test_the_vllm_configurations_share_pods_and_device_kv(tmp_path):
     assert s["agentserving-noprefetch"].role_args["prefill"] == ["--scheduler-policy",
                                                                  "longcap-dynamic"]
     assert "decode" not in cand.role_args  # the reference engine's decode-pod policy only
-    assert cand.proxy_args == ["--max-prefill-backlog", "1"]  # first turns may go local
+    # first turns may go local, and an idle prefill pod may keep a session
+    assert cand.proxy_args == ["--max-prefill-backlog", "1", "--prefill-hosts-sessions"]
     precise = s["vllm-precise"]
     assert (precise.both, precise.routing, precise.kv_events) == (3, "kv-aware", True)
     assert precise.chunk_size == VLLM_BLOCK_TOKENS  # the proxy looks up vLLM's own blocks

@@ -12,7 +12,6 @@ from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry
 from pydantic import ValidationError
 
-from agentserving.core.clients import KvindexClient
 from agentserving.core.service import (
     ApiError,
     error_responses,
@@ -23,6 +22,7 @@ from agentserving.core.service import (
 )
 from agentserving.proxy.auth import ApiKeys, Principal
 from agentserving.proxy.jsonio import loads
+from agentserving.proxy.kvindex_http import AioKvindexClient
 from agentserving.proxy.memory_hooks import AgentMemory
 from agentserving.proxy.metrics import ProxyMetrics
 from agentserving.proxy.openapi import (
@@ -50,7 +50,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         http = new_session(settings.upstream_timeout_s, settings.upstream_connect_timeout_s)
-        kvindex = (KvindexClient(settings.kvindex_url, settings.kvindex_timeout_s)
+        kvindex = (AioKvindexClient(settings.kvindex_url, settings.kvindex_timeout_s)
                    if settings.kvindex_url else None)
         pool = PodPool(settings.prefill_urls, settings.decode_urls, kvindex)
         await pool.refresh()

@@ -54,6 +54,10 @@ setting = settings_option(ProxySettings)
 @setting("--max-prefill-backlog", type=click.IntRange(min=0),
          help="P/D: when every prefill pod already has this many turns in flight, run the turn "
               "whole on a decode pod instead of queueing it (0: no limit).")
+@setting("--prefill-hosts-sessions/--no-prefill-hosts-sessions",
+         help="P/D: a prefill pod with nothing in flight, when every decode pod is busy, runs "
+              "a first turn whole and becomes the session's own pod, its appends running there "
+              "as on a decode pod: the prefill pool's idle time serves sessions too.")
 @setting("--prefetch-lead", "prefetch_lead_s", type=click.FloatRange(min=0),
          help="Seconds before a tool call's predicted return to prefetch the session's KV.")
 @setting("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),

@@ -180,10 +180,12 @@ class Orchestrator:
         The session's own decode pod is chosen even when another one has fewer turns in flight:
         moving the session would cost a pull of its whole context. A turn with no decode pod of
         its own (a first turn) runs on the least-loaded one, when the prefill pool is
-        saturated. A long append asks the kvindex how much of the context the prefill pod
-        holds: after local turns, it may lack what the decode pod computed."""
+        saturated, or whole on an idle prefill pod that hosts sessions (``_idle_host``). A
+        long append asks the kvindex how much of the context the prefill pod holds: after
+        local turns, it may lack what the decode pod computed."""
         prefill_order, decode_order = routed.prefill, routed.decode
-        own = next((c for c in decode_order if c.name == state.last_decode_pod), None)
+        homes = [*decode_order, *self._hosts(prefill_order, decode_order)]
+        own = next((c for c in homes if c.name == state.last_decode_pod), None)
         held = None if own is None or state.prompt_tokens is None else HeldContext(
             state.prompt_tokens, state.prompt_chars, self.settings.chunk_size)
         size = prompt_size(turn.endpoint, turn.body)
@@ -195,9 +197,30 @@ class Orchestrator:
         if not local and held is not None and prefill_order and size.tokens is not None:
             remote = await self._prefill_pod_lacks(state, routed, size.tokens)
             local = remote is not None and decide(remote_tokens=remote)
+        if not local and own is None:
+            return self._idle_host(prefill_order, decode_order)
         if not local or not decode_order:
             return None
         return own or decode_order[0]
+
+    def _hosts(self, prefill_order: list[Candidate], decode_order: list[Candidate]
+               ) -> list[Candidate]:
+        """The prefill pods that may be a session's own pod (--prefill-hosts-sessions, beside
+        a decode pool)."""
+        return prefill_order if self.settings.prefill_hosts_sessions and decode_order else []
+
+    def _idle_host(self, prefill_order: list[Candidate], decode_order: list[Candidate]
+                   ) -> Candidate | None:
+        """A turn with no pod of its own, about to go P/D: when every decode pod is busy and
+        the first-ranked prefill pod idle, that pod runs it whole and keeps the session. P/D
+        would prefill there anyway, then hand the context to a busy decode pod whose queue
+        the session's appends would join; the prefill pod's idle time is otherwise lost (on
+        bench-agent the decode pods served nearly every turn and the prefill pod idled 85-90 %
+        of the run)."""
+        hosts = self._hosts(prefill_order, decode_order)
+        if hosts and hosts[0].inflight == 0 and all(d.inflight > 0 for d in decode_order):
+            return hosts[0]
+        return None
 
     async def _prefill_pod_lacks(self, state: SessionState, routed: Routed, tokens: int
                                  ) -> int | None:
@@ -336,9 +359,12 @@ class Orchestrator:
         return pairs
 
     def _solo_stage(self, pod: Candidate) -> str:
-        """A pod serving a turn alone: a prefill pod (no decode pool), or a decode pod."""
-        return "local" if any(pod.name == d.name for d in self.pool.decode_candidates()) \
-            else "prefill"
+        """A pod serving a turn alone: a prefill pod (no decode pool), or a pod serving as a
+        session's own (a decode pod, or a prefill pod hosting sessions): "local"."""
+        decode = self.pool.decode_candidates()
+        if any(pod.name == d.name for d in decode):
+            return "local"
+        return "local" if self._hosts([pod], decode) else "prefill"
 
     async def _prefill_for_decode(self, turn: Turn, prefill: Candidate
                                   ) -> tuple[dict[str, Any], int | None]:
@@ -404,8 +430,9 @@ class Orchestrator:
         if decode is not None:
             state.last_decode_pod = decode.name
         elif self._solo_stage(prefill) == "local":
-            # run whole on a decode pod (its first turn, the prefill pool saturated): the
-            # session's context is there now, and so are its next appends
+            # run whole on a decode pod (its first turn, the prefill pool saturated) or on a
+            # prefill pod hosting sessions: the session's context is there now, and so are
+            # its next appends
             state.last_decode_pod = prefill.name
         if outcome.chunk_hashes is not None:
             state.chunk_hashes = outcome.chunk_hashes

@@ -44,6 +44,10 @@ class ProxySettings(BaseModel):
         default=0, ge=0,
         description="Run a turn whole on a decode pod when every prefill pod already has this "
                     "many turns in flight (0: no limit).")
+    prefill_hosts_sessions: bool = Field(
+        default=False,
+        description="A prefill pod with nothing in flight runs a first turn whole and keeps "
+                    "the session (its appends run there) when every decode pod is busy.")
     prefetch_lead_s: float = Field(default=0.5, ge=0)
     max_sessions: int = Field(default=100_000, gt=0)
     log_level: str = "info"

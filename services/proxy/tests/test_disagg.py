@@ -74,17 +74,22 @@ def test_the_decision_is_the_threshold_on_uncomputed_tokens(prev, grow, chunk, t
 
 def attempts_for(state: SessionState, prompt_len: int, threshold: int = 512,
                  max_backlog: int = 0, prefill_inflight: int = 0,
-                 kvindex: object = None, prefill_urls: tuple[str, ...] = ("http://p0",)
+                 kvindex: object = None, prefill_urls: tuple[str, ...] = ("http://p0",),
+                 hosts: bool = False, decode_inflight: tuple[int, int] = (0, 0)
                  ) -> list[tuple[str, str | None]]:
     async def go() -> list[tuple[str, str | None]]:
         settings = ProxySettings(prefill_urls=list(prefill_urls),
                                  decode_urls=["http://d0", "http://d1"],
                                  local_prefill_tokens=threshold,
-                                 max_prefill_backlog=max_backlog)
+                                 max_prefill_backlog=max_backlog,
+                                 prefill_hosts_sessions=hosts)
         async with aiohttp.ClientSession() as http:
             pool = PodPool(settings.prefill_urls, settings.decode_urls, None)
             for _ in range(prefill_inflight):
                 pool.acquire("http://p0")
+            for pod, n in zip(settings.decode_urls, decode_inflight, strict=True):
+                for _ in range(n):
+                    pool.acquire(pod)
             orch = Orchestrator(settings, pool, kvindex, make_policy("kv-aware"), http,  # type: ignore[arg-type]
                                 ProxyMetrics(CollectorRegistry()))
             turn = Turn(endpoint="/v1/completions", body={"prompt": [1] * prompt_len},
@@ -224,3 +229,42 @@ def test_a_turn_run_whole_on_a_decode_pod_makes_it_the_sessions_own():
     on_decode, on_prefill = asyncio.run(go())
     assert on_decode.last_decode_pod == "http://d1" and on_prefill.last_decode_pod is None
     assert attempts_for(on_decode, 3000 + 200)[0] == ("http://d1", None)
+
+
+def test_an_idle_prefill_pod_hosting_sessions_takes_a_first_turn_when_decode_pods_are_busy():
+    """--prefill-hosts-sessions: a first turn that would go P/D while both decode pods are busy
+    runs whole on the idle prefill pod, which becomes the session's own: its next short append
+    runs there as on a decode pod. Without the flag, or with a decode pod idle, or with the
+    prefill pod busy, nothing changes."""
+    busy = (1, 2)
+    assert attempts_for(SessionState(), 3000, hosts=True, decode_inflight=busy)[0] == \
+        ("http://p0", None)
+    for kwargs in (dict(hosts=False, decode_inflight=busy),
+                   dict(hosts=True, decode_inflight=(0, 2))):
+        first = attempts_for(SessionState(), 3000, **kwargs)[0]  # type: ignore[arg-type]
+        assert first[0] == "http://p0" and first[1] is not None  # P/D
+    busy_prefill = attempts_for(SessionState(), 3000, hosts=True, decode_inflight=busy,
+                                max_backlog=1, prefill_inflight=1)[0]
+    assert busy_prefill == ("http://d0", None)  # the least-loaded decode pod, whole
+
+    async def finish(hosts: bool) -> SessionState:
+        settings = ProxySettings(prefill_urls=["http://p0"], decode_urls=["http://d0"],
+                                 prefill_hosts_sessions=hosts)
+        async with aiohttp.ClientSession() as http:
+            orch = Orchestrator(settings, PodPool(settings.prefill_urls, settings.decode_urls,
+                                                  None), None, make_policy("kv-aware"), http,
+                                ProxyMetrics(CollectorRegistry()))
+            state = SessionState()
+            orch._finish(Turn(endpoint="/v1/completions", body={"prompt": [1] * 3000},
+                              session_id="s", session_key="s"), state,
+                         Candidate("http://p0", "http://p0"), TurnOutcome(prompt_tokens=3000))
+            return state
+
+    hosted = asyncio.run(finish(True))
+    assert hosted.last_decode_pod == "http://p0"
+    assert asyncio.run(finish(False)).last_decode_pod is None
+    append = attempts_for(hosted, 3000 + 200, hosts=True)
+    assert append[0] == ("http://p0", None)  # its own pod, though both decode pods are idle
+    assert append[1][0] == "http://p0" and append[1][1] is not None  # P/D is the fallback
+    long_append = attempts_for(hosted, 3000 + 3000, hosts=True)[0]
+    assert long_append[0] == "http://p0" and long_append[1] is not None  # P/D: moves

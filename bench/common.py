@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +56,32 @@ def wait_on_disk(memory_url: str, hashes: list[str], timeout_s: float = 120.0) -
             return
         time.sleep(0.1)
     raise TimeoutError("turn-1 chunks never reached the disk tier")
+
+
+@contextlib.contextmanager
+def progress(enabled: bool) -> Iterator[Any]:
+    """A rich progress bar when rich is installed and wanted; else a silent stand-in."""
+    if enabled:
+        try:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+        except ImportError:
+            enabled = False
+    if not enabled:
+        class Silent:
+            def add_task(self, *_a: Any, **_k: Any) -> int:
+                return 0
+
+            def advance(self, *_a: Any, **_k: Any) -> None:
+                return None
+
+        yield Silent()
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), transient=False) as bar:
+        yield bar

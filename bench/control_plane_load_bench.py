@@ -58,6 +58,7 @@ import httpx
 from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.core.testing import RedisServer, free_port, service_process
 from bench.common import percentile, write_result
+from bench.common import progress as common_progress
 
 NAME = "control_plane_load"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
@@ -266,27 +267,8 @@ class Results:
 
 @contextlib.contextmanager
 def progress(enabled: bool, sessions: int, turns: int) -> Iterator[Any]:
-    """rich progress bars (sessions started, turns done), or a silent stand-in."""
-    if enabled:
-        try:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-        except ImportError:
-            enabled = False
-    if not enabled:
-        class Silent:
-            def advance(self, *_a: Any, **_k: Any) -> None:
-                return None
-
-        yield Silent(), 0, 0
-        return
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), transient=False) as bar:
+    """The bars (sessions started, turns done): bench.common's, or its silent stand-in."""
+    with common_progress(enabled) as bar:
         yield (bar, bar.add_task("sessions started", total=sessions),
                bar.add_task("turns done      ", total=sessions * turns))
 

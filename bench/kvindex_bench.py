@@ -30,8 +30,6 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +44,7 @@ from agentserving.core.schemas import (
 from agentserving.kvindex.index.base import Index
 from agentserving.kvindex.index.memory import InMemoryIndex
 from agentserving.kvindex.index.redis import RedisIndex
-from bench.common import write_result
+from bench.common import progress, write_result
 
 NAME = "kvindex"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
@@ -136,38 +134,6 @@ class Workload:
     @property
     def total_chunks(self) -> int:
         return sum(sum(len(c) for c in s.chunks.values()) for s in self.snapshots.values())
-
-
-# ------------------------------------------------------------------------------- progress
-
-
-@contextmanager
-def progress(enabled: bool) -> Iterator[Any]:
-    """A rich progress bar when rich is installed and wanted; else a silent stand-in."""
-    if enabled:
-        try:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-        except ImportError:
-            enabled = False
-    if not enabled:
-        class Silent:
-            def add_task(self, *_a: Any, **_k: Any) -> int:
-                return 0
-
-            def advance(self, *_a: Any, **_k: Any) -> None:
-                return None
-
-        yield Silent()
-        return
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TimeElapsedColumn(), transient=False) as bar:
-        yield bar
 
 
 # ------------------------------------------------------------------------------- measuring

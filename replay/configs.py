@@ -50,8 +50,9 @@ DEVICE_KV_BLOCKS = 64
 # agentserving's proxy on vLLM: a first turn that finds the prefill pod busy runs whole on the
 # least-loaded decode pod (E2E P95 4.6 s -> 3.1 s on bench-agent, req/s 2.51 -> 2.76, hit
 # unchanged; measured December 2026 with 128 device blocks); one that finds it idle while both
-# decode pods are busy runs whole there and stays (--prefill-hosts-sessions): the decode pods
-# served nearly every turn and the prefill pod idled 85-90 % of the run without it
+# decode pods are busy runs whole there and stays (--prefill-hosts-sessions). Its worth is not
+# measured yet: the run's first P/D turn holds the prefill pod 15-26 s, so it rarely engages
+# (14 turns in one of three runs, December 2026; README)
 VLLM_PROXY_ARGS = ["--max-prefill-backlog", "1", "--prefill-hosts-sessions"]
 # The workload's pace per engine (--time-scale). On vLLM the bench replays bench-agent at twice
 # its own speed: at its own times agentserving finished 33-38 s after the start, of which the

@@ -29,10 +29,13 @@ from agentserving.core.schemas import (
     MemoryEvictResponse,
     MemoryPrefetchRequest,
     MemoryPrefetchResponse,
+    PinRequest,
     PodInfo,
     PodList,
     PodRegistration,
     PrefetchRequest,
+    PriorityRequest,
+    SessionClosed,
     SessionInfo,
 )
 
@@ -146,8 +149,20 @@ class KvindexClient(_JsonClient):
     async def session(self, session_id: str) -> SessionInfo:
         return await self._call("GET", f"/v1/sessions/{session_id}", None, SessionInfo)
 
-    async def delete_session(self, session_id: str) -> None:
-        await self._call("DELETE", f"/v1/sessions/{session_id}", None, None)
+    async def close_session(self, session_id: str) -> SessionClosed:
+        """End the session: the kvindex evicts its chunks that no other live session uses."""
+        return await self._call("DELETE", f"/v1/sessions/{session_id}", None, SessionClosed)
+
+    async def pin(self, session_id: str, ttl_s: float) -> SessionInfo:
+        return await self._call("POST", f"/v1/sessions/{session_id}/pin",
+                                PinRequest(ttl_s=ttl_s), SessionInfo)
+
+    async def release(self, session_id: str) -> SessionInfo:
+        return await self._call("POST", f"/v1/sessions/{session_id}/release", None, SessionInfo)
+
+    async def set_priority(self, session_id: str, priority: int) -> SessionInfo:
+        return await self._call("PUT", f"/v1/sessions/{session_id}/priority",
+                                PriorityRequest(priority=priority), SessionInfo)
 
     async def fork(self, session_id: str, child: str) -> SessionInfo:
         return await self._call("POST", f"/v1/sessions/{session_id}/fork",

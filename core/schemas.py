@@ -56,11 +56,28 @@ def _wire_int(value: object) -> object:
     return value
 
 
+def _wire_number(value: object) -> object:
+    """JSON's number: 2 and 2.5, never "2" nor true."""
+    if isinstance(value, str | bool):
+        raise ValueError("expected a number")
+    return value
+
+
 # An integer on the wire: pydantic's lax int without its str/bool coercions.
 WireInt = Annotated[int, BeforeValidator(_wire_int)]
 # The bound sits inside, where the schema shows it as "minimum" (outside a union or a mapping's
 # values it would not).
 NonNegWireInt = Annotated[int, Field(ge=0), BeforeValidator(_wire_int)]
+
+# A session's eviction priority: an evict at priority p skips chunks that a live session of
+# priority >= p references (kvindex.index.base.protected_chunks). Bounded so the schema is finite.
+DEFAULT_PRIORITY = 0
+MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
+Priority = Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY), BeforeValidator(_wire_int)]
+# How long a pin may hold a session's chunks: a predicted tool gap, not forever (a day at most).
+MAX_PIN_TTL_S = 86400.0
+# JSON's number for a duration: 2 and 2.5, never "2" nor true (a float field would coerce both).
+PinTtl = Annotated[float, Field(gt=0, le=MAX_PIN_TTL_S), BeforeValidator(_wire_number)]
 
 
 class PodRole(StrEnum):
@@ -272,7 +289,11 @@ class EvictRequest(Strict):
         default=None, description="The session asking: its own references never protect."
     )
     force: StrictBool = Field(default=False,
-                              description="Evict even chunks other sessions reference.")
+                              description="Evict even chunks other sessions reference or pin.")
+    priority: Priority | None = Field(
+        default=None, description="The evict's priority: chunks that only live sessions below it "
+        "reference are evicted, a pinned session's are kept. Default: the asking session's "
+        f"priority, else {DEFAULT_PRIORITY}.")
 
 
 class PodCallResult(BaseModel):
@@ -288,7 +309,8 @@ class FanoutResponse(BaseModel):
     results: dict[str, PodCallResult]
     missing: list[str] = Field(description="Chunks no live pod holds.")
     protected: list[str] = Field(
-        default_factory=list, description="Chunks kept because another session references them."
+        default_factory=list, description="Chunks kept because another live session references "
+        "them and is pinned or at the evict's priority or above."
     )
 
 
@@ -328,7 +350,34 @@ class SessionInfo(BaseModel):
     parent: str | None = None
     intents: dict[str, list[str]]
     created_at: float
-    updated_at: float
+    updated_at: float = Field(description="Last write (intents, pin, release, priority): "
+                              "what the idle TTL counts from.")
+    priority: int = Field(default=DEFAULT_PRIORITY,
+                          description="Eviction priority: an evict at or below it keeps this "
+                          "session's chunks.")
+    pinned_until: float | None = Field(
+        default=None, description="While the pin holds, no other session's evict (at any "
+        "priority) takes this session's chunks; null: not pinned.")
+    expires_at: float | None = Field(
+        default=None, description="When the session expires idle (its references stop "
+        "protecting, then it is reaped); a pin extends it. Null: never.")
+
+
+class PinRequest(Strict):
+    ttl_s: PinTtl = Field(description="Seconds to keep the session's chunks, e.g. the "
+                          "predicted tool gap; the pin then lapses by itself.")
+
+
+class PriorityRequest(Strict):
+    priority: Priority
+
+
+class SessionClosed(BaseModel):
+    session_id: str
+    chunk_hashes: list[str] = Field(description="The chunks the session referenced.")
+    evict: FanoutResponse = Field(description="Their eviction from every tier of the pods "
+                                  "holding them; `protected` lists those another live "
+                                  "session still references.")
 
 
 class ForkRequest(Strict):

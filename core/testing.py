@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from agentserving.core.ports import bindable, pickable_ports
+from agentserving.core.schemas import MemoryEvictRequest, MemoryPrefetchRequest
 
 _handed_out: set[int] = set()
 
@@ -175,6 +176,42 @@ class ThreadedServer:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+class MemoryApiPeer:
+    """A pod's memory API as seen on the wire (seed 000's bodies), served over real HTTP and
+    recording each call it gets: what a fan-out sent, without a worker behind it."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        import asyncio
+
+        from fastapi import FastAPI
+
+        # the handlers' annotations are strings (``from __future__ import annotations``):
+        # FastAPI resolves them in this module's globals, hence the module-level schema import
+        self.calls: list[tuple[str, dict]] = []
+        app = FastAPI()
+
+        @app.post("/memory/prefetch")
+        async def prefetch(req: MemoryPrefetchRequest) -> dict:
+            await asyncio.sleep(delay_s)
+            self.calls.append(("prefetch", req.model_dump()))
+            return {"status": "prefetch_started", "lookup_id": req.lookup_id,
+                    "num_chunks": len(req.chunk_hashes)}
+
+        @app.post("/memory/evict")
+        async def evict(req: MemoryEvictRequest) -> dict:
+            self.calls.append(("evict", req.model_dump()))
+            return {"status": "success", "num_evicted": len(req.chunk_hashes)}
+
+        self.server = ThreadedServer(app)
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    def stop(self) -> None:
+        self.server.stop()
 
 
 def free_port_run(n: int) -> int:

@@ -1,4 +1,4 @@
-"""The kvindex service: the FastAPI app, its lifespan (reaper, event ingest), and routers."""
+"""The kvindex service: the FastAPI app, its lifespan (reapers, event ingest), and routers."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from agentserving.core.service import (
     install_health_route,
     install_metrics_route,
 )
-from agentserving.kvindex.controllers.reaper import reap_forever
+from agentserving.kvindex.controllers.reaper import expire_sessions_forever, reap_forever
 from agentserving.kvindex.http_apis import control, pods, residency, sessions
 from agentserving.kvindex.http_apis.deps import KvindexState, ServiceMetrics
 from agentserving.kvindex.index.base import BackendUnavailable, Index, SessionStore
@@ -47,7 +47,9 @@ def create_app(settings: KvindexSettings, index: Index | None = None,
             metrics=ServiceMetrics(registry),
         )
         app.state.kv = st
-        tasks = [asyncio.create_task(reap_forever(st.index, settings.reap_interval_s))]
+        tasks = [asyncio.create_task(reap_forever(st.index, settings.reap_interval_s)),
+                 asyncio.create_task(expire_sessions_forever(st.sessions,
+                                                             settings.reap_interval_s))]
         if settings.vllm_event_endpoints:
             from agentserving.kvindex.ingest.vllm_events import subscribe_forever
 

@@ -29,11 +29,15 @@ def _parse_pairs(values: tuple[str, ...], flag: str, form: str) -> dict[str, str
 @setting("--lease-ttl", "lease_ttl_s", type=click.FloatRange(min=0.01),
          help="Seconds a pod stays registered without a heartbeat.")
 @setting("--reap-interval", "reap_interval_s", type=click.FloatRange(min=0.01),
-         help="Seconds between sweeps that drop pods whose lease lapsed.")
+         help="Seconds between sweeps that drop pods whose lease lapsed and sessions "
+         "that expired idle.")
 @setting("--max-batch-chunks", type=click.IntRange(min=1),
          help="Most chunk hashes one request may carry (more: 413).")
 @setting("--fanout-timeout", "fanout_timeout_s", type=click.FloatRange(min=0.01),
          help="Seconds to wait for each pod's memory API during prefetch/evict fan-out.")
+@setting("--session-idle-ttl", "session_idle_ttl_s", type=click.FloatRange(min=0),
+         help="Seconds after its last write that an agent session expires and stops protecting "
+         "its chunks from eviction (a pin extends it); 0: never.")
 @option("--vllm-events", multiple=True, metavar="POD=ENDPOINT",
         help="Subscribe to a vLLM KV event stream (ZMQ PUB) on behalf of POD; repeatable.")
 @setting("--lmcache-controller", metavar="tcp://HOST:PORT",

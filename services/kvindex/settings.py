@@ -15,6 +15,11 @@ class KvindexSettings(BaseModel):
     max_batch_chunks: int = Field(default=65536, gt=0)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)
     fanout_timeout_s: float = Field(default=2.0, gt=0)
+    session_idle_ttl_s: float = Field(
+        default=3600.0, ge=0, description="Seconds after its last write that an agent session "
+        "expires (its references stop protecting chunks from eviction, then the reaper drops "
+        "it); a pin extends it. 0: sessions never expire idle."
+    )
     vllm_event_endpoints: dict[str, str] = Field(
         default_factory=dict, description="pod name -> ZMQ PUB endpoint of a vLLM KV event stream"
     )
@@ -30,3 +35,8 @@ class KvindexSettings(BaseModel):
     )
     log_level: str = "info"
     log_json: bool = True
+
+    @property
+    def idle_ttl_s(self) -> float | None:
+        """The idle TTL as the session stores take it: None for never."""
+        return self.session_idle_ttl_s or None

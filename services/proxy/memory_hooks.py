@@ -3,17 +3,22 @@
 Before a turn: evict the chunks of topics the agent left (``evict_intents``) and prefetch the
 chunks of the topics it is about to reuse (``prefetch_intents``), both through the kvindex,
 which fans out to the pods holding them. After the turn: write the turn's chunk hashes back
-under ``intent``. Every call is best effort: a memory hook never fails a turn.
+under ``intent``, then carry out the session's KV lifecycle verbs in the kvindex: its eviction
+``priority``, a pin for ``pin_ttl_s`` (the turn ends in a tool call; keep its KV through the
+gap, then let it go by itself) or its ``release``, and on the final turn ``close_session``
+(the kvindex evicts the session's chunks that no other live session uses). Every call is best
+effort: a memory hook never fails a turn.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
 
 from agentserving.core.clients import KvindexClient, NotFound, RequestRejected, ServiceUnavailable
-from agentserving.core.schemas import EvictRequest, PrefetchRequest
+from agentserving.core.schemas import EvictRequest, PinTtl, PrefetchRequest, Priority
 
 
 class AgentMemory(BaseModel):
@@ -22,6 +27,26 @@ class AgentMemory(BaseModel):
     intent: str | None = Field(default=None, min_length=1, max_length=256)
     evict_intents: list[str] = Field(default_factory=list)
     prefetch_intents: list[str] = Field(default_factory=list)
+    priority: Priority | None = Field(
+        default=None, description="After the turn, set the session's eviction priority: an "
+        "evict at or below it keeps the session's chunks.")
+    pin_ttl_s: PinTtl | None = Field(
+        default=None, description="After the turn, pin the session's chunks for this many "
+        "seconds (e.g. the tool call the turn ends in); the pin lapses by itself.")
+    release: StrictBool = Field(default=False,
+                                description="After the turn, drop the session's pin.")
+    close_session: StrictBool = Field(
+        default=False, description="This is the session's final turn: after it, close the "
+        "session, evicting its chunks that no other live session uses from every tier.")
+
+    @field_validator("release", "close_session")
+    @classmethod
+    def _not_with_a_pin(cls, value: bool, info: ValidationInfo) -> bool:
+        """A pin asks to keep the KV, a release or a close to let it go: say which field
+        conflicts rather than pick one silently."""
+        if value and info.data.get("pin_ttl_s") is not None:
+            raise ValueError("cannot be true together with pin_ttl_s")
+        return value
 
 
 async def _intent_chunks(kv: KvindexClient, sid: str, intent: str) -> list[str]:
@@ -54,12 +79,38 @@ async def before_turn(kv: KvindexClient, sid: str, mem: AgentMemory, record) -> 
                          *(prefetch(i) for i in mem.prefetch_intents))
 
 
-async def after_turn(kv: KvindexClient, sid: str, mem: AgentMemory, chunk_hashes: list[str],
-                     record) -> None:  # type: ignore[no-untyped-def]
-    if mem.intent is None:
-        return
-    try:
-        await kv.put_intent(sid, mem.intent, chunk_hashes)
-        record("write", True)
-    except (ServiceUnavailable, RequestRejected):
-        record("write", False)
+def lifecycle_calls(kv: KvindexClient, sid: str, mem: AgentMemory
+                    ) -> list[tuple[str, Callable[[], Awaitable[object]]]]:
+    """The kvindex calls the lifecycle fields ask for, in the order they must run: after the
+    intent write-back, so they act on the session as this turn left it; a close comes last
+    and makes a release moot (closing drops the pin with the session)."""
+    calls: list[tuple[str, Callable[[], Awaitable[object]]]] = []
+    if mem.priority is not None:
+        priority = mem.priority
+        calls.append(("priority", lambda: kv.set_priority(sid, priority)))
+    if mem.pin_ttl_s is not None:
+        ttl_s = mem.pin_ttl_s
+        calls.append(("pin", lambda: kv.pin(sid, ttl_s)))
+    if mem.release and not mem.close_session:
+        calls.append(("release", lambda: kv.release(sid)))
+    if mem.close_session:
+        calls.append(("close", lambda: kv.close_session(sid)))
+    return calls
+
+
+async def after_turn(kv: KvindexClient, sid: str, mem: AgentMemory,
+                     chunk_hashes: list[str] | None, record) -> None:  # type: ignore[no-untyped-def]
+    """``chunk_hashes`` None: the engine named no chunks for this turn (nothing to write back
+    under ``intent``); the lifecycle verbs still run."""
+    if mem.intent is not None and chunk_hashes is not None:
+        try:
+            await kv.put_intent(sid, mem.intent, chunk_hashes)
+            record("write", True)
+        except (ServiceUnavailable, RequestRejected):
+            record("write", False)
+    for op, call in lifecycle_calls(kv, sid, mem):
+        try:
+            await call()
+            record(op, True)
+        except (ServiceUnavailable, RequestRejected):  # NotFound too: no session to act on
+            record(op, False)

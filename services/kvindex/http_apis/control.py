@@ -1,10 +1,14 @@
-"""Prefetch and evict by chunk hash, fanned out to the pods that hold them."""
+"""Prefetch and evict by chunk hash, fanned out to the pods that hold them.
+
+An evict that is not forced keeps the chunks live sessions still need; which ones is decided by
+``protected_chunks`` (pins, priorities, idle expiry) over what the session store reports.
+"""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from agentserving.core.schemas import EvictRequest, FanoutResponse, PrefetchRequest
+from agentserving.core.schemas import EvictRequest, FanoutResponse, PrefetchRequest, Tier
 from agentserving.core.service import ApiError, error_responses
 from agentserving.kvindex.controllers.fanout import (
     backends_for_locations,
@@ -14,6 +18,7 @@ from agentserving.kvindex.controllers.fanout import (
 )
 from agentserving.kvindex.http_apis.deps import KvindexState, guarded, state
 from agentserving.kvindex.http_apis.validation import check_chain_size
+from agentserving.kvindex.index.base import eviction_priority, protected_chunks
 
 router = APIRouter(prefix="/v1", tags=["control"], responses=error_responses(503))
 
@@ -44,9 +49,29 @@ async def prefetch(req: PrefetchRequest, st: KvindexState = Depends(state)) -> F
     return FanoutResponse(lookup_id=req.lookup_id, results=results, missing=missing)
 
 
+async def fan_out_evict(st: KvindexState, chunk_hashes: list[str], protected: set[str], *,
+                        locations: list[str] | None = None, tiers: set[Tier] | None = None,
+                        pod: str | None = None, pods: dict | None = None) -> FanoutResponse:
+    """Ask every live holder of ``chunk_hashes`` but the ``protected`` to drop them from the
+    named tiers (None: every tier). Shared by ``POST /v1/evict`` and closing a session."""
+    pods = await _live_pods(st) if pods is None else pods
+    holders = await guarded(st, st.index.holders(chunk_hashes))
+    per_pod, missing = plan(chunk_hashes, holders, only_pod=pod, tiers=tiers, skip=protected)
+    backends = backends_for_locations(locations)
+    bodies = {p: {"chunk_hashes": chunks, **({"locations": backends} if backends else {})}
+              for p, chunks in per_pod.items()}
+    results = await call_pods(st.http, pods, "/memory/evict", bodies,
+                              st.settings.fanout_timeout_s)
+    for r in results.values():
+        st.metrics.fanout.labels("evict", str(r.ok).lower()).inc()
+    return FanoutResponse(results=results, missing=missing,
+                          protected=[c for c in chunk_hashes if c in protected])
+
+
 @router.post("/evict", response_model=FanoutResponse,
              responses=error_responses(400, 404, 413),
-             summary="Ask the holders of these chunks to drop them (named tiers, or all).")
+             summary="Ask the holders of these chunks to drop them (named tiers, or all); "
+                     "chunks live sessions pin or hold at this priority or above are kept.")
 async def evict(req: EvictRequest, st: KvindexState = Depends(state)) -> FanoutResponse:
     check_chain_size(req.chunk_hashes, st.settings.max_batch_chunks)
     try:
@@ -57,17 +82,10 @@ async def evict(req: EvictRequest, st: KvindexState = Depends(state)) -> FanoutR
     _check_pod(req.pod, pods)
     protected: set[str] = set()
     if not req.force:
-        protected = await guarded(
-            st, st.sessions.referenced_elsewhere(req.chunk_hashes, req.session_id))
-    holders = await guarded(st, st.index.holders(req.chunk_hashes))
-    per_pod, missing = plan(req.chunk_hashes, holders, only_pod=req.pod, tiers=tiers,
-                            skip=protected)
-    backends = backends_for_locations(req.locations)
-    bodies = {pod: {"chunk_hashes": chunks, **({"locations": backends} if backends else {})}
-              for pod, chunks in per_pod.items()}
-    results = await call_pods(st.http, pods, "/memory/evict", bodies,
-                              st.settings.fanout_timeout_s)
-    for r in results.values():
-        st.metrics.fanout.labels("evict", str(r.ok).lower()).inc()
-    return FanoutResponse(results=results, missing=missing,
-                          protected=[c for c in req.chunk_hashes if c in protected])
+        refs = await guarded(st, st.sessions.references(req.chunk_hashes, also=req.session_id))
+        asker = refs.sessions.get(req.session_id) if req.session_id is not None else None
+        protected = protected_chunks(
+            refs, asker=req.session_id,
+            priority=eviction_priority(req.priority, asker, refs.now))
+    return await fan_out_evict(st, req.chunk_hashes, protected, locations=req.locations,
+                               tiers=tiers, pod=req.pod, pods=pods)

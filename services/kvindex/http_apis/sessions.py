@@ -1,32 +1,53 @@
-"""Sessions: an agent's intents mapped to the chunks they reuse; forks share copy-on-write."""
+"""Sessions: an agent's intents mapped to the chunks they reuse; forks share copy-on-write.
+
+And their lifecycle, the programmable-KV verbs: pin (retain the session's chunks through a
+predicted tool gap, lapsing by itself), release, an eviction priority, and close (the final
+turn: the session's chunks leave every tier of every pod, except those another live session
+still references). Every write restarts the session's idle TTL (``--session-idle-ttl``).
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Depends
 
-from agentserving.core.schemas import ForkRequest, IntentChunks, SessionInfo
+from agentserving.core.schemas import (
+    ForkRequest,
+    IntentChunks,
+    PinRequest,
+    PriorityRequest,
+    SessionClosed,
+    SessionInfo,
+)
 from agentserving.core.service import ApiError, error_responses
+from agentserving.kvindex.http_apis.control import fan_out_evict
 from agentserving.kvindex.http_apis.deps import KvindexState, guarded, state
 from agentserving.kvindex.http_apis.validation import check_chain_size
+from agentserving.kvindex.index.base import protected_chunks
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"],
                    responses=error_responses(503))
 
 
 @router.get("/{session_id}", response_model=SessionInfo, responses=error_responses(404),
-            summary="A session and its intents.")
+            summary="A live session: its intents, priority, pin and expiry.")
 async def get_session(session_id: str, st: KvindexState = Depends(state)) -> SessionInfo:
     return await guarded(st, st.sessions.get_session(session_id))
 
 
-@router.delete("/{session_id}", status_code=204, response_class=Response,
-               responses=error_responses(404),
-               summary="End a session: its chunk references are released.")
-async def delete_session(session_id: str, st: KvindexState = Depends(state)) -> Response:
-    if not await guarded(st, st.sessions.delete_session(session_id)):
+@router.delete("/{session_id}", response_model=SessionClosed, responses=error_responses(404),
+               summary="Close a session: its references are released and its chunks evicted "
+                       "from every tier of the pods holding them, except those another live "
+                       "session references.")
+async def close_session(session_id: str, st: KvindexState = Depends(state)) -> SessionClosed:
+    chunks = await guarded(st, st.sessions.close_session(session_id))
+    if chunks is None:
         raise ApiError(404, f"unknown session '{session_id}'", param="session_id",
                        type="not_found_error")
-    return Response(status_code=204)
+    # closed first, so its own references are gone: whatever still references a chunk is
+    # another session, and any live one (whatever its priority) keeps it
+    refs = await guarded(st, st.sessions.references(chunks))
+    evicted = await fan_out_evict(st, chunks, protected_chunks(refs, asker=None, priority=None))
+    return SessionClosed(session_id=session_id, chunk_hashes=chunks, evict=evicted)
 
 
 @router.put("/{session_id}/intents/{intent}", response_model=SessionInfo,
@@ -35,7 +56,8 @@ async def delete_session(session_id: str, st: KvindexState = Depends(state)) -> 
 async def put_intent(session_id: str, intent: str, body: IntentChunks,
                      st: KvindexState = Depends(state)) -> SessionInfo:
     check_chain_size(body.chunk_hashes, st.settings.max_batch_chunks)
-    return await guarded(st, st.sessions.put_intent(session_id, intent, body.chunk_hashes))
+    return await guarded(st, st.sessions.put_intent(session_id, intent, body.chunk_hashes,
+                                                    st.settings.idle_ttl_s))
 
 
 @router.get("/{session_id}/intents/{intent}", response_model=IntentChunks,
@@ -52,7 +74,8 @@ async def get_intent(session_id: str, intent: str,
                summary="Forget an intent; its chunk references are released.")
 async def delete_intent(session_id: str, intent: str,
                         st: KvindexState = Depends(state)) -> SessionInfo:
-    return await guarded(st, st.sessions.delete_intent(session_id, intent))
+    return await guarded(st, st.sessions.delete_intent(session_id, intent,
+                                                       st.settings.idle_ttl_s))
 
 
 @router.post("/{session_id}/fork", response_model=SessionInfo, status_code=201,
@@ -60,4 +83,30 @@ async def delete_intent(session_id: str, intent: str,
              summary="Start a child session sharing the parent's chunks copy-on-write.")
 async def fork(session_id: str, body: ForkRequest,
                st: KvindexState = Depends(state)) -> SessionInfo:
-    return await guarded(st, st.sessions.fork(session_id, body.child))
+    return await guarded(st, st.sessions.fork(session_id, body.child, st.settings.idle_ttl_s))
+
+
+@router.post("/{session_id}/pin", response_model=SessionInfo, responses=error_responses(404),
+             summary="Pin (retain) the session's chunks for ttl_s seconds: no other session's "
+                     "evict takes them, at any priority, until the pin lapses or is released.")
+async def pin(session_id: str, body: PinRequest,
+              st: KvindexState = Depends(state)) -> SessionInfo:
+    return await guarded(st, st.sessions.pin(session_id, body.ttl_s, st.settings.idle_ttl_s))
+
+
+@router.post("/{session_id}/release", response_model=SessionInfo,
+             responses=error_responses(404),
+             summary="Drop the session's pin now (its references still protect at its "
+                     "priority).")
+async def release(session_id: str, st: KvindexState = Depends(state)) -> SessionInfo:
+    return await guarded(st, st.sessions.release(session_id, st.settings.idle_ttl_s))
+
+
+@router.put("/{session_id}/priority", response_model=SessionInfo,
+            responses=error_responses(404),
+            summary="Set the session's eviction priority: an evict at or below it keeps "
+                    "the session's chunks, one above it may take them.")
+async def set_priority(session_id: str, body: PriorityRequest,
+                       st: KvindexState = Depends(state)) -> SessionInfo:
+    return await guarded(st, st.sessions.set_priority(session_id, body.priority,
+                                                      st.settings.idle_ttl_s))

@@ -13,6 +13,12 @@ Contract every backend honours (``tests/test_contract.py`` runs against each):
   ignored, a gap is applied but flags the pod ``needs_resync`` until a snapshot arrives.
 - ``lookup`` walks the chain in order and, for each live pod, counts how many leading chunks it
   holds (any tier) and which tier is the fastest for each of them.
+- A session lives until it is closed or until it expires idle: every write to it (intents,
+  pin, release, priority) moves its expiry to ``session_expiry(now, idle_ttl_s, pin)``; an
+  expired session is invisible to every read at once (its references stop protecting chunks),
+  a write that would create it starts it afresh, and ``expire_sessions`` then drops it with its
+  references. What a session's pin, priority and liveness imply for an evict is decided here,
+  by ``protected_chunks`` over what ``references`` reports, never inside a backend.
 - A backend that cannot reach its store raises ``BackendUnavailable`` at once (the HTTP layer
   answers 503 and the proxy routes without the index); nothing stored is lost by that.
 - All methods are safe to call concurrently from one event loop.
@@ -24,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from agentserving.core.schemas import (
+    DEFAULT_PRIORITY,
     TIERS_FASTEST_FIRST,
     ChunkLocation,
     ChunkSnapshot,
@@ -138,6 +145,75 @@ def next_seq_state(last_seq: int, needs_resync: bool, seq: int) -> tuple[bool, b
     return True, needs_resync or seq != last_seq + 1
 
 
+# ------------------------------------------------------------------ session lifecycle
+
+
+def session_expiry(now: float, idle_ttl_s: float | None, pinned_until: float | None
+                   ) -> float | None:
+    """When a session written at ``now`` expires: ``idle_ttl_s`` after its last write, or when
+    its pin lapses if that is later (a pin is a promise to keep the chunks through a tool gap,
+    so the session must outlive it). None: never (no idle TTL configured)."""
+    if not idle_ttl_s or idle_ttl_s <= 0:
+        return None
+    return max(now + idle_ttl_s, pinned_until or 0.0)
+
+
+@dataclass(frozen=True)
+class SessionLife:
+    """What eviction needs to know of one session, as stored (times are the store's clock)."""
+
+    expires_at: float | None = None
+    pinned_until: float | None = None
+    priority: int = DEFAULT_PRIORITY
+
+    def live(self, now: float) -> bool:
+        return self.expires_at is None or now < self.expires_at
+
+    def pinned(self, now: float) -> bool:
+        return self.pinned_until is not None and now < self.pinned_until
+
+
+@dataclass
+class SessionRefs:
+    """A backend's answer to ``references``: which sessions name each chunk, their lifecycle,
+    and the store's clock when it read them (the decision must use the same ``now``)."""
+
+    now: float
+    refs: dict[str, list[str]] = field(default_factory=dict)  # chunk -> session ids
+    sessions: dict[str, SessionLife] = field(default_factory=dict)
+
+
+def eviction_priority(requested: int | None, asker: SessionLife | None, now: float) -> int:
+    """An evict's priority: the one asked for, else the asking session's (a high-priority agent
+    may push out a low-priority one's chunks, not the reverse), else the default, which every
+    session has unless told otherwise: so by default any live reference protects."""
+    if requested is not None:
+        return requested
+    if asker is not None and asker.live(now):
+        return asker.priority
+    return DEFAULT_PRIORITY
+
+
+def protected_chunks(refs: SessionRefs, *, asker: str | None, priority: int | None) -> set[str]:
+    """The chunks a non-forced evict must keep: those a live session other than ``asker``
+    references while it is pinned or of priority >= ``priority`` (``None``: any live reference
+    protects, as when a session closes and must not take what others still use).
+
+    The asker's own references never protect, its own pin neither: a session evicting its own
+    old topic means it. Expired sessions protect nothing, whether reaped yet or not."""
+    now = refs.now
+    keep: set[str] = set()
+    for chunk, sids in refs.refs.items():
+        for sid in sids:
+            life = refs.sessions.get(sid)
+            if sid == asker or life is None or not life.live(now):
+                continue
+            if priority is None or life.pinned(now) or life.priority >= priority:
+                keep.add(chunk)
+                break
+    return keep
+
+
 @runtime_checkable
 class Index(Protocol):
     async def register_pod(self, reg: PodRegistration, ttl_s: float) -> PodInfo: ...
@@ -176,24 +252,51 @@ class Index(Protocol):
 
 @runtime_checkable
 class SessionStore(Protocol):
-    async def put_intent(self, session_id: str, intent: str, chunks: list[str]) -> SessionInfo: ...
+    """Every write takes ``idle_ttl_s`` (the kvindex's ``--session-idle-ttl``; None: sessions
+    never expire idle) and moves the session's expiry by ``session_expiry``."""
+
+    async def put_intent(self, session_id: str, intent: str, chunks: list[str],
+                         idle_ttl_s: float | None = None) -> SessionInfo: ...
 
     async def get_intent(self, session_id: str, intent: str) -> list[str]: ...
 
-    async def delete_intent(self, session_id: str, intent: str) -> SessionInfo: ...
+    async def delete_intent(self, session_id: str, intent: str,
+                            idle_ttl_s: float | None = None) -> SessionInfo: ...
 
     async def get_session(self, session_id: str) -> SessionInfo: ...
 
-    async def delete_session(self, session_id: str) -> bool: ...
-
-    async def fork(self, session_id: str, child: str) -> SessionInfo:
-        """The child starts with the parent's intents; shared chunks count one reference each."""
+    async def close_session(self, session_id: str) -> list[str] | None:
+        """Drop the session with its references; the chunks it referenced (sorted), or None
+        when no live session has that id."""
         ...
 
-    async def referenced_elsewhere(
-        self, chunk_hashes: list[str], session_id: str | None
-    ) -> set[str]:
-        """The chunks some live session other than ``session_id`` still references."""
+    async def fork(self, session_id: str, child: str,
+                   idle_ttl_s: float | None = None) -> SessionInfo:
+        """The child starts with the parent's intents and priority (not its pin); shared chunks
+        count one reference each."""
+        ...
+
+    async def pin(self, session_id: str, ttl_s: float,
+                  idle_ttl_s: float | None = None) -> SessionInfo:
+        """Pin the session's chunks for ``ttl_s`` from now (replacing any pin)."""
+        ...
+
+    async def release(self, session_id: str, idle_ttl_s: float | None = None) -> SessionInfo:
+        """Drop the session's pin (none is fine)."""
+        ...
+
+    async def set_priority(self, session_id: str, priority: int,
+                           idle_ttl_s: float | None = None) -> SessionInfo: ...
+
+    async def references(self, chunk_hashes: list[str],
+                         also: str | None = None) -> SessionRefs:
+        """The sessions (live or expired-but-unreaped) naming each of these chunks, with the
+        lifecycle of each and of ``also`` (the asker) if it exists; chunks no session names
+        are left out."""
+        ...
+
+    async def expire_sessions(self) -> list[str]:
+        """Drop every session whose expiry passed, with its references; return their ids."""
         ...
 
     async def ping(self) -> None: ...

@@ -10,6 +10,7 @@ import time
 from collections import defaultdict
 
 from agentserving.core.schemas import (
+    DEFAULT_PRIORITY,
     TIERS_FASTEST_FIRST,
     ChunkLocation,
     ChunkSnapshot,
@@ -27,11 +28,14 @@ from agentserving.kvindex.index.base import (
     TIER_BITS,
     PrefixCount,
     SessionExists,
+    SessionLife,
+    SessionRefs,
     UnknownPod,
     UnknownSession,
     fastest_tier,
     next_seq_state,
     role_matches,
+    session_expiry,
     tiers_of,
 )
 
@@ -298,24 +302,46 @@ class _Session:
         self.intents: dict[str, list[str]] = {}
         self.created_at = now
         self.updated_at = now
+        self.expires_at: float | None = None
+        self.pinned_until: float | None = None
+        self.priority = DEFAULT_PRIORITY
 
-    def info(self) -> SessionInfo:
+    def life(self) -> SessionLife:
+        return SessionLife(self.expires_at, self.pinned_until, self.priority)
+
+    def info(self, now: float) -> SessionInfo:
+        pinned = self.pinned_until if self.life().pinned(now) else None
         return SessionInfo(session_id=self.sid, parent=self.parent, intents=dict(self.intents),
-                           created_at=self.created_at, updated_at=self.updated_at)
+                           created_at=self.created_at, updated_at=self.updated_at,
+                           priority=self.priority, pinned_until=pinned,
+                           expires_at=self.expires_at)
 
 
 class InMemorySessionStore:
-    """Sessions and their chunk references; ``_refs[chunk]`` counts sessions referencing it."""
+    """Sessions and their chunk references; ``_refs[chunk]`` is the set of sessions naming it."""
 
     def __init__(self, clock=time.time) -> None:  # type: ignore[no-untyped-def]
         self._clock = clock
         self._sessions: dict[str, _Session] = {}
-        self._refs: dict[str, int] = defaultdict(int)
+        self._refs: dict[str, set[str]] = {}
 
-    def _session(self, sid: str) -> _Session:
+    def _live(self, sid: str, now: float) -> _Session | None:
         session = self._sessions.get(sid)
+        if session is None or not session.life().live(now):
+            return None
+        return session
+
+    def _session(self, sid: str, now: float) -> _Session:
+        session = self._live(sid, now)
         if session is None:
             raise UnknownSession(sid)
+        return session
+
+    def _fresh(self, sid: str, parent: str | None, now: float) -> _Session:
+        """A new session ``sid``; an expired one of that id not yet reaped is dropped first."""
+        if sid in self._sessions:
+            self._drop(sid)
+        session = self._sessions[sid] = _Session(sid, parent, now)
         return session
 
     def _session_chunks(self, session: _Session) -> set[str]:
@@ -326,57 +352,109 @@ class InMemorySessionStore:
         session.intents = intents
         after = self._session_chunks(session)
         for chunk in after - before:
-            self._refs[chunk] += 1
+            self._refs.setdefault(chunk, set()).add(session.sid)
         for chunk in before - after:
-            self._refs[chunk] -= 1
-            if self._refs[chunk] <= 0:
+            holders = self._refs[chunk]
+            holders.discard(session.sid)
+            if not holders:
                 del self._refs[chunk]
-        session.updated_at = self._clock()
 
-    async def put_intent(self, session_id: str, intent: str, chunks: list[str]) -> SessionInfo:
-        session = self._sessions.get(session_id)
-        if session is None:
-            session = self._sessions[session_id] = _Session(session_id, None, self._clock())
+    def _touch(self, session: _Session, now: float, idle_ttl_s: float | None) -> SessionInfo:
+        session.updated_at = now
+        session.expires_at = session_expiry(now, idle_ttl_s, session.pinned_until)
+        return session.info(now)
+
+    def _drop(self, sid: str) -> list[str]:
+        session = self._sessions[sid]
+        chunks = sorted(self._session_chunks(session))
+        self._set_intents(session, {})
+        del self._sessions[sid]
+        return chunks
+
+    async def put_intent(self, session_id: str, intent: str, chunks: list[str],
+                         idle_ttl_s: float | None = None) -> SessionInfo:
+        now = self._clock()
+        session = self._live(session_id, now) or self._fresh(session_id, None, now)
         self._set_intents(session, {**session.intents, intent: list(chunks)})
-        return session.info()
+        return self._touch(session, now, idle_ttl_s)
 
     async def get_intent(self, session_id: str, intent: str) -> list[str]:
-        session = self._session(session_id)
+        session = self._session(session_id, self._clock())
         if intent not in session.intents:
             raise UnknownSession(session_id, intent)
         return list(session.intents[intent])
 
-    async def delete_intent(self, session_id: str, intent: str) -> SessionInfo:
-        session = self._session(session_id)
+    async def delete_intent(self, session_id: str, intent: str,
+                            idle_ttl_s: float | None = None) -> SessionInfo:
+        now = self._clock()
+        session = self._session(session_id, now)
         if intent not in session.intents:
             raise UnknownSession(session_id, intent)
         self._set_intents(session, {k: v for k, v in session.intents.items() if k != intent})
-        return session.info()
+        return self._touch(session, now, idle_ttl_s)
 
     async def get_session(self, session_id: str) -> SessionInfo:
-        return self._session(session_id).info()
+        now = self._clock()
+        return self._session(session_id, now).info(now)
 
-    async def delete_session(self, session_id: str) -> bool:
-        session = self._sessions.get(session_id)
-        if session is None:
-            return False
-        self._set_intents(session, {})
-        del self._sessions[session_id]
-        return True
+    async def close_session(self, session_id: str) -> list[str] | None:
+        now = self._clock()
+        if session_id not in self._sessions:
+            return None
+        live = self._live(session_id, now) is not None
+        chunks = self._drop(session_id)
+        return chunks if live else None
 
-    async def fork(self, session_id: str, child: str) -> SessionInfo:
-        parent = self._session(session_id)
-        if child in self._sessions:
+    async def fork(self, session_id: str, child: str,
+                   idle_ttl_s: float | None = None) -> SessionInfo:
+        now = self._clock()
+        parent = self._session(session_id, now)
+        if self._live(child, now) is not None:
             raise SessionExists(child)
-        session = self._sessions[child] = _Session(child, session_id, self._clock())
+        session = self._fresh(child, session_id, now)
+        session.priority = parent.priority
         self._set_intents(session, dict(parent.intents))
-        return session.info()
+        return self._touch(session, now, idle_ttl_s)
 
-    async def referenced_elsewhere(self, chunk_hashes: list[str],
-                                   session_id: str | None) -> set[str]:
-        own = (self._session_chunks(self._sessions[session_id])
-               if session_id in self._sessions else set())
-        return {c for c in chunk_hashes if self._refs.get(c, 0) - (c in own) > 0}
+    async def pin(self, session_id: str, ttl_s: float,
+                  idle_ttl_s: float | None = None) -> SessionInfo:
+        now = self._clock()
+        session = self._session(session_id, now)
+        session.pinned_until = now + ttl_s
+        return self._touch(session, now, idle_ttl_s)
+
+    async def release(self, session_id: str, idle_ttl_s: float | None = None) -> SessionInfo:
+        now = self._clock()
+        session = self._session(session_id, now)
+        session.pinned_until = None
+        return self._touch(session, now, idle_ttl_s)
+
+    async def set_priority(self, session_id: str, priority: int,
+                           idle_ttl_s: float | None = None) -> SessionInfo:
+        now = self._clock()
+        session = self._session(session_id, now)
+        session.priority = priority
+        return self._touch(session, now, idle_ttl_s)
+
+    async def references(self, chunk_hashes: list[str],
+                         also: str | None = None) -> SessionRefs:
+        out = SessionRefs(now=self._clock())
+        for chunk in chunk_hashes:
+            sids = self._refs.get(chunk)
+            if sids:
+                out.refs[chunk] = sorted(sids)
+                for sid in sids:
+                    out.sessions[sid] = self._sessions[sid].life()
+        if also is not None and also in self._sessions:
+            out.sessions[also] = self._sessions[also].life()
+        return out
+
+    async def expire_sessions(self) -> list[str]:
+        now = self._clock()
+        gone = sorted(sid for sid, s in self._sessions.items() if not s.life().live(now))
+        for sid in gone:
+            self._drop(sid)
+        return gone
 
     async def ping(self) -> None:
         return None

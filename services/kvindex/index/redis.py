@@ -20,9 +20,13 @@ one round trip. The key layout (``P`` is ``key_prefix``, default ``as:``):
   command per chunk.
 - ``P pc:<pod>`` (hash ``chunk -> mask``): the per-pod view, for snapshots, ``cleared`` events
   and dropping a pod. Every script writes both views together, so they never disagree.
-- Sessions: ``P s:<sid>`` (hash: parent, created/updated), ``P si:<sid>`` (hash ``intent ->
-  JSON list``), ``P sc:<sid>`` (hash ``chunk -> number of the session's intents naming it``)
-  and ``P refs`` (hash ``chunk -> number of sessions referencing it``).
+- Sessions: ``P s:<sid>`` (hash: parent, created/updated, and the lifecycle: ``exp`` expiry,
+  ``pin`` pinned-until, ``prio`` priority, each absent when never/none/default), ``P si:<sid>``
+  (hash ``intent -> JSON list``), ``P sc:<sid>`` (hash ``chunk -> number of the session's
+  intents naming it``), ``P refs`` (hash ``chunk -> number of sessions referencing it``),
+  ``P cr:<chunk>`` (set: the sessions referencing it, what an evict's protection is decided
+  from) and ``P sexp`` (sorted set ``sid`` by expiry, for the session reaper). Times are the
+  client's clock, passed in as ``repr`` strings and stored as given, so they read back exactly.
 
 The scripts touch keys they compute from their arguments, which standalone Redis (and
 Sentinel) allows; Redis Cluster is not supported (``P chunks`` is one key by design).
@@ -54,6 +58,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from agentserving.core.schemas import (
+    DEFAULT_PRIORITY,
     TIERS_FASTEST_FIRST,
     ChunkLocation,
     ChunkSnapshot,
@@ -71,8 +76,11 @@ from agentserving.kvindex.index.base import (
     BackendUnavailable,
     PrefixCount,
     SessionExists,
+    SessionLife,
+    SessionRefs,
     UnknownPod,
     UnknownSession,
+    session_expiry,
     tiers_of,
 )
 
@@ -459,7 +467,8 @@ return out
 
 _SLIB = _LIB + r"""
 -- Count a session's references: sc[chunk] = how many of its intents name the chunk; refs[chunk]
--- = how many sessions name it. ``list`` may repeat a chunk; it counts once per intent.
+-- = how many sessions name it, cr:<chunk> = which. ``list`` may repeat a chunk; it counts once
+-- per intent.
 local function addrefs(sid, list, d)
   local sc, seen = P .. 'sc:' .. sid, {}
   for _, c in ipairs(list) do
@@ -468,25 +477,62 @@ local function addrefs(sid, list, d)
       local v = redis.call('HINCRBY', sc, c, d)
       if d > 0 and v == 1 then
         redis.call('HINCRBY', P .. 'refs', c, 1)
+        redis.call('SADD', P .. 'cr:' .. c, sid)
       elseif d < 0 and v <= 0 then
         redis.call('HDEL', sc, c)
         if redis.call('HINCRBY', P .. 'refs', c, -1) <= 0 then
           redis.call('HDEL', P .. 'refs', c)
         end
+        redis.call('SREM', P .. 'cr:' .. c, sid)
       end
     end
   end
 end
+-- base.SessionLife.live: the session exists and has no expiry or `now` is before it.
+local function alive(sid, now)
+  local s = redis.call('HMGET', P .. 's:' .. sid, 'ca', 'exp')
+  if not s[1] then return false end
+  return (not s[2]) or now < tonumber(s[2])
+end
+-- Drop a session with its references; the chunks it referenced.
+local function drop_session(sid)
+  local sc = P .. 'sc:' .. sid
+  local chunks = redis.call('HKEYS', sc)
+  for _, c in ipairs(chunks) do
+    if redis.call('HINCRBY', P .. 'refs', c, -1) <= 0 then redis.call('HDEL', P .. 'refs', c) end
+    redis.call('SREM', P .. 'cr:' .. c, sid)
+  end
+  redis.call('DEL', P .. 's:' .. sid, P .. 'si:' .. sid, sc)
+  redis.call('ZREM', P .. 'sexp', sid)
+  return chunks
+end
+-- A write at `now`: expiry = base.session_expiry, i.e. max(idle_exp, pin) where idle_exp is
+-- now + the idle TTL ('' when sessions never expire idle).
+local function touch(sid, now, idle_exp)
+  local sk = P .. 's:' .. sid
+  redis.call('HSET', sk, 'ua', now)
+  if idle_exp == '' then
+    redis.call('HDEL', sk, 'exp')
+    redis.call('ZREM', P .. 'sexp', sid)
+    return
+  end
+  local pin = redis.call('HGET', sk, 'pin')
+  local exp = idle_exp
+  if pin and tonumber(pin) > tonumber(idle_exp) then exp = pin end
+  redis.call('HSET', sk, 'exp', exp)
+  redis.call('ZADD', P .. 'sexp', exp, sid)
+end
 local function session(sid)
-  local s = redis.call('HMGET', P .. 's:' .. sid, 'parent', 'ca', 'ua')
-  return {s[1], s[2], s[3], redis.call('HGETALL', P .. 'si:' .. sid)}
+  local s = redis.call('HMGET', P .. 's:' .. sid, 'parent', 'ca', 'ua', 'prio', 'pin', 'exp')
+  return {s[1], s[2], s[3], s[4], s[5], s[6], redis.call('HGETALL', P .. 'si:' .. sid)}
 end
 """
 
-# ARGV: P, sid, intent, chunks JSON, now
+# ARGV: P, sid, intent, chunks JSON, now, idle_exp
 _PUT_INTENT = _SLIB + r"""
 local sid, intent = ARGV[2], ARGV[3]
 local sk, si = P .. 's:' .. sid, P .. 'si:' .. sid
+if redis.call('EXISTS', sk) == 1 and not alive(sid, tonumber(ARGV[5])) then drop_session(sid) end
 if redis.call('EXISTS', sk) == 0 then
   redis.call('HSET', sk, 'parent', '', 'ca', ARGV[5], 'ua', ARGV[5])
 end
@@ -494,71 +540,112 @@ addrefs(sid, cjson.decode(ARGV[4]), 1)
 local old = redis.call('HGET', si, intent)
 if old then addrefs(sid, cjson.decode(old), -1) end
 redis.call('HSET', si, intent, ARGV[4])
-redis.call('HSET', sk, 'ua', ARGV[5])
+touch(sid, ARGV[5], ARGV[6])
 return session(sid)
 """
 
-# ARGV: P, sid, intent. Returns -1 (no session), -2 (no intent) or the JSON list.
+# ARGV: P, sid, intent, now. Returns -1 (no session), -2 (no intent) or the JSON list.
 _GET_INTENT = _SLIB + r"""
-if redis.call('EXISTS', P .. 's:' .. ARGV[2]) == 0 then return -1 end
+if not alive(ARGV[2], tonumber(ARGV[4])) then return -1 end
 return redis.call('HGET', P .. 'si:' .. ARGV[2], ARGV[3]) or -2
 """
 
-# ARGV: P, sid, intent, now
+# ARGV: P, sid, intent, now, idle_exp
 _DELETE_INTENT = _SLIB + r"""
 local sid, intent = ARGV[2], ARGV[3]
-if redis.call('EXISTS', P .. 's:' .. sid) == 0 then return -1 end
+if not alive(sid, tonumber(ARGV[4])) then return -1 end
 local old = redis.call('HGET', P .. 'si:' .. sid, intent)
 if not old then return -2 end
 addrefs(sid, cjson.decode(old), -1)
 redis.call('HDEL', P .. 'si:' .. sid, intent)
-redis.call('HSET', P .. 's:' .. sid, 'ua', ARGV[4])
+touch(sid, ARGV[4], ARGV[5])
 return session(sid)
 """
 
-# ARGV: P, sid
+# ARGV: P, sid, now
 _GET_SESSION = _SLIB + r"""
-if redis.call('EXISTS', P .. 's:' .. ARGV[2]) == 0 then return false end
+if not alive(ARGV[2], tonumber(ARGV[3])) then return false end
 return session(ARGV[2])
 """
 
-# ARGV: P, sid
-_DELETE_SESSION = _SLIB + r"""
+# ARGV: P, sid, now. Returns false (no such session) or {was_live, chunks}.
+_CLOSE_SESSION = _SLIB + r"""
 local sid = ARGV[2]
-if redis.call('EXISTS', P .. 's:' .. sid) == 0 then return 0 end
-local chunks = redis.call('HKEYS', P .. 'sc:' .. sid)
-for _, c in ipairs(chunks) do
-  if redis.call('HINCRBY', P .. 'refs', c, -1) <= 0 then redis.call('HDEL', P .. 'refs', c) end
-end
-redis.call('DEL', P .. 's:' .. sid, P .. 'si:' .. sid, P .. 'sc:' .. sid)
-return 1
+if redis.call('EXISTS', P .. 's:' .. sid) == 0 then return false end
+local was_live = alive(sid, tonumber(ARGV[3])) and 1 or 0
+return {was_live, drop_session(sid)}
 """
 
-# ARGV: P, parent, child, now. Returns -1 (no parent), -2 (child exists) or the child session.
+# ARGV: P, parent, child, now, idle_exp. Returns -1 (no parent), -2 (child exists) or the child.
 _FORK = _SLIB + r"""
-local parent, child = ARGV[2], ARGV[3]
-if redis.call('EXISTS', P .. 's:' .. parent) == 0 then return -1 end
-if redis.call('EXISTS', P .. 's:' .. child) == 1 then return -2 end
+local parent, child, now = ARGV[2], ARGV[3], tonumber(ARGV[4])
+if not alive(parent, now) then return -1 end
+if alive(child, now) then return -2 end
+if redis.call('EXISTS', P .. 's:' .. child) == 1 then drop_session(child) end
 redis.call('HSET', P .. 's:' .. child, 'parent', parent, 'ca', ARGV[4], 'ua', ARGV[4])
+local prio = redis.call('HGET', P .. 's:' .. parent, 'prio')
+if prio then redis.call('HSET', P .. 's:' .. child, 'prio', prio) end
 local intents = redis.call('HGETALL', P .. 'si:' .. parent)
 if #intents > 0 then window('HSET', P .. 'si:' .. child, intents) end
 local counts = redis.call('HGETALL', P .. 'sc:' .. parent)
 if #counts > 0 then window('HSET', P .. 'sc:' .. child, counts) end
-for k = 1, #counts, 2 do redis.call('HINCRBY', P .. 'refs', counts[k], 1) end
+for k = 1, #counts, 2 do
+  redis.call('HINCRBY', P .. 'refs', counts[k], 1)
+  redis.call('SADD', P .. 'cr:' .. counts[k], child)
+end
+touch(child, ARGV[4], ARGV[5])
 return session(child)
 """
 
-# ARGV: P, has_session ('0'|'1'), sid, chunks. Returns the chunks referenced by another session.
-_REFERENCED = _SLIB + r"""
-local own = ARGV[2] == '1' and (P .. 'sc:' .. ARGV[3]) or nil
-local out = {}
-for k = 4, #ARGV do
-  local c = ARGV[k]
-  local r = tonumber(redis.call('HGET', P .. 'refs', c)) or 0
-  if own and r > 0 and redis.call('HEXISTS', own, c) == 1 then r = r - 1 end
-  if r > 0 then out[#out + 1] = c end
+# ARGV: P, sid, now, idle_exp, op ('pin' | 'release' | 'prio'), value. False: no session.
+_LIFECYCLE = _SLIB + r"""
+local sid, op = ARGV[2], ARGV[5]
+if not alive(sid, tonumber(ARGV[3])) then return false end
+local sk = P .. 's:' .. sid
+if op == 'pin' then redis.call('HSET', sk, 'pin', ARGV[6])
+elseif op == 'release' then redis.call('HDEL', sk, 'pin')
+elseif ARGV[6] == '0' then redis.call('HDEL', sk, 'prio')
+else redis.call('HSET', sk, 'prio', ARGV[6]) end
+touch(sid, ARGV[3], ARGV[4])
+return session(sid)
+"""
+
+# ARGV: P, also ('' for none), chunks. Returns {{chunk, n, n session ids, ...},
+# {sid, exp, pin, prio, ...}} ('' for an absent field): the raw material of
+# base.protected_chunks, which decides in Python for every backend.
+_REFERENCES = _SLIB + r"""
+local chunks = {}
+for i = 3, #ARGV do chunks[i - 2] = ARGV[i] end
+local counts = hmget(P .. 'refs', chunks)
+local refs, seen, order = {}, {}, {}
+for j, c in ipairs(chunks) do
+  if counts[j] then
+    local sids = redis.call('SMEMBERS', P .. 'cr:' .. c)
+    refs[#refs + 1] = c; refs[#refs + 1] = #sids
+    for _, sid in ipairs(sids) do
+      refs[#refs + 1] = sid
+      if not seen[sid] then seen[sid] = true; order[#order + 1] = sid end
+    end
+  end
 end
-return out
+local also = ARGV[2]
+if also ~= '' and not seen[also] and redis.call('EXISTS', P .. 's:' .. also) == 1 then
+  order[#order + 1] = also
+end
+local lives = {}
+for _, sid in ipairs(order) do
+  local f = redis.call('HMGET', P .. 's:' .. sid, 'exp', 'pin', 'prio')
+  lives[#lives + 1] = sid
+  lives[#lives + 1] = f[1] or ''; lives[#lives + 1] = f[2] or ''; lives[#lives + 1] = f[3] or ''
+end
+return {refs, lives}
+"""
+
+# ARGV: P, now, most. Drops up to `most` sessions whose expiry is at or before now.
+_EXPIRE_SESSIONS = _SLIB + r"""
+local gone = redis.call('ZRANGEBYSCORE', P .. 'sexp', '-inf', ARGV[2], 'LIMIT', 0, ARGV[3])
+for _, sid in ipairs(gone) do drop_session(sid) end
+return gone
 """
 
 
@@ -781,65 +868,134 @@ class RedisSessionStore(_RedisBackend):
 
     _SCRIPTS = {"put_intent": _PUT_INTENT, "get_intent": _GET_INTENT,
                 "delete_intent": _DELETE_INTENT, "get_session": _GET_SESSION,
-                "delete_session": _DELETE_SESSION, "fork": _FORK, "referenced": _REFERENCED}
+                "close_session": _CLOSE_SESSION, "fork": _FORK, "lifecycle": _LIFECYCLE,
+                "references": _REFERENCES, "expire_sessions": _EXPIRE_SESSIONS}
+    # sessions one expiry script drops at most, so a large backlog never blocks Redis long
+    EXPIRE_BATCH = 1000
 
     def __init__(self, url: str, *, clock: Callable[[], float] = time.time,
                  **options: Any) -> None:
         super().__init__(url, **options)
         self._clock = clock
 
-    async def put_intent(self, session_id: str, intent: str, chunks: list[str]) -> SessionInfo:
+    async def put_intent(self, session_id: str, intent: str, chunks: list[str],
+                         idle_ttl_s: float | None = None) -> SessionInfo:
+        now = self._clock()
         got = await self._run("put_intent", session_id, intent, json.dumps(list(chunks)),
-                              repr(self._clock()))
-        return _session_info(session_id, got)
+                              repr(now), _idle_exp(now, idle_ttl_s))
+        return _session_info(session_id, got, now)
 
     async def get_intent(self, session_id: str, intent: str) -> list[str]:
-        got = await self._run("get_intent", session_id, intent)
+        got = await self._run("get_intent", session_id, intent, repr(self._clock()))
         if got == -1:
             raise UnknownSession(session_id)
         if got == -2:
             raise UnknownSession(session_id, intent)
         return json.loads(got)
 
-    async def delete_intent(self, session_id: str, intent: str) -> SessionInfo:
-        got = await self._run("delete_intent", session_id, intent, repr(self._clock()))
+    async def delete_intent(self, session_id: str, intent: str,
+                            idle_ttl_s: float | None = None) -> SessionInfo:
+        now = self._clock()
+        got = await self._run("delete_intent", session_id, intent, repr(now),
+                              _idle_exp(now, idle_ttl_s))
         if got == -1:
             raise UnknownSession(session_id)
         if got == -2:
             raise UnknownSession(session_id, intent)
-        return _session_info(session_id, got)
+        return _session_info(session_id, got, now)
 
     async def get_session(self, session_id: str) -> SessionInfo:
-        got = await self._run("get_session", session_id)
+        now = self._clock()
+        got = await self._run("get_session", session_id, repr(now))
         if got is None:
             raise UnknownSession(session_id)
-        return _session_info(session_id, got)
+        return _session_info(session_id, got, now)
 
-    async def delete_session(self, session_id: str) -> bool:
-        return bool(await self._run("delete_session", session_id))
+    async def close_session(self, session_id: str) -> list[str] | None:
+        got = await self._run("close_session", session_id, repr(self._clock()))
+        if got is None or not got[0]:
+            return None
+        return sorted(got[1])
 
-    async def fork(self, session_id: str, child: str) -> SessionInfo:
-        got = await self._run("fork", session_id, child, repr(self._clock()))
+    async def fork(self, session_id: str, child: str,
+                   idle_ttl_s: float | None = None) -> SessionInfo:
+        now = self._clock()
+        got = await self._run("fork", session_id, child, repr(now), _idle_exp(now, idle_ttl_s))
         if got == -1:
             raise UnknownSession(session_id)
         if got == -2:
             raise SessionExists(child)
-        return _session_info(child, got)
+        return _session_info(child, got, now)
 
-    async def referenced_elsewhere(self, chunk_hashes: list[str],
-                                   session_id: str | None) -> set[str]:
-        if not chunk_hashes:
-            return set()
-        got = await self._run("referenced", "0" if session_id is None else "1",
-                              session_id or "", *chunk_hashes)
-        return set(got)
+    async def _lifecycle(self, session_id: str, op: str, value: str,
+                         idle_ttl_s: float | None, now: float) -> SessionInfo:
+        got = await self._run("lifecycle", session_id, repr(now), _idle_exp(now, idle_ttl_s),
+                              op, value)
+        if got is None:
+            raise UnknownSession(session_id)
+        return _session_info(session_id, got, now)
+
+    async def pin(self, session_id: str, ttl_s: float,
+                  idle_ttl_s: float | None = None) -> SessionInfo:
+        now = self._clock()
+        return await self._lifecycle(session_id, "pin", repr(now + ttl_s), idle_ttl_s, now)
+
+    async def release(self, session_id: str, idle_ttl_s: float | None = None) -> SessionInfo:
+        now = self._clock()
+        return await self._lifecycle(session_id, "release", "", idle_ttl_s, now)
+
+    async def set_priority(self, session_id: str, priority: int,
+                           idle_ttl_s: float | None = None) -> SessionInfo:
+        now = self._clock()
+        return await self._lifecycle(session_id, "prio", str(int(priority)), idle_ttl_s, now)
+
+    async def references(self, chunk_hashes: list[str],
+                         also: str | None = None) -> SessionRefs:
+        now = self._clock()
+        if not chunk_hashes and also is None:
+            return SessionRefs(now=now)
+        flat_refs, flat_lives = await self._run("references", also or "", *chunk_hashes)
+        out = SessionRefs(now=now)
+        i = 0
+        while i < len(flat_refs):
+            n = flat_refs[i + 1]
+            out.refs[flat_refs[i]] = sorted(flat_refs[i + 2:i + 2 + n])
+            i += 2 + n
+        for k in range(0, len(flat_lives), 4):
+            sid, exp, pin, prio = flat_lives[k:k + 4]
+            out.sessions[sid] = SessionLife(expires_at=float(exp) if exp else None,
+                                            pinned_until=float(pin) if pin else None,
+                                            priority=int(prio) if prio else DEFAULT_PRIORITY)
+        return out
+
+    async def expire_sessions(self) -> list[str]:
+        now = repr(self._clock())
+        gone: list[str] = []
+        while True:
+            batch = await self._run("expire_sessions", now, self.EXPIRE_BATCH)
+            gone += batch
+            if len(batch) < self.EXPIRE_BATCH:
+                return sorted(gone)
 
 
-def _session_info(session_id: str, got: list[Any]) -> SessionInfo:
-    parent, created, updated, flat = got
+def _idle_exp(now: float, idle_ttl_s: float | None) -> str:
+    """``session_expiry`` before the pin is taken into account (the script does that): ''
+    when sessions never expire idle."""
+    expiry = session_expiry(now, idle_ttl_s, None)
+    return "" if expiry is None else repr(expiry)
+
+
+def _session_info(session_id: str, got: list[Any], now: float) -> SessionInfo:
+    parent, created, updated, prio, pin, exp, flat = got
     intents = {flat[i]: json.loads(flat[i + 1]) for i in range(0, len(flat), 2)}
+    life = SessionLife(expires_at=float(exp) if exp else None,
+                       pinned_until=float(pin) if pin else None,
+                       priority=int(prio) if prio else DEFAULT_PRIORITY)
     return SessionInfo(session_id=session_id, parent=parent or None, intents=intents,
-                       created_at=float(created), updated_at=float(updated))
+                       created_at=float(created), updated_at=float(updated),
+                       priority=life.priority,
+                       pinned_until=life.pinned_until if life.pinned(now) else None,
+                       expires_at=life.expires_at)
 
 
 __all__ = ["RedisIndex", "RedisSessionStore"]

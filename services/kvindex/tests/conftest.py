@@ -1,14 +1,15 @@
-"""Fixtures shared by the kvindex tests: one private redis-server for the whole session, and
-the ``index``/``sessions`` pair parametrized over both backends (the contract suite)."""
+"""Fixtures shared by the kvindex tests: one private redis-server for the whole session, the
+``index``/``sessions`` pair parametrized over both backends (the contract suite), and pods'
+memory APIs as real HTTP servers that record what the fan-out sends them."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 import redis
 
-from agentserving.core.testing import RedisServer
+from agentserving.core.testing import MemoryApiPeer, RedisServer
 from agentserving.core.testing import redis_server as running_redis
 from agentserving.kvindex.index.base import Index, SessionStore
 from agentserving.kvindex.index.factory import new_index
@@ -54,3 +55,17 @@ def index(backends: tuple[Index, SessionStore]) -> Index:
 @pytest.fixture
 def sessions(backends: tuple[Index, SessionStore]) -> SessionStore:
     return backends[1]
+
+
+@pytest.fixture
+def memory_api() -> Iterator[Callable[..., MemoryApiPeer]]:
+    """``memory_api(delay_s=0)`` starts a recording memory API; all stop after the test."""
+    started: list[MemoryApiPeer] = []
+
+    def start(delay_s: float = 0.0) -> MemoryApiPeer:
+        started.append(MemoryApiPeer(delay_s))
+        return started[-1]
+
+    yield start
+    for peer in started:
+        peer.stop()

@@ -171,7 +171,8 @@ def test_sessions_fork_and_protected_evict(client):
     assert r.json()["protected"] == CHAIN[:5]
     forced = client.post("/v1/evict", json={"chunk_hashes": CHAIN[:8], "force": True}).json()
     assert forced["protected"] == []
-    assert client.delete("/v1/sessions/s1").status_code == 204
+    closed = client.delete("/v1/sessions/s1")
+    assert closed.status_code == 200 and closed.json()["chunk_hashes"] == sorted(CHAIN[:5])
     r = client.post("/v1/evict", json={"chunk_hashes": CHAIN[:8], "session_id": "s2"}).json()
     assert r["protected"] == []
     assert client.delete("/v1/sessions/s2/intents/plan").json()["intents"] == {

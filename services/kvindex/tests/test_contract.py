@@ -10,6 +10,7 @@ import pytest
 
 from agentserving.core.hashing import ChunkHasher
 from agentserving.core.schemas import (
+    DEFAULT_PRIORITY,
     ChunkLocation,
     ChunkSnapshot,
     EventBatch,
@@ -21,9 +22,11 @@ from agentserving.core.schemas import (
 from agentserving.kvindex.index.base import (
     Index,
     SessionExists,
+    SessionLife,
     SessionStore,
     UnknownPod,
     UnknownSession,
+    protected_chunks,
 )
 from agentserving.kvindex.index.factory import new_index
 from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStore
@@ -325,8 +328,8 @@ async def test_session_intents_put_get_delete(sessions: SessionStore) -> None:
     with pytest.raises(UnknownSession, match="nope"):
         await sessions.get_session("nope")
 
-    assert await sessions.delete_session("s1") is True
-    assert await sessions.delete_session("s1") is False
+    assert await sessions.close_session("s1") == sorted([C])  # what it referenced, "empty" too
+    assert await sessions.close_session("s1") is None
     with pytest.raises(UnknownSession):
         await sessions.get_session("s1")
 
@@ -351,30 +354,103 @@ async def test_fork_is_copy_on_write(sessions: SessionStore) -> None:
     assert grandchild.parent == "child" and grandchild.intents == {"plan": [A, D]}
 
 
-async def test_referenced_elsewhere_counts_other_live_sessions(sessions: SessionStore) -> None:
+async def referenced_elsewhere(sessions: SessionStore, chunks: list[str],
+                               sid: str | None) -> set[str]:
+    """What an unforced evict by ``sid`` at the default priority keeps."""
+    refs = await sessions.references(chunks, also=sid)
+    return protected_chunks(refs, asker=sid, priority=DEFAULT_PRIORITY)
+
+
+async def test_references_count_other_live_sessions(sessions: SessionStore) -> None:
     everything = [A, B, C, D]
     await sessions.put_intent("s1", "x", [A, B])
     await sessions.put_intent("s1", "y", [B])  # the same chunk in two of one session's intents
+    refs = await sessions.references(everything)
+    assert refs.refs == {A: ["s1"], B: ["s1"]} and set(refs.sessions) == {"s1"}
     # A session's own references never protect its chunks, however many intents name them.
-    assert await sessions.referenced_elsewhere(everything, "s1") == set()
-    assert await sessions.referenced_elsewhere(everything, None) == {A, B}
-    assert await sessions.referenced_elsewhere(everything, "unknown") == {A, B}
+    assert await referenced_elsewhere(sessions, everything, "s1") == set()
+    assert await referenced_elsewhere(sessions, everything, None) == {A, B}
+    assert await referenced_elsewhere(sessions, everything, "unknown") == {A, B}
 
     await sessions.fork("s1", "s2")
-    assert await sessions.referenced_elsewhere(everything, "s1") == {A, B}
+    assert (await sessions.references([B, C])).refs == {B: ["s1", "s2"]}
+    assert await referenced_elsewhere(sessions, everything, "s1") == {A, B}
     await sessions.put_intent("s2", "x", [C])
     await sessions.put_intent("s2", "y", [])
-    assert await sessions.referenced_elsewhere(everything, "s1") == {C}
-    assert await sessions.referenced_elsewhere(everything, "s2") == {A, B}
+    assert await referenced_elsewhere(sessions, everything, "s1") == {C}
+    assert await referenced_elsewhere(sessions, everything, "s2") == {A, B}
 
     await sessions.delete_intent("s1", "x")
-    assert await sessions.referenced_elsewhere(everything, "s2") == {B}
-    assert await sessions.delete_session("s2") is True
-    assert await sessions.referenced_elsewhere(everything, "s1") == set()
-    assert await sessions.referenced_elsewhere(everything, None) == {B}
-    assert await sessions.delete_session("s1") is True
-    assert await sessions.referenced_elsewhere(everything, None) == set()
-    assert await sessions.referenced_elsewhere([], None) == set()
+    assert await referenced_elsewhere(sessions, everything, "s2") == {B}
+    assert await sessions.close_session("s2") == [C]
+    assert await referenced_elsewhere(sessions, everything, "s1") == set()
+    assert await referenced_elsewhere(sessions, everything, None) == {B}
+    assert await sessions.close_session("s1") == [B]
+    assert await referenced_elsewhere(sessions, everything, None) == set()
+    assert await referenced_elsewhere(sessions, [], None) == set()
+    assert (await sessions.references([])).refs == {}
+
+
+class Clock:
+    """A clock the test moves: the stores read it for every timestamp and expiry."""
+
+    def __init__(self, now: float = 1_700_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+async def clocked(store: str):  # type: ignore[no-untyped-def]
+    clock = Clock()
+    sessions = (InMemorySessionStore(clock=clock) if store == "memory"
+                else RedisSessionStore(store, clock=clock))
+    yield sessions, clock
+    await sessions.close()
+
+
+async def test_lifecycle_pin_priority_and_idle_expiry(clocked) -> None:  # type: ignore[no-untyped-def]
+    sessions, clock = clocked
+    t0 = clock.now
+    info = await sessions.put_intent("s", "x", [A], idle_ttl_s=60)
+    assert (info.expires_at, info.pinned_until, info.priority) == (t0 + 60, None, 0)
+    info = await sessions.pin("s", 100, idle_ttl_s=60)  # the pin outlasts the idle TTL
+    assert (info.pinned_until, info.expires_at) == (t0 + 100, t0 + 100)
+    info = await sessions.set_priority("s", 7, idle_ttl_s=60)
+    assert info.priority == 7 and info.pinned_until == t0 + 100
+    life = (await sessions.references([A], also="s")).sessions["s"]
+    assert life == SessionLife(expires_at=t0 + 100, pinned_until=t0 + 100, priority=7)
+
+    clock.now = t0 + 99
+    assert (await sessions.get_session("s")).pinned_until == t0 + 100
+    clock.now = t0 + 100  # the pin lapses, and the session with it (no write since)
+    with pytest.raises(UnknownSession):
+        await sessions.get_session("s")
+    with pytest.raises(UnknownSession):
+        await sessions.pin("s", 5)
+    refs = await sessions.references([A])
+    assert refs.refs == {A: ["s"]} and not refs.sessions["s"].live(refs.now)  # not yet reaped
+    assert protected_chunks(refs, asker=None, priority=None) == set()
+    assert await sessions.expire_sessions() == ["s"]
+    assert (await sessions.references([A])).refs == {}
+    assert await sessions.expire_sessions() == []
+
+    # a write to an expired, unreaped session starts it afresh; a fork inherits the priority
+    await sessions.put_intent("p", "x", [A, B], idle_ttl_s=10)
+    await sessions.set_priority("p", 3, idle_ttl_s=10)
+    clock.now += 11
+    info = await sessions.put_intent("p", "y", [C], idle_ttl_s=10)
+    assert info.intents == {"y": [C]} and info.priority == 0 and info.created_at == clock.now
+    await sessions.set_priority("p", 3)  # no idle TTL: never expires
+    child = await sessions.fork("p", "c", idle_ttl_s=10)
+    assert (child.priority, child.pinned_until, child.expires_at) == (3, None, clock.now + 10)
+    assert (await sessions.get_session("p")).expires_at is None
+    info = await sessions.pin("c", 5, idle_ttl_s=10)
+    assert (await sessions.release("c", idle_ttl_s=10)).pinned_until is None
+    clock.now += 10
+    assert await sessions.close_session("c") is None  # expired: nothing to close
+    assert await sessions.close_session("p") == [C]
 
 
 async def test_ping_answers(index: Index, sessions: SessionStore) -> None:

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from agentserving.core.hashing import ChunkHasher
-from agentserving.core.schemas import MemoryEvictRequest, MemoryPrefetchRequest, Tier
-from agentserving.core.testing import ThreadedServer, free_port
+from agentserving.core.schemas import Tier
+from agentserving.core.testing import free_port
 from agentserving.kvindex.app import create_app
 from agentserving.kvindex.controllers.fanout import plan, tiers_for_locations
 from agentserving.kvindex.index.base import TIER_BITS
@@ -20,34 +17,9 @@ from agentserving.kvindex.settings import KvindexSettings
 CHAIN = ChunkHasher(chunk_size=2).hashes(list(range(20)))
 
 
-class MemoryApiPeer:
-    """A pod's memory API as seen on the wire (seed 000's bodies), recording what it gets."""
-
-    def __init__(self, delay_s: float = 0.0) -> None:
-        self.calls: list[tuple[str, dict]] = []
-        app = FastAPI()
-
-        @app.post("/memory/prefetch")
-        async def prefetch(req: MemoryPrefetchRequest) -> dict:
-            await asyncio.sleep(delay_s)
-            self.calls.append(("prefetch", req.model_dump()))
-            return {"status": "prefetch_started", "lookup_id": req.lookup_id,
-                    "num_chunks": len(req.chunk_hashes)}
-
-        @app.post("/memory/evict")
-        async def evict(req: MemoryEvictRequest) -> dict:
-            self.calls.append(("evict", req.model_dump()))
-            return {"status": "success", "num_evicted": len(req.chunk_hashes)}
-
-        self.server = ThreadedServer(app)
-
-
 @pytest.fixture
-def peers():
-    fast, slow = MemoryApiPeer(), MemoryApiPeer(delay_s=3.0)
-    yield fast, slow
-    fast.server.stop()
-    slow.server.stop()
+def peers(memory_api):  # type: ignore[no-untyped-def]
+    return memory_api(), memory_api(delay_s=3.0)
 
 
 def test_fanout_reaches_holders_and_reports_failures(peers):

@@ -106,7 +106,11 @@ async def test_sessions_leave_no_keys(redis_server: RedisServer, raw: redis.Redi
         await store_.put_intent("t", "code", CHAIN[2:5])
         assert raw.hgetall("lay:refs") == {CHAIN[0]: "2", CHAIN[1]: "2", CHAIN[2]: "2",
                                            CHAIN[3]: "1", CHAIN[4]: "1"}
-        assert await store_.delete_session("s") and await store_.delete_session("t")
+        assert raw.smembers(f"lay:cr:{CHAIN[2]}") == {"s", "t"}
+        assert raw.smembers(f"lay:cr:{CHAIN[4]}") == {"t"}
+        await store_.pin("t", 30, idle_ttl_s=60)
+        assert raw.zscore("lay:sexp", "t") == float(raw.hget("lay:s:t", "exp"))
+        assert await store_.close_session("s") and await store_.close_session("t")
         assert raw.keys("lay:*") == []
     finally:
         await store_.close()

@@ -19,7 +19,7 @@ from agentserving.core.schemas import (
     Tier,
 )
 from agentserving.core.testing import RedisServer
-from agentserving.kvindex.index.base import UnknownPod
+from agentserving.kvindex.index.base import UnknownPod, eviction_priority, protected_chunks
 from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStore
 from agentserving.kvindex.index.redis import RedisIndex, RedisSessionStore
 
@@ -51,9 +51,16 @@ index_ops = st.lists(st.one_of(
 session_ops = st.lists(st.one_of(
     st.tuples(st.just("put"), st.sampled_from(SIDS), st.sampled_from(["x", "y"]), chunks),
     st.tuples(st.just("delete_intent"), st.sampled_from(SIDS), st.sampled_from(["x", "y"])),
-    st.tuples(st.just("delete"), st.sampled_from(SIDS)),
+    st.tuples(st.just("close"), st.sampled_from(SIDS)),
     st.tuples(st.just("fork"), st.sampled_from(SIDS), st.sampled_from(SIDS)),
+    # the lifecycle, on a clock both backends share: expiry and pins compare exactly
+    st.tuples(st.just("pin"), st.sampled_from(SIDS), st.sampled_from([0.5, 3.0, 25.0])),
+    st.tuples(st.just("release"), st.sampled_from(SIDS)),
+    st.tuples(st.just("priority"), st.sampled_from(SIDS), st.integers(-2, 2)),
+    st.tuples(st.just("tick"), st.sampled_from([1.0, 4.0, 11.0])),
+    st.tuples(st.just("expire")),
 ), max_size=25)
+IDLE_TTL_S = st.sampled_from([None, 10.0])
 
 
 def dump(got: Any) -> Any:
@@ -126,28 +133,60 @@ async def run_index_ops(roles: list[PodRole], ops: list[tuple], url: str) -> Non
         await real.close()
 
 
-async def run_session_ops(ops: list[tuple], url: str) -> None:
-    model = InMemorySessionStore()
-    real = RedisSessionStore(url, key_prefix=f"prop-{uuid.uuid4().hex[:8]}:")
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def protection(store: Any) -> dict:
+    """What every unforced evict would keep: by each asker, at each priority."""
+    out = {}
+    for sid in (None, *SIDS):
+        refs = await store.references(POOL, also=sid)
+        asker = refs.sessions.get(sid) if sid else None
+        for priority in (None, -1, 0, 1, 3):
+            out[(sid, priority)] = sorted(protected_chunks(refs, asker=sid, priority=priority))
+        out[(sid, "default")] = eviction_priority(None, asker, refs.now)
+        out[(sid, "refs")] = refs.refs
+    return out
+
+
+async def run_session_ops(ops: list[tuple], url: str, idle_ttl_s: float | None) -> None:
+    clock = Clock()
+    model = InMemorySessionStore(clock=clock)
+    real = RedisSessionStore(url, key_prefix=f"prop-{uuid.uuid4().hex[:8]}:", clock=clock)
     try:
         for op in ops:
+            if op[0] == "tick":
+                clock.now += op[1]
+                continue
             results = []
             for store in (model, real):
                 if op[0] == "put":
-                    call = store.put_intent(op[1], op[2], op[3])
+                    call = store.put_intent(op[1], op[2], op[3], idle_ttl_s)
                 elif op[0] == "delete_intent":
-                    call = store.delete_intent(op[1], op[2])
-                elif op[0] == "delete":
-                    call = store.delete_session(op[1])
+                    call = store.delete_intent(op[1], op[2], idle_ttl_s)
+                elif op[0] == "close":
+                    call = store.close_session(op[1])
+                elif op[0] == "fork":
+                    call = store.fork(op[1], op[2], idle_ttl_s)
+                elif op[0] == "pin":
+                    call = store.pin(op[1], op[2], idle_ttl_s)
+                elif op[0] == "release":
+                    call = store.release(op[1], idle_ttl_s)
+                elif op[0] == "priority":
+                    call = store.set_priority(op[1], op[2], idle_ttl_s)
                 else:
-                    call = store.fork(op[1], op[2])
+                    call = store.expire_sessions()
                 results.append(await outcome(call))
             assert results[0] == results[1], op
-        for store_sid in (None, *SIDS):
-            assert (await model.referenced_elsewhere(POOL, store_sid)
-                    == await real.referenced_elsewhere(POOL, store_sid)), store_sid
+            assert await protection(model) == await protection(real), op
         for sid in SIDS:
             assert await outcome(model.get_session(sid)) == await outcome(real.get_session(sid))
+        assert await model.expire_sessions() == await real.expire_sessions()
     finally:
         await real.flush_prefix()
         await real.close()
@@ -160,6 +199,7 @@ def test_redis_index_matches_the_in_memory_model(redis_server: RedisServer, role
 
 
 @SETTINGS
-@given(ops=session_ops)
-def test_redis_sessions_match_the_in_memory_model(redis_server: RedisServer, ops) -> None:
-    asyncio.run(run_session_ops(ops, redis_server.url))
+@given(ops=session_ops, idle_ttl_s=IDLE_TTL_S)
+def test_redis_sessions_match_the_in_memory_model(redis_server: RedisServer, ops,
+                                                  idle_ttl_s) -> None:
+    asyncio.run(run_session_ops(ops, redis_server.url, idle_ttl_s))

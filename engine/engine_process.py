@@ -268,6 +268,7 @@ def _residency_loop(parts, index, settings, zctx, out_addr, stop) -> None:  # no
                         "handoffs_expired": hs.expired, "handoffs_pending": handoff.pending(),
                         "kv_corrupt_chunks": ks.corrupt_chunks,
                         "kv_missing_chunks": ks.missing_chunks,
+                        "kv_disk_write_errors": ks.disk_write_errors,
                         "kv_prefetched_chunks": ks.prefetched_chunks,
                         "kv_evicted_chunks": ks.evicted_chunks,
                         "kv_stored_chunks": ks.stored_chunks,

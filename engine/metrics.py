@@ -26,6 +26,7 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
     "handoffs_expired": ("handoffs", ("expired",)),
     "kv_corrupt_chunks": ("chunk_errors", ("corrupt",)),
     "kv_missing_chunks": ("chunk_errors", ("missing",)),
+    "kv_disk_write_errors": ("chunk_errors", ("disk_write",)),
     "kv_prefetched_chunks": ("prefetched_chunks", ()),
     "kv_evicted_chunks": ("evicted_chunks", ()),
     "kv_stored_chunks": ("stored_chunks", ()),
@@ -76,8 +77,9 @@ class WorkerMetrics:
         self.handoffs = Counter(P + "handoffs", "Prefill-side hand-offs by outcome.",
                                 ["outcome"], registry=r)
         self.chunk_errors = Counter(P + "kv_chunk_errors", "Disk chunks refused (checksum "
-                                    "mismatch or missing file) and recomputed.", ["kind"],
-                                    registry=r)
+                                    "mismatch or missing file) and recomputed, or not "
+                                    "written (kind=disk_write: a full disk, an I/O error).",
+                                    ["kind"], registry=r)
         self.prefetched_chunks = Counter(P + "kv_prefetched_chunks", "Chunks loaded disk -> "
                                          "DRAM by /memory/prefetch.", registry=r)
         self.evicted_chunks = Counter(P + "kv_evicted_chunks", "Chunks removed by "

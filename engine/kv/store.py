@@ -31,6 +31,11 @@ Contract (what the engine and the memory API rely on):
   unknown hashes are reported as missing, never as errors.
 - ``residency()`` is what each tier holds right now, read from LMCache's own indexes, so
   LMCache's LRU evictions show up too.
+- A disk write that fails (ENOSPC on a full disk, EIO) costs that chunk its disk copy only:
+  the DRAM copy stays, the half-written file is removed and the chunk is written by the next
+  store that has it. (LMCache alone leaves the write "in flight" for ever — no later store of
+  that chunk reaches the disk — plus the partial file, a reference on the DRAM buffer and the
+  bytes counted as used: ``_guard_disk_writes``.)
 
 Thread safety: the engine's step loop, the memory API's HTTP thread and the prefetch thread
 call in concurrently; LMCache's backends lock their indexes and reference-count memory
@@ -40,6 +45,7 @@ objects, and the digest table has its own lock.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import os
 import threading
@@ -122,6 +128,7 @@ class KVStoreStats:
     prefetch_waits: int = 0  # fetches that found one of their chunks' prefetch in flight
     prefetch_wait_seconds: float = 0.0
     prefetch_late: int = 0  # ... and stopped waiting for it (read the disk themselves)
+    disk_write_errors: int = 0  # chunks whose disk write failed (full disk, I/O error)
 
 
 SHORT_FILE = object()  # a disk chunk whose file is not the size written: corrupt
@@ -165,6 +172,8 @@ class KVStore:
         self.storage = sm
         self.cpu = sm.storage_backends[CPU_BACKEND]
         self.disk = sm.storage_backends.get(DISK_BACKEND)
+        if self.disk is not None:
+            self._guard_disk_writes()
         self.chunk_bytes = (2 * config.num_layers * config.chunk_size * config.num_kv_heads
                             * config.head_dim * torch.empty((), dtype=config.dtype).element_size())
         self._digests: dict[int, tuple[bytes, int]] = {}  # chunk int -> (digest, nbytes)
@@ -176,6 +185,41 @@ class KVStore:
         self._inflight: dict[int, list[Any]] = {}
         self._inflight_lock = threading.Lock()
         self.stats = KVStoreStats()
+
+    def _guard_disk_writes(self) -> None:
+        """Undo what a failed disk write leaves behind in LMCache's ``LocalDiskBackend``.
+
+        Its writer (``async_save_bytes_to_disk``, run on its own event loop) raises out of
+        ``write_file`` before any of its clean-up: the key stays in the in-flight put tasks
+        (``submit_put_task`` then skips every later write of it), the memory object keeps the
+        reference taken for the write, ``current_cache_size`` and ``usage`` keep its bytes,
+        and the truncated file stays on the disk, in no index. Seen with the KV disk tier on
+        a full filesystem (``python -m bench faults``, disk-full)."""
+        disk = self.disk
+        save = disk.async_save_bytes_to_disk
+
+        def guarded(key: Any, memory_obj: Any, on_complete_callback: Any = None) -> None:
+            try:
+                save(key, memory_obj, on_complete_callback)
+            except OSError as exc:
+                self._disk_write_failed(key, memory_obj, exc)
+
+        disk.async_save_bytes_to_disk = guarded
+
+    def _disk_write_failed(self, key: Any, memory_obj: Any, exc: OSError) -> None:
+        disk = self.disk
+        with contextlib.suppress(OSError):
+            os.remove(disk._key_to_path(key))
+        size = memory_obj.get_physical_size()
+        with disk.disk_lock:
+            disk.current_cache_size -= size
+            disk.usage -= len(memory_obj.byte_array)
+            if key not in disk.dict:
+                disk.cache_policy.update_on_force_evict(key)
+        memory_obj.ref_count_down()
+        disk.disk_worker.remove_put_task(key)
+        self.stats.disk_write_errors += 1
+        log.warning("kv_disk_write_failed", chunk=self.keys.wire_of(key), error=str(exc))
 
     @property
     def backends(self) -> list[str]:

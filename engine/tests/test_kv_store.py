@@ -220,3 +220,64 @@ def test_fingerprints_survive_scans_during_a_store_and_go_with_the_chunk(engine_
     assert store.expected_digest(ints[0]) is not None  # one scan is not enough
     store.forget_digests(resident)
     assert store.expected_digest(ints[0]) is None
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real filesystem with room for two and a half chunks of the tiny model (a tmpfs; root
+    only): the kernel itself answers ENOSPC when it is full."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    path = tmp_path / "small-disk"
+    path.mkdir()
+    chunk = 2 * 4 * 256 * 4 * 64 * 4  # K and V, 4 layers, 256 tokens, 4 heads x 64, float32
+    size_kib = (2 * chunk + chunk // 2) // 1024
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(path)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield path, chunk
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_a_full_disk_fails_the_write_cleanly_and_the_chunk_is_written_once_there_is_room(
+        engine_factory, tiny, small_disk):
+    """LMCache's disk writer, on ENOSPC, left the chunk's write "in flight" for ever (so no
+    later store of that chunk ever reached the disk, and ``wait_disk_writes`` never returned),
+    its half-written file on the disk (space no eviction would reclaim), its DRAM buffer
+    referenced and its bytes counted as used. The store now undoes all of that."""
+    disk, chunk = small_disk
+    parts = engine_factory(disk_cache_dir=disk, disk_cache_gib=1.0)
+    store = parts.store
+    assert store.chunk_bytes == chunk
+    runner = ModelRunner(tiny)
+    ids = prompt(800, seed=5)
+    cache = runner.new_cache()
+    runner.forward(ids, cache, 0)
+    layers = runner.cache_layers(cache)
+    ints = parts.keys.int_hashes(ids)
+    wire = [parts.keys.wire_of_int(v) for v in ints]
+    assert store.store(ids, layers) == 3  # room for two of them on disk
+    assert store.wait_disk_writes(timeout_s=10), "a failed write stayed in flight"
+    on_disk = [w for w in wire if store.disk_path(w) is not None]
+    assert len(on_disk) == 2 and store.stats.disk_write_errors == 1
+    engine_dir = store.config.disk_dir
+    assert sorted(os.listdir(engine_dir)) == sorted(os.path.basename(store.disk_path(w))
+                                                   for w in on_disk), "a partial file is left"
+    assert store.disk.current_cache_size == 2 * chunk  # the failed write is not counted
+    # room again: the chunk that failed reaches the disk the next time it is stored (LMCache
+    # stores a chunk no tier holds: this one once it has left DRAM too)
+    store.evict(on_disk[:1], store.resolve_locations(["disk"]))
+    missing = next(w for w in wire if w not in on_disk)
+    store.evict([missing], store.resolve_locations(None))
+    assert store.store(ids, layers, skip_chunks=wire.index(missing)) >= 1
+    assert store.wait_disk_writes(timeout_s=10)
+    assert store.disk_path(missing) is not None
+    # and what is on disk reads back bit-exact
+    _evict_cpu(parts, wire)
+    i = wire.index(missing)
+    res = store.load_prefix(ints[i:i + 1])
+    assert res.num_tokens == 256 and not res.corrupt

@@ -55,6 +55,9 @@ H_ROUTING = "x-agentserving-routing"
 H_DEGRADED = "x-agentserving-degraded"
 H_NEXT_TOOL = "x-agentserving-next-tool"
 H_PD = "x-agentserving-pd"  # "disaggregated", or "local": prefilled on the decode pod
+# the pods a turn was moved off before it was answered (comma-separated, in order): a caller
+# (or a fault bench) can tell a turn saved by a retry from one that never met a failure
+H_RETRIED = "x-agentserving-retried"
 
 
 Attempt = tuple[Candidate, Candidate | None]  # (pod that prefills, decode pod or None)
@@ -256,13 +259,17 @@ class Orchestrator:
                 if decode is None:
                     return prefill, None, await self._call(
                         prefill, self._solo_stage(prefill), fn, turn.body, turn), None
-                params, prefill_cached = await self._prefill_for_decode(turn, prefill)
+                with self.pool.reserved(decode.name):
+                    params, prefill_cached = await self._prefill_for_decode(turn, prefill)
+                # released and re-acquired by _call with no await between: never uncounted
                 return prefill, decode, await self._call(
                     decode, "decode", fn, self._decode_body(turn.body, params), turn), \
                     prefill_cached
             except UpstreamFailed as exc:
                 last_error = str(exc)
                 failed.add(exc.pod)
+                turn.headers[H_RETRIED] = ",".join(
+                    [*filter(None, turn.headers.get(H_RETRIED, "").split(",")), exc.pod])
                 self._retrying(exc)
         self.metrics.failures.labels("upstream").inc()
         raise ApiError(502, f"every worker failed this turn; last error: {last_error}",
@@ -443,7 +450,7 @@ class Orchestrator:
         state.predicted_gap_s = None
         state.prefetch_fired_at = None
         if turn.session_id and self.kvindex is not None:
-            if turn.memory and outcome.chunk_hashes is not None:
+            if turn.memory:
                 self._spawn(memory_hooks.after_turn(self.kvindex, turn.session_id, turn.memory,
                                                     outcome.chunk_hashes, self._record_hook))
             if state.pending_tool is not None or outcome.finish_reason == "tool_calls":

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from agentserving.core.clients import KvindexClient, ServiceUnavailable
@@ -114,6 +116,18 @@ class PodPool:
     def release(self, name: str) -> None:
         if (pod := self._find(name)) is not None:
             pod.inflight = max(0, pod.inflight - 1)
+
+    @contextmanager
+    def reserved(self, name: str) -> Iterator[None]:
+        """Counts a turn on a pod before it sends the pod anything: a P/D turn's decode pod
+        from the moment it is chosen, through the prefill stage, so that turns routed meanwhile
+        see it taken (else two first turns, one in its prefill stage, land on one decode pod
+        while the other idles: bench-agent on vLLM, December 2026)."""
+        self.acquire(name)
+        try:
+            yield
+        finally:
+            self.release(name)
 
     def mark_failed(self, name: str) -> None:
         if (pod := self._find(name)) is not None:

@@ -268,3 +268,57 @@ def test_an_idle_prefill_pod_hosting_sessions_takes_a_first_turn_when_decode_pod
     assert append[1][0] == "http://p0" and append[1][1] is not None  # P/D is the fallback
     long_append = attempts_for(hosted, 3000 + 3000, hosts=True)[0]
     assert long_append[0] == "http://p0" and long_append[1] is not None  # P/D: moves
+
+
+def test_a_pd_turns_decode_pod_counts_as_taken_during_its_prefill_stage():
+    """Two first turns: ``a`` goes P/D; ``b`` arrives during a's prefill stage, finds the
+    prefill pod busy and runs whole on a decode pod. It must take the other one: a's decode pod
+    is a's from the moment it was chosen, though it has not been sent anything yet. ``b``'s
+    session id is picked so that, on a tie, its rendezvous order names a's decode pod first."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from agentserving.proxy.routing import affinity_order
+
+    served: dict[str, str] = {}
+
+    def app(name: str, delay_s: float) -> web.Application:
+        async def completions(request: web.Request) -> web.Response:
+            body = await request.json()
+            await asyncio.sleep(delay_s)
+            if body.get("kv_transfer_params", {}).get("do_remote_decode"):
+                return web.json_response({"choices": [{"text": "", "finish_reason": "length"}],
+                                          "kv_transfer_params": {"ready": True}})
+            served[body["user"]] = name
+            return web.json_response({"choices": [{"text": "ok", "finish_reason": "stop"}]})
+
+        application = web.Application()
+        application.router.add_post("/v1/completions", completions)
+        return application
+
+    async def go() -> None:
+        async with TestServer(app("p0", 0.4)) as p0, TestServer(app("d0", 0.0)) as d0, \
+                TestServer(app("d1", 0.0)) as d1, aiohttp.ClientSession() as http:
+            urls = [str(s.make_url("")).rstrip("/") for s in (p0, d0, d1)]
+            settings = ProxySettings(prefill_urls=urls[:1], decode_urls=urls[1:],
+                                     max_prefill_backlog=1)
+            pool = PodPool(settings.prefill_urls, settings.decode_urls, None)
+            orch = Orchestrator(settings, pool, None, make_policy("kv-aware"), http,
+                                ProxyMetrics(CollectorRegistry()))
+
+            def turn(sid: str) -> Turn:
+                return Turn(endpoint="/v1/completions", session_id=sid, session_key=sid,
+                            body={"prompt": [1] * 3000, "user": sid})
+
+            decoders = [Candidate(u, u) for u in urls[1:]]
+            taken = affinity_order("a", decoders)[0].url  # a's pick among idle decode pods
+            b = next(f"b{k}" for k in range(100)
+                     if affinity_order(f"b{k}", decoders)[0].url == taken)
+            a = asyncio.create_task(orch.handle(turn("a")))
+            await asyncio.sleep(0.15)  # a is in its prefill stage
+            await orch.handle(turn(b))
+            await a
+            assert served["a"] != served[b], served
+            assert sorted(served.values()) == ["d0", "d1"]
+
+    asyncio.run(go())

@@ -114,3 +114,57 @@ def test_a_dead_upstream_is_a_retryable_failure():
 
     with pytest.raises(UpstreamFailed, match="p0"):
         asyncio.run(go())
+
+
+class InOrder:
+    """Ranks the pods as the pool lists them: the test decides which one is tried first."""
+
+    name = "in-order"
+
+    def rank(self, inp):  # type: ignore[no-untyped-def]
+        return list(inp.candidates)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_turn_moved_off_a_dead_pod_names_it_in_a_header(stream):
+    """The caller gets its answer from the live pod and, in ``x-agentserving-retried``, the
+    pod the proxy gave up on first: a retry the caller never saw is still visible (the fault
+    bench counts them; without the header a saved turn looks like one that met no fault)."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from agentserving.core.testing import free_port
+    from agentserving.proxy.orchestrator import H_RETRIED
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if not body.get("stream"):
+            return web.json_response({"choices": [{"text": "ok", "finish_reason": "stop"}]})
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"text": "ok", "finish_reason": "stop"}]}\n\n'
+                         b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def go() -> tuple[int, dict[str, str], bytes, str]:
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        dead = f"http://127.0.0.1:{free_port()}"
+        async with TestServer(app) as server, aiohttp.ClientSession() as http:
+            live = str(server.make_url("")).rstrip("/")
+            settings = ProxySettings(prefill_urls=[dead, live])
+            orch = Orchestrator(settings, PodPool([dead, live], [], None), None, InOrder(),
+                                http, ProxyMetrics(CollectorRegistry()))
+            turn = Turn(endpoint="/v1/completions", body={"prompt": [1], "stream": stream},
+                        session_id="s", session_key="s")
+            resp = await orch.handle(turn)
+            if stream:
+                content = b"".join([c async for c in resp.body_iterator])
+            else:
+                content = resp.body
+            return resp.status_code, dict(resp.headers), content, dead
+
+    status, headers, content, dead = asyncio.run(go())
+    assert status == 200 and b"ok" in content
+    assert headers[H_RETRIED] == dead

@@ -1,7 +1,9 @@
 """`agentserving bench`: the main job — one workload, two systems, one report.
 
-For each configuration it starts a fresh local fleet (``agentserving.replay.fleet``), replays
-the workload through its proxy with teacher forcing, and stops the fleet:
+For each configuration it starts a local fleet (``agentserving.replay.fleet``), replays the
+workload through its proxy with teacher forcing, and stops the fleet; configurations that
+deploy the same pods and differ in their proxy alone (vllm-rr, vllm-session, vllm-precise)
+share one fleet, its proxy swapped and its pods' caches reset between them:
 
 - **baseline**: ``N`` independent workers (``--role both``) behind ``--routing round-robin``,
   each with a CPU KV tier too small to hold one chunk and no disk tier: no cross-turn KV
@@ -163,35 +165,109 @@ def per_turn_breakdown(workers: dict[str, dict[str, float]], proxy: dict[str, fl
     return {k: round(v, 4) for k, v in out.items()}
 
 
-def run_config(config: str, spec: Any, trace: Any, run_dir: Path, replay_opts: dict[str, Any],
-               echo: Any) -> dict[str, Any]:
-    """One configuration: fresh fleet, replay, stop. Returns the replay summary."""
-    from agentserving.replay.client import Replayer, ReplayOptions
-    from agentserving.replay.fleet.supervisor import Fleet
-    from agentserving.replay.fleet.topology import build, disk_root
+def fleet_groups(specs: list[tuple[str, Any]]) -> list[list[tuple[str, Any]]]:
+    """Consecutive configurations that deploy the same pods (``same_pods``: they differ in
+    their proxy alone) share one fleet; the rest get a fresh one each. A vLLM fleet takes
+    about a minute to start on 2 cores, most of a configuration's time."""
+    from agentserving.replay.fleet.topology import same_pods
 
-    fleet_dir = run_dir / "fleets" / config
+    groups: list[list[tuple[str, Any]]] = []
+    for name, spec in specs:
+        if groups and same_pods(groups[-1][0][1], spec):
+            groups[-1].append((name, spec))
+        else:
+            groups.append([(name, spec)])
+    return groups
+
+
+def metric_deltas(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """What a configuration added to a pod's counters, on a fleet an earlier one used."""
+    return {k: round(v - before.get(k, 0.0), 4) for k, v in after.items()}
+
+
+def reset_pods(fleet: Any, echo: Any, timeout_s: float = 30.0) -> None:
+    """Empty every pod's prefix cache (vLLM's dev-mode ``POST /reset_prefix_cache``) and
+    wait until the kvindex has taken in the pods' ``AllBlocksCleared`` events: the next
+    configuration starts from cold caches, as on a fresh fleet. vLLM publishes its KV events
+    from its scheduler's step, so each pod is then sent a one-token request (no full block:
+    nothing cached) to take one."""
+    import httpx
+
+    workers = [mp.spec.url for mp in fleet.procs
+               if mp.spec.role in ("prefill", "decode", "both") and mp.spec.url]
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=30.0) as client:
+        for url in workers:  # refused while a request still holds blocks: retried
+            while client.post(f"{url}/reset_prefix_cache").status_code != 200:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{url} would not reset its prefix cache")
+                time.sleep(0.5)
+            model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
+            client.post(f"{url}/v1/completions",
+                        json={"model": model, "prompt": [1], "max_tokens": 1})
+        kvindex = fleet.url("kvindex")
+        while kvindex and (held := sum(n for pod in client.get(f"{kvindex}/v1/pods").json()[
+                "pods"] for n in pod.get("chunks", {}).values())):
+            if time.monotonic() > deadline:
+                echo(f"kvindex still lists {held} chunks after the reset")
+                return
+            time.sleep(0.2)
+
+
+def run_group(group: list[tuple[str, Any]], trace: Any, run_dir: Path,
+              replay_opts: dict[str, Any], echo: Any) -> dict[str, dict[str, Any]]:
+    """Configurations sharing pods: one fleet, each configuration replayed behind its own
+    proxy on cold caches, then the fleet stopped. Returns each one's replay summary."""
+    from agentserving.replay.fleet.supervisor import Fleet
+    from agentserving.replay.fleet.topology import PortAllocator, build, disk_root, proxy_spec
+
+    first, spec = group[0]
+    fleet_dir = run_dir / "fleets" / first
     specs = build(spec, fleet_dir)
-    fleet = Fleet(specs, fleet_dir, log_dir=run_dir / "logs" / config,
-                  on_event=lambda m: echo(f"[{config}] {m}"))
+    current = [first]
+    fleet = Fleet(specs, fleet_dir, log_dir=run_dir / "logs" / first,
+                  on_event=lambda m: echo(f"[{current[0]}] {m}"))
+    out: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
     with fleet:
-        echo(f"[{config}] fleet up in {time.monotonic() - started:.1f}s; replaying "
-             f"{len(trace.sessions)} sessions, {trace.num_turns} turns")
-        opts = ReplayOptions(target=fleet.url("proxy") or "", **replay_opts)
-        result = asyncio.run(Replayer(trace, opts, out_dir=run_dir / config).run())
-        died = [mp.spec.name for mp in fleet.procs if not mp.alive()]
-        workers = {mp.spec.name: scrape_worker_metrics(mp.spec.url)
-                   for mp in fleet.procs
-                   if mp.spec.role in ("prefill", "decode", "both") and mp.spec.url}
-        proxy_url = fleet.url("proxy")
-        proxy = scrape_metrics(proxy_url, "proxy_") if proxy_url else {}
-        scheduler = {mp.spec.name: stats for mp in fleet.procs if mp.spec.memory_url
-                     and (stats := scrape_scheduler_stats(mp.spec.memory_url)) is not None}
+        echo(f"[{first}] fleet up in {time.monotonic() - started:.1f}s")
+        for i, (config, spec) in enumerate(group):
+            current[0] = config
+            if i:
+                reset_pods(fleet, fleet.on_event)
+                fleet.replace(proxy_spec(
+                    spec, PortAllocator().one(), fleet.url("kvindex") or "",
+                    fleet.urls("prefill") + fleet.urls("both"), fleet.urls("decode")),
+                    log_dir=run_dir / "logs" / config)
+                fleet.on_event(f"the same pods as {first}, caches reset, its own proxy")
+            out[config] = replay_config(config, fleet, trace, run_dir, replay_opts, echo)
     # the disk tier's KV files are a cache, not a result (~430 MB a vLLM configuration here)
-    shutil.rmtree(disk_root(spec, fleet_dir), ignore_errors=True)
+    shutil.rmtree(disk_root(group[0][1], fleet_dir), ignore_errors=True)
+    return out
+
+
+def replay_config(config: str, fleet: Any, trace: Any, run_dir: Path,
+                  replay_opts: dict[str, Any], echo: Any) -> dict[str, Any]:
+    """One configuration on a running fleet: replay through its proxy, then what each
+    process did meanwhile. Returns the replay summary."""
+    from agentserving.replay.client import Replayer, ReplayOptions
+
+    pods = [mp for mp in fleet.procs
+            if mp.spec.role in ("prefill", "decode", "both") and mp.spec.url]
+    before = {mp.spec.name: scrape_worker_metrics(mp.spec.url) for mp in pods}
+    echo(f"[{config}] replaying {len(trace.sessions)} sessions, {trace.num_turns} turns")
+    opts = ReplayOptions(target=fleet.url("proxy") or "", **replay_opts)
+    result = asyncio.run(Replayer(trace, opts, out_dir=run_dir / config).run())
+    died = [mp.spec.name for mp in fleet.procs if not mp.alive()]
+    workers = {mp.spec.name: metric_deltas(scrape_worker_metrics(mp.spec.url),
+                                           before[mp.spec.name]) for mp in pods}
+    proxy_url = fleet.url("proxy")
+    proxy = scrape_metrics(proxy_url, "proxy_") if proxy_url else {}
+    scheduler = {mp.spec.name: stats for mp in fleet.procs if mp.spec.memory_url
+                 and (stats := scrape_scheduler_stats(mp.spec.memory_url)) is not None}
     summary = dict(result.summary)
-    summary["fleet"] = {"processes": [{"name": s.name, "role": s.role} for s in specs],
+    summary["fleet"] = {"processes": [{"name": mp.spec.name, "role": mp.spec.role}
+                                      for mp in fleet.procs],
                         "died_during_replay": died}
     summary["workers"] = workers
     summary["proxy"] = proxy
@@ -326,11 +402,10 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
                        chunk_size=DEFAULT_CHUNK_SIZE)
     summaries: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
-    for config in chosen:
-        summary = run_config(config.name, fleet_spec(config, sizes), trace, run_dir,
-                             replay_opts, click.echo)
-        summaries[config.name] = {**summary, "engine": engine,
-                                  "description": config.description}
+    for group in fleet_groups([(c.name, fleet_spec(c, sizes)) for c in chosen]):
+        for name, summary in run_group(group, trace, run_dir, replay_opts, click.echo).items():
+            summaries[name] = {**summary, "engine": engine,
+                               "description": CONFIGS[name].description}
     settings = {"engine": engine, "prefill": prefill, "decode": decode, "model": model,
                 "cpu_cache_gib": cpu_cache_gib, "disk_cache_gib": disk_cache_gib,
                 "device_kv_blocks": sizes.device_kv_blocks,

@@ -51,8 +51,8 @@ DEVICE_KV_BLOCKS = 64
 # least-loaded decode pod (E2E P95 4.6 s -> 3.1 s on bench-agent, req/s 2.51 -> 2.76, hit
 # unchanged; measured December 2026 with 128 device blocks); one that finds it idle while both
 # decode pods are busy runs whole there and stays (--prefill-hosts-sessions). Its worth is not
-# measured yet: the run's first P/D turn holds the prefill pod 15-26 s, so it rarely engages
-# (14 turns in one of three runs, December 2026; README)
+# measured yet (an A/B is owed): it engaged in two of three runs (10 and 17 of 89 turns on the
+# prefill pod, December 2026, session 11; README)
 VLLM_PROXY_ARGS = ["--max-prefill-backlog", "1", "--prefill-hosts-sessions"]
 # The workload's pace per engine (--time-scale). On vLLM the bench replays bench-agent at twice
 # its own speed: at its own times agentserving finished 33-38 s after the start, of which the
@@ -164,13 +164,19 @@ def fleet_spec(config: BenchConfig, sizes: FleetSizes) -> Any:
                                   worker_command=sizes.worker_command, routing=config.routing)
     workers = sizes.prefill + sizes.decode
     if not config.disaggregated:
-        if config.precise:  # routed by vLLM's own block hashes, in vLLM's block size
+        if engine == "vllm" and not config.tiers:
+            # vllm-rr, -session and -precise deploy the same pods, each with its device prefix
+            # cache alone, publishing its KV events (precise's proxy alone reads them, through
+            # the kvindex, and hashes prompts vLLM's way, in vLLM's block size): one fleet
+            # serves the three in turn, its proxy swapped and the pods' prefix caches reset
+            # between them (POST /reset_prefix_cache, a vLLM dev-mode route)
+            common["worker_env"].update(VLLM_SERVER_DEV_MODE="1")
             return FleetSpec(prefill=0, decode=0, both=workers, kv_events=True,
                              chunk_size=VLLM_BLOCK_TOKENS, cpu_cache_gib=sizes.cpu_cache_gib,
                              disk_cache_gib=0.0, proxy_args=[
-                                 "--prompt-hash-scheme", HashScheme.VLLM_SHA256.value], **common)
-        if not config.tiers or config.own_prefix_cache_only:
-            # vLLM: its device prefix cache alone; reference: a CPU tier, nothing else
+                                 "--prompt-hash-scheme", HashScheme.VLLM_SHA256.value]
+                             if config.precise else [], **common)
+        if config.own_prefix_cache_only:  # reference: a CPU tier, nothing else
             return FleetSpec(prefill=0, decode=0, both=workers, cpu_cache_gib=sizes.cpu_cache_gib,
                              disk_cache_gib=0.0, **common)
         # 1 MiB of CPU tier holds no 256-token chunk of even the tiny model: no reuse.

@@ -46,6 +46,12 @@ def test_plain_vllm_pods_precise_routing_and_agentserving_side_by_side(tmp_path)
     recs = [json.loads(line) for line in
             (run_dir / "vllm-precise" / "turns.jsonl").read_text().splitlines()]
     assert all(r["routing"]["x-agentserving-routing"] == "kv-aware" for r in recs)
+    # vllm-precise ran on vllm-rr's pods (they differ in their proxy alone), their prefix
+    # caches reset in between: its first turn found nothing of rr's replay of the same turns
+    first = min(recs, key=lambda r: r["start_s"])
+    assert first["turn"] == 0 and first["cached_tokens"] == 0, first
+    assert "the same pods as vllm-rr, caches reset" in out.stdout
+    assert "still lists" not in out.stdout  # the kvindex took in the pods' cleared events
     # vLLM's own metrics reached the breakdown: every pod computed some prompt tokens
     for m in (rr, precise):
         assert all(w["computed_prompt_tokens_total"] > 0 for w in m["workers"].values())

@@ -111,6 +111,29 @@ class Fleet:
     def urls(self, role: str) -> list[str]:
         return [mp.spec.url for mp in self.procs if mp.spec.role == role and mp.spec.url]
 
+    def replace(self, spec: ProcessSpec, log_dir: Path | None = None) -> ManagedProcess:
+        """Stop the process of ``spec.role`` (all of that role) and start ``spec`` in its
+        place, its log under ``log_dir``: a fleet that serves one configuration after another
+        swaps its proxy this way. Waits until the new process is healthy."""
+        with self._lock:
+            old = [mp for mp in self.procs if mp.spec.role == spec.role]
+            self.procs = [mp for mp in self.procs if mp.spec.role != spec.role]
+        import signal
+
+        for mp in old:
+            mp.signal_group(signal.SIGTERM)
+            mp.wait_group(self.stop_grace_s)
+            mp.finish()
+            self.on_event(f"stopped {mp.spec.name} (pid {mp.pid})")
+        mp = ManagedProcess(spec, log_dir or self.log_dir)
+        mp.start()
+        with self._lock:
+            self.procs.append(mp)
+        self.on_event(f"started {spec.name} (pid {mp.pid}): {' '.join(spec.argv)}")
+        self._wait_healthy([mp])
+        self._write_endpoints()
+        return mp
+
     # ------------------------------------------------------------------ watch
 
     def _watch(self) -> None:

@@ -15,7 +15,7 @@ import os
 import random
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from agentserving.core.argv import settings_argv
@@ -195,11 +195,28 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
             out.append(_registrar(spec, name, role, url, kv_url))
         (decode_urls if role == "decode" else prefill_urls).append(url)
     if spec.proxy and (prefill_urls or decode_urls):
-        port = spec.proxy_port or ports.one()
-        argv = [*cmd, "proxy", *settings_argv(proxy_command, ProxySettings, {
-            "host": LOOPBACK, "port": port, "kvindex_url": kv_url, "routing": spec.routing,
-            "chunk_size": spec.chunk_size, "prefill_urls": prefill_urls,
-            "decode_urls": decode_urls}), *spec.proxy_args]
-        out.append(ProcessSpec(name="proxy", role="proxy", url=f"http://{LOOPBACK}:{port}",
-                               argv=argv, env=dict(spec.env), startup_timeout_s=60.0))
+        out.append(proxy_spec(spec, spec.proxy_port or ports.one(), kv_url, prefill_urls,
+                              decode_urls))
     return out
+
+
+def proxy_spec(spec: FleetSpec, port: int, kv_url: str, prefill_urls: list[str],
+               decode_urls: list[str]) -> ProcessSpec:
+    """The proxy of ``spec`` in front of workers already running (``build``'s, or those of a
+    fleet another configuration started: ``agentserving bench`` swaps only the proxy between
+    configurations that deploy the same pods)."""
+    argv = [*agentserving_argv(), "proxy", *settings_argv(proxy_command, ProxySettings, {
+        "host": LOOPBACK, "port": port, "kvindex_url": kv_url, "routing": spec.routing,
+        "chunk_size": spec.chunk_size, "prefill_urls": prefill_urls,
+        "decode_urls": decode_urls}), *spec.proxy_args]
+    return ProcessSpec(name="proxy", role="proxy", url=f"http://{LOOPBACK}:{port}",
+                       argv=argv, env=dict(spec.env), startup_timeout_s=60.0)
+
+
+def same_pods(a: FleetSpec, b: FleetSpec) -> bool:
+    """Whether two fleets differ in their proxy alone (routing, proxy flags): the same
+    kvindex, workers and flags, so one started fleet serves both in turn."""
+    def pods(spec: FleetSpec) -> FleetSpec:
+        return replace(spec, routing="", proxy_args=[], proxy_port=0)
+
+    return pods(a) == pods(b)

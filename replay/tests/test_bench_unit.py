@@ -49,6 +49,7 @@ def test_the_vllm_configurations_share_pods_and_device_kv(tmp_path):
     for plain in (rr, session):  # stock vLLM: its own prefix cache, nothing else
         assert plain.both == 3 and plain.disk_cache_gib == 0
         assert plain.worker_args[-2:] == ["--vllm-kv-connector", "none"]
+        assert plain.proxy_args == []
     assert (cand.prefill, cand.decode) == (1, 2) and cand.disk_cache_gib == 4.0
     for spec in s.values():
         assert spec.engine == "vllm" and spec.num_workers == 3
@@ -161,3 +162,29 @@ def test_per_turn_breakdown_splits_pd_and_colocated_time():
                       "completion_tokens_total": 20}}, {}, turns=2)
     assert both["prefill_pod_s"] == 3.0 and both["decode_per_token_s"] == 0.1
     assert both["proxy_routing_ms"] == 0.0
+
+
+def test_configurations_that_differ_in_their_proxy_alone_share_one_fleet():
+    from agentserving.replay.bench import fleet_groups
+    from agentserving.replay.fleet.topology import same_pods
+
+    s = specs("vllm")
+    groups = fleet_groups([(n, s[n]) for n in DEFAULT_CONFIGS["vllm"]])
+    assert [[n for n, _ in g] for g in groups] == [
+        ["vllm-rr", "vllm-session", "vllm-precise"], ["agentserving"], ["agentserving-fcfs"],
+        ["agentserving-noprefetch"]]  # the ablations' prefill pods differ: fresh fleets
+    assert same_pods(s["vllm-rr"], s["vllm-precise"])
+    assert not same_pods(s["agentserving"], s["agentserving-fcfs"])
+    # only consecutive ones: a configuration between them starts a fleet of its own
+    order = ["vllm-rr", "agentserving", "vllm-session"]
+    assert len(fleet_groups([(n, s[n]) for n in order])) == 3
+    ref = specs("reference")
+    assert len(fleet_groups([(n, ref[n]) for n in ("baseline", "baseline-apc")])) == 2
+
+
+def test_a_shared_fleets_counters_are_taken_per_configuration():
+    from agentserving.replay.bench import metric_deltas
+
+    assert metric_deltas({"prefill_seconds_sum": 5.0, "new": 2.0},
+                         {"prefill_seconds_sum": 3.5}) == {"prefill_seconds_sum": 1.5,
+                                                           "new": 2.0}

@@ -101,6 +101,24 @@ def test_fleet_starts_in_order_and_stops_every_process_group(tmp_path):
     fleet.stop()  # idempotent
 
 
+def test_a_running_fleet_swaps_one_process_for_another(tmp_path):
+    """``agentserving bench`` serves configurations that differ in their proxy alone from one
+    fleet: the old proxy's whole group is gone, the new one is healthy, the workers untouched."""
+    specs = [server_spec(tmp_path, "kv", role="kvindex"), server_spec(tmp_path, "w0"),
+             server_spec(tmp_path, "proxy", role="proxy")]
+    with Fleet(specs, tmp_path / "run", stop_grace_s=1.0) as fleet:
+        old, worker = read_pids(tmp_path, "proxy"), read_pids(tmp_path, "w0")
+        new = server_spec(tmp_path, "proxy2", role="proxy")
+        fleet.replace(new, log_dir=tmp_path / "logs2")
+        assert wait_gone(old) == [] and all(pid_alive(p) for p in worker)
+        assert fleet.url("proxy") == new.url and httpx.get(new.url + "/healthz").is_success
+        assert [mp.spec.name for mp in fleet.procs] == ["kv", "w0", "proxy2"]
+        assert (tmp_path / "logs2" / "proxy2.log").exists()
+        assert json.loads((tmp_path / "run" / "fleet.json").read_text())["proxy"] == new.url
+        pids = [*read_pids(tmp_path, "proxy2"), *worker]
+    assert wait_gone(pids) == []
+
+
 def test_stubborn_process_is_killed_after_the_grace_period(tmp_path):
     fleet = Fleet([server_spec(tmp_path, "w", stubborn=True)], tmp_path).start()
     leader, child = read_pids(tmp_path, "w")

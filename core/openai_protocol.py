@@ -16,9 +16,13 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, WithJsonSchema, field_validator
+from pydantic_core import PydanticCustomError
 
 _MAX_TOKEN_ID = 2**31 - 1
 _INT64 = (-(2**63), 2**63 - 1)  # what crosses to an engine process (msgpack) must fit
+# The 400 code of an integer over 64 bits in kv_transfer_params: a limit of the engines that
+# the schema, a free-form object, does not carry (declaring it needs a recursive schema)
+INTEGER_OUT_OF_RANGE = "integer_out_of_range"
 # A seed must fit in 64 bits; its bounds are JSON's safe integers, where every integer is
 # exactly a float: OpenAPI writes bounds as floats, and a validator comparing 2**63 - 1 as a
 # float would take 2**63 + 100 for a valid seed.
@@ -103,7 +107,8 @@ class SamplingFields(_Body):
         def walk(node: Any, path: str) -> None:
             if isinstance(node, int) and not isinstance(node, bool) and not (
                     _INT64[0] <= node <= _INT64[1]):
-                raise ValueError(f"{path}: integer {node} does not fit in 64 bits")
+                raise PydanticCustomError(INTEGER_OUT_OF_RANGE,
+                                          f"{path}: integer {node} does not fit in 64 bits")
             if isinstance(node, dict):
                 for key, value in node.items():
                     walk(value, f"{path}.{key}")

@@ -65,6 +65,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str]:
     return param, "; ".join(msgs)
 
 
+# validation errors whose type names a limit no schema carries: their type is the 400's code
+LIMIT_ERROR_TYPES = frozenset({"integer_out_of_range"})
+
+
+def _limit_code(exc: RequestValidationError) -> str | None:
+    kind = exc.errors()[0].get("type")
+    return kind if kind in LIMIT_ERROR_TYPES else None
+
+
 _ERROR_DESCRIPTIONS = {
     400: "Bad input; `error.param` names the field.",
     401: "Missing or invalid API key.",
@@ -138,8 +147,8 @@ def install_error_handlers(app: FastAPI, max_body_bytes: int | None = None) -> N
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         param, message = _validation_message(exc)
-        return JSONResponse(error_body(message, type="invalid_request_error", param=param),
-                            status_code=400)
+        return JSONResponse(error_body(message, type="invalid_request_error", param=param,
+                                       code=_limit_code(exc)), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

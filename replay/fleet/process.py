@@ -51,6 +51,21 @@ class ProcessSpec:
     memory_url: str | None = None  # a worker's memory API (its scheduler process, seed 000)
 
 
+# Inherited, these would tie unrelated processes together: prometheus_client's multiprocess
+# directory (set in a parent by vLLM's or LMCache's own set-up, or a user's shell) makes every
+# process write its metrics there and a vLLM pod's /metrics then serve all of theirs (a pod
+# showed the stale agentserving_worker_* zeros of processes from earlier tests, and the bench
+# read those instead of vLLM's own figures). A spec that wants one sets it in its own env.
+NOT_INHERITED = ("PROMETHEUS_MULTIPROC_DIR", "prometheus_multiproc_dir")
+
+
+def child_env(parent: dict[str, str] | os._Environ, own: dict[str, str]) -> dict[str, str]:
+    """A fleet process's environment: its parent's, less ``NOT_INHERITED``, plus its own."""
+    env = {k: v for k, v in parent.items() if k not in NOT_INHERITED}
+    env.update(own)
+    return env
+
+
 class ManagedProcess:
     def __init__(self, spec: ProcessSpec, log_dir: Path) -> None:
         self.spec = spec
@@ -68,7 +83,7 @@ class ManagedProcess:
         argv = [sys.executable, "-c", _WRAPPER, str(os.getpid()), *self.spec.argv]
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True,
-                                     env={**os.environ, **self.spec.env})
+                                     env=child_env(os.environ, self.spec.env))
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

@@ -304,3 +304,13 @@ def test_fleet_ports_lie_below_the_ephemeral_range():
     ports = [alloc.one() for _ in range(50)] + [alloc.run(4) + 3 for _ in range(10)]
     assert all(10000 <= p < low for p in ports)  # a client socket never takes them
     assert len(set(ports)) == len(ports)
+
+
+def test_a_parents_prometheus_multiprocess_dir_does_not_reach_the_fleet():
+    """Inherited, it merged unrelated processes' metrics into every vLLM pod's /metrics."""
+    from agentserving.replay.fleet.process import child_env
+
+    parent = {"PATH": "/bin", "PROMETHEUS_MULTIPROC_DIR": "/tmp/x", "KEEP": "1"}
+    assert child_env(parent, {"OWN": "2"}) == {"PATH": "/bin", "KEEP": "1", "OWN": "2"}
+    wanted = child_env(parent, {"PROMETHEUS_MULTIPROC_DIR": "/tmp/mine"})
+    assert wanted["PROMETHEUS_MULTIPROC_DIR"] == "/tmp/mine"  # a spec may still ask for one

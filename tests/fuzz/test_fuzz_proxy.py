@@ -36,7 +36,8 @@ def test_proxy_fuzz(fleet, fuzz) -> None:  # type: ignore[no-untyped-def]
     # the memory hooks (agent_memory) are exercised along with the body's validation
     run = fuzz(fleet.proxy_url, "proxy", max_examples=10, timeout_s=300,
                extra=("-H", f"x-session-id: {SESSION}"),
-               runtime_limit_codes=("context_length_exceeded", "token_id_out_of_vocabulary"))
+               runtime_limit_codes=("context_length_exceeded", "token_id_out_of_vocabulary",
+                                   "integer_out_of_range"))
     run.assert_clean()
     assert _greedy(fleet.proxy_url) == direct, "a greedy turn through the proxy changed"
     pods = httpx.get(fleet.kvindex_url + "/v1/pods", timeout=10).json()["pods"]

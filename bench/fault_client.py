@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from agentserving.core.openai_protocol import sse_data
 from agentserving.replay.trace import ResolvedTurn
 from bench.fault_plan import Attempt, TurnResult, Workload, attempt_kind, request_body
 
@@ -54,9 +55,8 @@ async def attempt(client: httpx.AsyncClient, url: str, body: dict[str, Any], ses
                 _error_from(a, (await resp.aread()).decode(errors="replace"))
             else:
                 async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
+                    if (data := sse_data(line)) is None:
                         continue
-                    data = line[5:].strip()
                     if data == "[DONE]":
                         a.done = True
                         break

@@ -184,3 +184,9 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
+
+
+def sse_data(line: str) -> str | None:
+    """The payload of one line of an OpenAI stream when it is a ``data:`` line (``[DONE]``
+    included), else None: the framing every streaming client here reads the same way."""
+    return line[5:].strip() if line.startswith("data:") else None

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.routing import Match
 
+from agentserving.core.openai_protocol import INTEGER_OUT_OF_RANGE
 from agentserving.core.schemas import ErrorResponse
 
 
@@ -66,7 +67,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str]:
 
 
 # validation errors whose type names a limit no schema carries: their type is the 400's code
-LIMIT_ERROR_TYPES = frozenset({"integer_out_of_range"})
+LIMIT_ERROR_TYPES = frozenset({INTEGER_OUT_OF_RANGE})
 
 
 def _limit_code(exc: RequestValidationError) -> str | None:

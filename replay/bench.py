@@ -193,8 +193,7 @@ def reset_pods(fleet: Any, echo: Any, timeout_s: float = 30.0) -> None:
     nothing cached) to take one."""
     import httpx
 
-    workers = [mp.spec.url for mp in fleet.procs
-               if mp.spec.role in ("prefill", "decode", "both") and mp.spec.url]
+    workers = [mp.spec.url for mp in fleet.workers()]
     deadline = time.monotonic() + timeout_s
     with httpx.Client(timeout=30.0) as client:
         for url in workers:  # refused while a request still holds blocks: retried
@@ -252,8 +251,7 @@ def replay_config(config: str, fleet: Any, trace: Any, run_dir: Path,
     process did meanwhile. Returns the replay summary."""
     from agentserving.replay.client import Replayer, ReplayOptions
 
-    pods = [mp for mp in fleet.procs
-            if mp.spec.role in ("prefill", "decode", "both") and mp.spec.url]
+    pods = fleet.workers()
     before = {mp.spec.name: scrape_worker_metrics(mp.spec.url) for mp in pods}
     echo(f"[{config}] replaying {len(trace.sessions)} sessions, {trace.num_turns} turns")
     opts = ReplayOptions(target=fleet.url("proxy") or "", **replay_opts)

@@ -38,6 +38,7 @@ import httpx
 import numpy as np
 
 from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
+from agentserving.core.openai_protocol import sse_data
 from agentserving.replay.ideal import ideal_hit
 from agentserving.replay.metrics import summarize
 from agentserving.replay.trace import ResolvedSession, ResolvedTurn, Trace, resolve_all
@@ -321,9 +322,8 @@ class Replayer:
                     rec.error = f"HTTP {resp.status_code}: {_error_message(text)}"
                 else:
                     async for line in resp.aiter_lines():
-                        if not line.startswith("data:"):
+                        if (data := sse_data(line)) is None:
                             continue
-                        data = line[5:].strip()
                         if data == "[DONE]":
                             done = True
                             break

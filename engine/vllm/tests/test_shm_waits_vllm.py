@@ -51,8 +51,7 @@ CHILD = textwrap.dedent("""
 
 
 def run_child(gap_s: float = 0.5, notify: str = "notify", **env: str) -> dict:
-    done = subprocess.run([str(PYTHON), "-c", CHILD, str(gap_s), notify],
-                          capture_output=True,
+    done = subprocess.run([str(PYTHON), "-c", CHILD, str(gap_s), notify], capture_output=True,
                           text=True, timeout=120, env={**os.environ, **env}, cwd="/")
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

@@ -756,10 +756,12 @@ class Cluster:
         return pod, chosen if looked else None
 
     def least_loaded_decode(self, sid: str) -> Pod:
-        """The proxy's decode choice (``LeastLoaded``: fewest in flight, then the session's
-        last decode pod, then rendezvous order). Its sort keys are each candidate's own, so its
+        """The proxy's decode choice (``LeastLoaded``: least load, then the session's last
+        decode pod, then rendezvous order). Its sort keys are each candidate's own, so its
         first choice is among the least loaded: only those are ranked (the same choice, without
-        hashing the session with every pod of a large pool)."""
+        hashing the session with every pod of a large pool). The simulated pods report no
+        queued prompt tokens (the proxy counts those of the turns it runs whole on a pod), so
+        load here is turns in flight alone: the proxy's order whenever nothing is queued."""
         least = min(p.n_inflight for p in self.decode_pods)
         cands = [p.candidate() for p in self.decode_pods if p.n_inflight == least]
         return self.pods[self.decode_routing.rank(RouteInput(

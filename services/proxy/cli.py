@@ -38,7 +38,8 @@ setting = settings_option(ProxySettings)
 @setting("--max-attempts", type=click.IntRange(min=1),
          help="Pods tried for one turn before answering 502.")
 @setting("--load-penalty-tokens", type=click.IntRange(min=0),
-         help="kv-aware: cached tokens worth giving up to avoid one more in-flight turn.")
+         help="kv-aware: cached tokens worth giving up to avoid one more in-flight turn; "
+              "decode pods: the queued prompt tokens one in-flight turn weighs as.")
 @setting("--chunk-size", type=click.IntRange(min=1),
          help="Tokens per KV chunk (turns kvindex scores into tokens).")
 @setting("--prompt-hash-scheme", type=click.Choice([s.value for s in HashScheme]),

@@ -27,10 +27,15 @@ from agentserving.core.logging import get_logger
 from agentserving.core.schemas import LookupRequest, PodPrefix, PodRole, PrefetchRequest
 from agentserving.core.service import ApiError
 from agentserving.proxy import memory_hooks
-from agentserving.proxy.disagg import HeldContext, prefill_on_decode_pod, prompt_size
+from agentserving.proxy.disagg import (
+    HeldContext,
+    local_prefill_tokens,
+    prefill_on_decode_pod,
+    prompt_size,
+)
 from agentserving.proxy.memory_hooks import AgentMemory
 from agentserving.proxy.metrics import ProxyMetrics
-from agentserving.proxy.pods import PodPool
+from agentserving.proxy.pods import PodPool, QueuedPrompt
 from agentserving.proxy.prompt_hashes import prompt_chunk_hashes
 from agentserving.proxy.routing import Candidate, LeastLoaded, RouteInput, RoutingPolicy
 from agentserving.proxy.sessions import SessionState, SessionTable, session_key
@@ -95,6 +100,11 @@ class Turn:
     next_tool: str | None = None
     started: float = field(default_factory=time.perf_counter)
     headers: dict[str, str] = field(default_factory=dict)
+    queued_prompt: QueuedPrompt | None = None  # a stream's prompt, until its first token
+
+    def prompt_computed(self) -> None:
+        if self.queued_prompt is not None:
+            self.queued_prompt.done()
 
     @property
     def stream(self) -> bool:
@@ -112,7 +122,7 @@ class Orchestrator:
         self.metrics = metrics
         self.sessions = SessionTable(settings.max_sessions)
         self.tool_gaps = ToolGapPredictor()
-        self._decode_policy = LeastLoaded()
+        self._decode_policy = LeastLoaded(settings.load_penalty_tokens)
         self._prefetch_tasks: dict[str, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
 
@@ -136,6 +146,20 @@ class Orchestrator:
         if turn.stream:
             return await self._run_streaming(turn, state, attempts)
         return await self._run_blocking(turn, state, attempts)
+
+    def _prompt_to_compute(self, turn: Turn, state: SessionState, pod: Candidate) -> int:
+        """Prompt tokens ``pod`` computes running this turn whole: the new suffix on the
+        session's own pod, the whole prompt elsewhere (cache hits on another pod are not
+        known here); 0 for a prompt the proxy cannot size without a tokenizer."""
+        size = prompt_size(turn.endpoint, turn.body)
+        if size.tokens is None:
+            return 0
+        if pod.name == state.last_decode_pod and state.prompt_tokens is not None:
+            new = local_prefill_tokens(size, HeldContext(
+                state.prompt_tokens, state.prompt_chars, self.settings.chunk_size))
+            if new is not None:
+                return new
+        return size.tokens
 
     # ------------------------------------------------------------------ routing
     async def _route(self, turn: Turn, state: SessionState) -> Routed:
@@ -246,19 +270,32 @@ class Orchestrator:
             await self.pool.refresh()
 
     # ------------------------------------------------------------------ blocking
-    async def _first_reply(self, turn: Turn, attempts: list[Attempt], fn
+    async def _first_reply(self, turn: Turn, state: SessionState, attempts: list[Attempt], fn
                            ) -> tuple[Candidate, Candidate | None, Any, int | None]:
         """The first attempt whose pods answer, with ``fn`` (``post_json`` or ``open_stream``)
         for the pod that answers the caller: (prefill pod, decode pod or None, its reply, the
         prompt tokens the prefill pod found cached or None). A pod that fails is not asked
-        again this turn; when all have failed, a 502 naming the last error."""
+        again this turn; when all have failed, a 502 naming the last error. A pod running the
+        turn whole counts its prompt as queued until the reply (a stream: its first token,
+        ``Turn.prompt_computed``)."""
         last_error = "no attempt made"
         failed: set[str] = set()
         for prefill, decode in untried(attempts, failed):
             try:
                 if decode is None:
-                    return prefill, None, await self._call(
-                        prefill, self._solo_stage(prefill), fn, turn.body, turn), None
+                    queued = self.pool.queue_prompt(
+                        prefill.name, self._prompt_to_compute(turn, state, prefill))
+                    try:
+                        resp = await self._call(prefill, self._solo_stage(prefill), fn,
+                                                turn.body, turn)
+                    except BaseException:
+                        queued.done()
+                        raise
+                    if turn.stream:
+                        turn.queued_prompt = queued
+                    else:
+                        queued.done()
+                    return prefill, None, resp, None
                 with self.pool.reserved(decode.name):
                     params, prefill_cached = await self._prefill_for_decode(turn, prefill)
                 # released and re-acquired by _call with no await between: never uncounted
@@ -277,7 +314,7 @@ class Orchestrator:
 
     async def _run_blocking(self, turn: Turn, state: SessionState, attempts: list[Attempt]
                             ) -> JSONResponse:
-        prefill, decode, resp, prefill_cached = await self._first_reply(turn, attempts,
+        prefill, decode, resp, prefill_cached = await self._first_reply(turn, state, attempts,
                                                                         post_json)
         payload = resp.json() if resp.headers.get("content-type", "").startswith(
             "application/json") else None
@@ -298,9 +335,10 @@ class Orchestrator:
     # ------------------------------------------------------------------ streaming
     async def _run_streaming(self, turn: Turn, state: SessionState, attempts: list[Attempt]
                              ) -> JSONResponse | StreamingResponse:
-        prefill, decode, resp, cached_override = await self._first_reply(turn, attempts,
+        prefill, decode, resp, cached_override = await self._first_reply(turn, state, attempts,
                                                                          open_stream)
         if not resp.is_success:  # the worker rejected the request: pass its verdict on
+            turn.prompt_computed()
             content = await resp.aread()
             await resp.aclose()
             self.metrics.failures.labels("rejected").inc()
@@ -325,6 +363,7 @@ class Orchestrator:
             async for chunk in relay_sse(resp, outcome, cached_override):
                 if first:
                     self.metrics.ttft.observe(time.perf_counter() - turn.started)
+                    turn.prompt_computed()
                     first = False
                 if tail or chunk.startswith(b"data: [DONE]"):
                     tail.append(chunk)
@@ -340,6 +379,7 @@ class Orchestrator:
             self.metrics.failures.labels("mid_stream").inc()
             yield _sse_error(f"worker {serving.name} failed mid-stream: {exc!r}")
         finally:
+            turn.prompt_computed()
             self.pool.release(serving.name)
             await resp.aclose()
 

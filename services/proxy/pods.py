@@ -1,8 +1,9 @@
 """The pods the proxy can send turns to: from flags, or followed in the kvindex's registry.
 
-Keeps per-pod in-flight counts (the load the routing policies balance) and a short cool-down
-for pods that just failed, so a retry goes elsewhere. A pod given by URL is matched to its
-kvindex name through the registry's ``api_url``, so KV-aware routing can use its residency.
+Keeps per-pod in-flight counts and queued prompt tokens (the load the routing policies
+balance) and a short cool-down for pods that just failed, so a retry goes elsewhere. A pod
+given by URL is matched to its kvindex name through the registry's ``api_url``, so KV-aware
+routing can use its residency.
 """
 
 from __future__ import annotations
@@ -31,9 +32,25 @@ class PodState:
     model: str | None = None
     inflight: int = 0
     failed_until: float = 0.0
+    queued_prompt_tokens: int = 0
 
     def candidate(self) -> Candidate:
-        return Candidate(self.name, self.url, self.inflight)
+        return Candidate(self.name, self.url, self.inflight, self.queued_prompt_tokens)
+
+
+class QueuedPrompt:
+    """A prompt a pod is computing for a turn, counted in the pod's ``queued_prompt_tokens``
+    until the turn's first token (or its failure). ``done()`` may be called more than once. It
+    finds the pod by name when done: the registry may have replaced the pod's state since."""
+
+    def __init__(self, pool: PodPool, pod: str, tokens: int) -> None:
+        self._pool, self._pod, self.tokens = pool, pod, max(0, tokens)
+        self._pool._add_queued(pod, self.tokens)
+
+    def done(self) -> None:
+        if self._pod is not None:
+            self._pool._add_queued(self._pod, -self.tokens)
+            self._pod = None
 
 
 class PodPool:
@@ -74,6 +91,7 @@ class PodPool:
             state = PodState(reg.pod, reg.api_url.rstrip("/"), reg.role, reg.model)
             if old is not None:
                 state.inflight, state.failed_until = old.inflight, old.failed_until
+                state.queued_prompt_tokens = old.queued_prompt_tokens
             current[reg.pod] = state
         if set(current) != set(self._pods):
             log.info("pods_changed", pods=sorted(current))
@@ -128,6 +146,13 @@ class PodPool:
             yield
         finally:
             self.release(name)
+
+    def queue_prompt(self, name: str, tokens: int) -> QueuedPrompt:
+        return QueuedPrompt(self, name, tokens)
+
+    def _add_queued(self, name: str, tokens: int) -> None:
+        if (pod := self._find(name)) is not None:
+            pod.queued_prompt_tokens = max(0, pod.queued_prompt_tokens + tokens)
 
     def mark_failed(self, name: str) -> None:
         if (pod := self._find(name)) is not None:

@@ -22,6 +22,9 @@ class Candidate:
     name: str
     url: str
     inflight: int = 0
+    # prompt tokens the proxy sent this pod to compute whose first token has not come back:
+    # its prefill queue, as far as the proxy knows (token-id prompts; 0 for what it cannot size)
+    queued_prompt_tokens: int = 0
 
 
 @dataclass
@@ -113,17 +116,28 @@ class KvAware:
 
 
 class LeastLoaded:
-    """Decode pods: the one with the fewest turns in flight. Among equally loaded pods, the
-    session's previous decode pod first (it holds the session's chunks, so it pulls only the
-    new suffix from the prefill pod), then the session's rendezvous order (first turns spread
-    over the pool)."""
+    """Decode pods: the one with the least work queued. Work is turns in flight, each weighed
+    as ``turn_tokens`` prompt tokens, plus the prompt tokens the pod has yet to compute (turns
+    run whole on it): a pod computing a 6,000-token first turn is busier than one decoding two
+    appends, though it has fewer turns in flight (bench-agent on vLLM, run 3 of December 2026:
+    five of the seven slowest turns queued on one decode pod behind such a first turn). Among
+    equally loaded pods, the session's previous decode pod first (it holds the session's
+    chunks, so it pulls only the new suffix from the prefill pod), then the session's
+    rendezvous order (first turns spread over the pool). With nothing queued the order is by
+    turns in flight alone."""
 
     name = "least-loaded"
+
+    def __init__(self, turn_tokens: int = 2048) -> None:
+        self.turn_tokens = max(1, turn_tokens)
+
+    def load(self, c: Candidate) -> int:
+        return c.inflight * self.turn_tokens + c.queued_prompt_tokens
 
     def rank(self, inp: RouteInput) -> list[Candidate]:
         affinity = {c.name: i for i, c in enumerate(affinity_order(inp.session_key,
                                                                    inp.candidates))}
-        return sorted(inp.candidates, key=lambda c: (c.inflight, c.name != inp.last_pod,
+        return sorted(inp.candidates, key=lambda c: (self.load(c), c.name != inp.last_pod,
                                                      affinity[c.name]))
 
 

@@ -31,7 +31,8 @@ class ProxySettings(BaseModel):
     max_attempts: int = Field(default=3, ge=1)
     load_penalty_tokens: int = Field(
         default=2048, ge=0,
-        description="Tokens of cached prefix one in-flight request on a pod is worth giving up.")
+        description="Tokens of cached prefix one in-flight request on a pod is worth giving up; "
+                    "a decode pod's turn in flight weighs as this many queued prompt tokens.")
     chunk_size: int = Field(default=DEFAULT_CHUNK_SIZE, gt=0)
     prompt_hash_scheme: HashScheme | None = Field(
         default=None, description="Hash token-id prompts with this scheme for the kvindex "

@@ -154,12 +154,15 @@ class Orchestrator:
         size = prompt_size(turn.endpoint, turn.body)
         if size.tokens is None:
             return 0
-        if pod.name == state.last_decode_pod and state.prompt_tokens is not None:
-            new = local_prefill_tokens(size, HeldContext(
-                state.prompt_tokens, state.prompt_chars, self.settings.chunk_size))
-            if new is not None:
-                return new
-        return size.tokens
+        held = self._held(state) if pod.name == state.last_decode_pod else None
+        new = local_prefill_tokens(size, held) if held is not None else None
+        return new if new is not None else size.tokens
+
+    def _held(self, state: SessionState) -> HeldContext | None:
+        """What the session's previous turn left on its own pod (None: nothing known)."""
+        if state.prompt_tokens is None:
+            return None
+        return HeldContext(state.prompt_tokens, state.prompt_chars, self.settings.chunk_size)
 
     # ------------------------------------------------------------------ routing
     async def _route(self, turn: Turn, state: SessionState) -> Routed:
@@ -213,8 +216,7 @@ class Orchestrator:
         prefill_order, decode_order = routed.prefill, routed.decode
         homes = [*decode_order, *self._hosts(prefill_order, decode_order)]
         own = next((c for c in homes if c.name == state.last_decode_pod), None)
-        held = None if own is None or state.prompt_tokens is None else HeldContext(
-            state.prompt_tokens, state.prompt_chars, self.settings.chunk_size)
+        held = None if own is None else self._held(state)
         size = prompt_size(turn.endpoint, turn.body)
         decide = functools.partial(
             prefill_on_decode_pod, size, held, self.settings.local_prefill_tokens,

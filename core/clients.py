@@ -7,13 +7,16 @@ A 4xx surfaces as ``RequestRejected`` carrying the server's message and field.
 
 from __future__ import annotations
 
+import copy
 import json
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import httpx
 from pydantic import BaseModel
 
+from agentserving.core.internal_auth import auth_headers
 from agentserving.core.schemas import (
+    TENANT_HEADER,
     ChunkLocations,
     ChunkSnapshot,
     EventBatch,
@@ -60,14 +63,25 @@ class NotFound(RequestRejected):
 
 class _JsonClient:
     def __init__(self, base_url: str, timeout_s: float = 2.0,
-                 client: httpx.AsyncClient | None = None) -> None:
+                 client: httpx.AsyncClient | None = None, *, token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self._client = client or httpx.AsyncClient(timeout=timeout_s)
         self._owns_client = client is None
+        self._headers = auth_headers(token)  # core.internal_auth: the deployment's token
 
     async def aclose(self) -> None:
         if self._owns_client:
             await self._client.aclose()
+
+    def for_tenant(self, tenant: str | None) -> Self:
+        """This client acting for ``tenant``: the kvindex scopes the sessions it names by it
+        (``TENANT_HEADER``). Shares this client's connections; closing it closes nothing."""
+        if tenant is None:
+            return self
+        view = copy.copy(self)
+        view._headers = {**self._headers, TENANT_HEADER: tenant}
+        view._owns_client = False
+        return view
 
     async def _call(self, method: str, path: str, body: BaseModel | None,
                     model: type[M] | None) -> Any:
@@ -75,7 +89,8 @@ class _JsonClient:
             resp = await self._client.request(
                 method, self.base_url + path,
                 content=body.model_dump_json(exclude_none=True) if body is not None else None,
-                headers={"content-type": "application/json"} if body is not None else None,
+                headers={**self._headers, "content-type": "application/json"}
+                if body is not None else self._headers,
             )
         except httpx.HTTPError as exc:
             raise ServiceUnavailable(f"{method} {self.base_url}{path}: {exc!r}") from exc

@@ -152,6 +152,16 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# The tenant a kvindex call acts for: the proxy sets it from the caller's API key, and the
+# kvindex keeps that tenant's sessions apart (``kvindex.http_apis.scope``), so one tenant's
+# session ids never name another's. No header: the unscoped namespace (a single-tenant fleet).
+TENANT_HEADER = "x-agentserving-tenant"
+TENANT_PATTERN = r"^[A-Za-z0-9._@:-]{1,128}$"
+# A session id names a session within its tenant: no '/', the separator of a tenant's scope.
+SESSION_ID_PATTERN = r"^[^/]{1,256}$"
+SessionId = Annotated[str, Field(pattern=SESSION_ID_PATTERN)]
+
+
 # ---------------------------------------------------------------- pods
 
 
@@ -285,8 +295,9 @@ class EvictRequest(Strict):
         default=None, description="Tiers or LMCache backends; none means every tier."
     )
     pod: str | None = None
-    session_id: str | None = Field(
-        default=None, description="The session asking: its own references never protect."
+    session_id: SessionId | None = Field(
+        default=None, description="The session asking (of the caller's tenant): its own "
+        "references never protect."
     )
     force: StrictBool = Field(default=False,
                               description="Evict even chunks other sessions reference or pin.")
@@ -381,7 +392,7 @@ class SessionClosed(BaseModel):
 
 
 class ForkRequest(Strict):
-    child: str = Field(min_length=1, max_length=256)
+    child: SessionId = Field(description="The child's id, in the parent's tenant.")
 
 
 # ---------------------------------------------------------------- memory API, details (worker)

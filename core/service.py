@@ -1,4 +1,5 @@
-"""What every HTTP service shares: error format, request-size limit, /metrics and /healthz.
+"""What every HTTP service shares: error format, request-size limit, /metrics and /healthz,
+the internal token's check (``core.internal_auth``).
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, so an OpenAI
 client shows them as they are, and ``param`` names the offending field (``chunk_hashes[3]``).
@@ -6,7 +7,7 @@ client shows them as they are, and ``param`` names the offending field (``chunk_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.routing import Match
 
+from agentserving.core.internal_auth import OPEN_PATHS, TOKEN_ENV, check_token
 from agentserving.core.openai_protocol import INTEGER_OUT_OF_RANGE
 from agentserving.core.schemas import ErrorResponse
 
@@ -188,3 +190,60 @@ def install_health_route(app: FastAPI) -> None:
     @app.get("/healthz", tags=["health"], summary="The process is up.")
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
+
+
+_SCHEME = "internalToken"
+_TOKEN_REFUSALS = {"401": "No internal token sent.",
+                   "403": "The token sent is not this deployment's internal token."}
+
+
+def install_internal_auth(app: FastAPI, token: str | None,
+                          protects: Callable[[str], bool] = lambda path: True) -> None:
+    """Require ``token`` on every path ``protects`` (all but ``OPEN_PATHS``), and say so in
+    the app's OpenAPI document. Without a token: nothing."""
+    if not token:
+        return
+
+    def guarded(path: str) -> bool:
+        return path not in OPEN_PATHS and protects(path)
+
+    @app.middleware("http")
+    async def _require_token(request: Request, call_next):  # type: ignore[no-untyped-def]
+        if guarded(request.url.path):
+            refused = check_token(request.headers.get("authorization"), token)
+            if refused is not None:
+                status, message = refused
+                return JSONResponse(
+                    error_body(message, type="authentication_error", param="authorization",
+                               code="invalid_internal_token"),
+                    status_code=status, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
+
+    _document_auth(app, guarded)
+
+
+def _document_auth(app: FastAPI, guarded: Callable[[str], bool]) -> None:
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = generate()
+        schema.setdefault("components", {}).setdefault("securitySchemes", {})[_SCHEME] = {
+            "type": "http", "scheme": "bearer",
+            "description": f"The deployment's internal token ({TOKEN_ENV})."}
+        ref = {"content": {"application/json": {"schema": {"$ref": _ERROR_REF}}}}
+        for path, item in schema.get("paths", {}).items():
+            if not guarded(path):
+                continue
+            for op in item.values():
+                if not isinstance(op, dict) or "responses" not in op:
+                    continue
+                op["security"] = [{_SCHEME: []}]
+                for code in ("401", "403"):
+                    op["responses"].setdefault(code, {"description": _TOKEN_REFUSALS[code],
+                                                      **ref})
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -10,6 +10,7 @@ import click
 
 from agentserving.core.cli import option, settings_option
 from agentserving.core.hashing import CHUNK_HASH_SCHEMES
+from agentserving.core.internal_auth import TOKEN_ENV, TOKEN_HELP
 from agentserving.core.schemas import PodRole
 from agentserving.engine.settings import WorkerSettings
 
@@ -83,6 +84,7 @@ setting = settings_option(WorkerSettings)
 @setting("--pod-name", help="This pod's name in the kvindex.")
 @setting("--kvindex", "kvindex_url",
          help="kvindex base URL (e.g. http://kvindex:8300); unset: no residency reporting.")
+@setting("--internal-token", envvar=TOKEN_ENV, metavar="TOKEN", help=TOKEN_HELP)
 @setting("--cpu-cache-gib", type=click.FloatRange(min=0.001),
          help="LMCache CPU-DRAM tier size per engine process, GiB.")
 @setting("--disk-cache-dir", type=click.Path(file_okay=False, path_type=Path),

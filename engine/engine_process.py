@@ -99,7 +99,7 @@ def _serve(settings, index, in_addr, out_addr, parent_pid, zctx, out, log) -> in
     inbox = zctx.socket(zmq.PULL)
     inbox.connect(in_addr)
     port = settings.engine_memory_port(index)
-    app = engine_memory_app(store, [handoff_router(parts.handoff)])
+    app = engine_memory_app(store, [handoff_router(parts.handoff)], settings.internal_token)
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=port,
                                            log_level="warning", access_log=False))
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]

@@ -31,6 +31,7 @@ import httpx
 from fastapi import APIRouter, FastAPI
 from prometheus_client import REGISTRY
 
+from agentserving.core.internal_auth import auth_headers
 from agentserving.core.schemas import (
     TIER_BACKENDS,
     MemoryChunks,
@@ -46,6 +47,7 @@ from agentserving.core.service import (
     error_responses,
     install_error_handlers,
     install_health_route,
+    install_internal_auth,
     install_metrics_route,
 )
 
@@ -122,10 +124,19 @@ class MemoryBackend(Protocol):
 # ---------------------------------------------------------------- engine process
 
 
-def engine_memory_app(store: MemoryBackend, extra_routers: Sequence[APIRouter] = ()) -> FastAPI:
-    """The memory API of one engine process, acting on its KV tiers (any ``MemoryBackend``)."""
+def _memory_path(path: str) -> bool:
+    """What the internal token guards on a pod: the memory API (the KV hand-off, which a
+    decode pod pulls by an unguessable transfer id, is not yet; issue 18)."""
+    return path.startswith("/memory/")
+
+
+def engine_memory_app(store: MemoryBackend, extra_routers: Sequence[APIRouter] = (),
+                      token: str | None = None) -> FastAPI:
+    """The memory API of one engine process, acting on its KV tiers (any ``MemoryBackend``);
+    with ``token``, its ``/memory/`` routes require it (``core.internal_auth``)."""
     app = FastAPI(title="AgentServing engine memory API", version="v1")
     install_error_handlers(app, max_body_bytes=64 * 1024 * 1024)
+    install_internal_auth(app, token, _memory_path)
     install_health_route(app)
     install_metrics_route(app, REGISTRY)  # LMCache's own metrics live in the default registry
 
@@ -180,9 +191,10 @@ class EngineFanout:
     """Calls every engine process's memory API in parallel (seed 000's
     ``_forward_to_all_workers``)."""
 
-    def __init__(self, engine_urls: Sequence[str], timeout_s: float = 10.0) -> None:
+    def __init__(self, engine_urls: Sequence[str], timeout_s: float = 10.0,
+                 token: str | None = None) -> None:
         self.engine_urls = list(engine_urls)
-        self._client = httpx.AsyncClient(timeout=timeout_s)
+        self._client = httpx.AsyncClient(timeout=timeout_s, headers=auth_headers(token))
 
     async def aclose(self) -> None:
         await self._client.aclose()
@@ -206,11 +218,13 @@ class EngineFanout:
         return list(await asyncio.gather(*(one(u) for u in self.engine_urls)))
 
 
-def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str]) -> FastAPI:
+def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
+                          token: str | None = None) -> FastAPI:
     # every route forwards: an engine process's error comes back as it is (5xx: 503)
     app = FastAPI(title="AgentServing worker memory API", version="v1",
                   responses=error_responses(503))
     install_error_handlers(app, max_body_bytes=64 * 1024 * 1024)
+    install_internal_auth(app, token, _memory_path)
     install_health_route(app)
 
     @app.post("/memory/prefetch", response_model=MemoryPrefetchResult,

@@ -104,6 +104,7 @@ class WorkerSettings(BaseModel):
                                        "disk -> DRAM prefetch before reading the disk itself.")
     # -- kvindex
     kvindex_url: str | None = None
+    internal_token: str | None = Field(default=None, repr=False)  # core.internal_auth
     heartbeat_interval_s: float = Field(default=5.0, gt=0)
     event_flush_interval_s: float = Field(default=0.2, gt=0)
     residency_interval_s: float = Field(default=0.25, gt=0)

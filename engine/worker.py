@@ -61,11 +61,12 @@ async def serve(settings: WorkerSettings) -> int:
         api.max_model_len = ready.max_model_len  # type: ignore[attr-defined]
 
     client.on_ready = _on_ready
-    fanout = EngineFanout(client.memory_urls())
+    fanout = EngineFanout(client.memory_urls(), token=settings.internal_token)
     servers = [
         _Server(uvicorn.Config(create_api_app(api), host=settings.host, port=settings.port,
                                log_level="warning", access_log=False, timeout_keep_alive=30)),
-        _Server(uvicorn.Config(forwarding_memory_app(fanout, _backends(settings)),
+        _Server(uvicorn.Config(forwarding_memory_app(fanout, _backends(settings),
+                                                     settings.internal_token),
                                host=settings.host, port=settings.memory_port_start,
                                log_level="warning", access_log=False)),
     ]
@@ -86,7 +87,8 @@ async def serve(settings: WorkerSettings) -> int:
                  role=settings.role.value)
         if settings.kvindex_url:
             reporter = KvindexReporter(
-                KvindexClient(settings.kvindex_url, timeout_s=2.0),
+                KvindexClient(settings.kvindex_url, timeout_s=2.0,
+                              token=settings.internal_token),
                 lambda: registration(settings, client), book,
                 heartbeat_interval_s=settings.heartbeat_interval_s,
                 flush_interval_s=settings.event_flush_interval_s, metrics=metrics)

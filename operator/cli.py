@@ -40,6 +40,12 @@ setting = settings_option(OperatorSettings)
         help="Seconds between re-applying each resource's children (drift correction).")
 @setting("--field-manager",
          help="Server-side apply field manager name.")
+@setting("--token-key", metavar="KEY",
+         help="Secret key from which each resource's internal token is derived (the chart "
+              "makes one); the token, in a Secret <name>-internal, is what the resource's "
+              "kvindex and memory APIs require. Unset: no tokens, no checks between the "
+              "components. Prefer the environment variable (a command line is visible to "
+              "every process on the host).")
 @option("--metrics-host", default="0.0.0.0", help="Address of the Prometheus /metrics server.")
 @option("--metrics-port", type=click.IntRange(min=0, max=65535), default=9090,
         help="Port of the Prometheus /metrics server (0: off).")
@@ -52,8 +58,8 @@ setting = settings_option(OperatorSettings)
 def command(namespaces: tuple[str, ...], image_registry: str, image_tag: str, vllm_image: str,
             vllm_ascend_image: str, redis_image: str, kvindex_url_template: str,
             cleanup_timeout: float, resync_interval: float, field_manager: str,
-            metrics_host: str, metrics_port: int, health_host: str, health_port: int,
-            log_format: str, verbose: bool) -> None:
+            token_key: str | None, metrics_host: str, metrics_port: int, health_host: str,
+            health_port: int, log_format: str, verbose: bool) -> None:
     """Run the AgentServing operator: reconcile AgentServing resources into prefill and
     decode worker pools, a proxy, a kvindex and (optionally) Redis, and report their status."""
     import kopf
@@ -65,7 +71,7 @@ def command(namespaces: tuple[str, ...], image_registry: str, image_tag: str, vl
         namespaces=tuple(namespaces), image_registry=image_registry, image_tag=image_tag,
         vllm_image=vllm_image, vllm_ascend_image=vllm_ascend_image, redis_image=redis_image,
         kvindex_url_template=kvindex_url_template, cleanup_timeout_s=cleanup_timeout,
-        resync_interval_s=resync_interval, field_manager=field_manager)
+        resync_interval_s=resync_interval, field_manager=field_manager, token_key=token_key)
     kopf.configure(verbose=verbose, log_format=kopf.LogFormat.JSON if log_format == "json"
                    else kopf.LogFormat.FULL)
     logging.getLogger("urllib3").setLevel(logging.WARNING)

@@ -12,7 +12,7 @@ from typing import Any
 import kopf
 
 from . import kvindex, metrics, reconcile
-from .builders import POOLS, SpecError
+from .builders import POOLS, SpecError, derive_token
 from .builders.common import INSTANCE_LABEL, MANAGED_BY, MANAGED_BY_LABEL
 from .kube import Kube, load_client_config
 from .settings import OperatorSettings
@@ -52,12 +52,14 @@ def child_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         reconcile.refresh_status(memo.kube, meta["namespace"], meta["labels"][INSTANCE_LABEL])
 
 
-async def forget_in_kvindex(name: str, namespace: str, memo: kopf.Memo,
+async def forget_in_kvindex(name: str, namespace: str, uid: str, memo: kopf.Memo,
                             logger: logging.Logger, **_: Any) -> None:
     settings: OperatorSettings = memo.settings
+    token = (derive_token(settings.token_key, namespace, name, uid)
+             if settings.token_key else None)
     result = await kvindex.forget_pods(settings.kvindex_url(name, namespace),
                                        kvindex.pool_prefixes(name, POOLS),
-                                       settings.cleanup_timeout_s)
+                                       settings.cleanup_timeout_s, token=token)
     metrics.KVINDEX_CLEANUP_PODS.labels("removed").inc(len(result.removed))
     metrics.KVINDEX_CLEANUP_PODS.labels("failed").inc(len(result.failed))
     if result.error:

@@ -18,6 +18,7 @@ from kubernetes.client.exceptions import ApiException
 # (apiVersion, kind) -> plural resource name
 PLURALS = {
     ("v1", "ConfigMap"): "configmaps",
+    ("v1", "Secret"): "secrets",
     ("v1", "Service"): "services",
     ("apps/v1", "StatefulSet"): "statefulsets",
     ("apps/v1", "Deployment"): "deployments",

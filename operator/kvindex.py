@@ -32,12 +32,13 @@ def pool_prefixes(name: str, pools: tuple[str, ...] = ("prefill", "decode")) -> 
 
 
 async def forget_pods(base_url: str, prefixes: tuple[str, ...], timeout_s: float,
-                      transport: httpx.AsyncBaseTransport | None = None) -> CleanupResult:
+                      transport: httpx.AsyncBaseTransport | None = None,
+                      token: str | None = None) -> CleanupResult:
     result = CleanupResult()
     pending: list[str] = []
     async with httpx.AsyncClient(transport=transport,
                                  timeout=httpx.Timeout(min(timeout_s, 2.0))) as http:
-        client = KvindexClient(base_url, client=http)
+        client = KvindexClient(base_url, client=http, token=token)
         try:
             async with asyncio.timeout(timeout_s):
                 listed = await client.pods()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_IMAGE_REGISTRY = "agentserving"
 DEFAULT_IMAGE_TAG = "0.1.0"
@@ -29,6 +29,9 @@ class OperatorSettings:
     resync_interval_s: float = 300.0
     # Server-side apply field manager.
     field_manager: str = "agentserving-operator"
+    # Key of every resource's internal token (builders.credentials); None: no tokens, no
+    # credential checks between the components.
+    token_key: str | None = field(default=None, repr=False)
 
     def image(self, component: str) -> str:
         """The default image of one of AgentServing's components (worker, proxy, kvindex)."""

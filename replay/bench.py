@@ -23,6 +23,7 @@ import asyncio
 import json
 import os
 import platform
+import secrets
 import shlex
 import shutil
 import sys
@@ -34,6 +35,7 @@ import click
 
 from agentserving.core.cli import option
 from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
+from agentserving.core.internal_auth import TOKEN_ENV, auth_headers
 from agentserving.replay.configs import (
     CONFIGS,
     DEFAULT_CONFIGS,
@@ -79,14 +81,16 @@ def from_vllm_metrics(raw: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def scrape_scheduler_stats(memory_url: str) -> dict[str, Any] | None:
+def scrape_scheduler_stats(memory_url: str, token: str | None = None
+                           ) -> dict[str, Any] | None:
     """The live figures of the prefill policy in a vLLM pod's scheduler (``GET
     /memory/scheduler``: the ShadowScheduler's N+1 window and prefetches); None where vLLM's
     own scheduler runs, or the pod has no memory API."""
     import httpx
 
     try:
-        resp = httpx.get(f"{memory_url}/memory/scheduler", timeout=5.0)
+        resp = httpx.get(f"{memory_url}/memory/scheduler", timeout=5.0,
+                         headers=auth_headers(token))
     except httpx.HTTPError:
         return None
     return resp.json() if resp.status_code == 200 else None
@@ -262,7 +266,8 @@ def replay_config(config: str, fleet: Any, trace: Any, run_dir: Path,
     proxy_url = fleet.url("proxy")
     proxy = scrape_metrics(proxy_url, "proxy_") if proxy_url else {}
     scheduler = {mp.spec.name: stats for mp in fleet.procs if mp.spec.memory_url
-                 and (stats := scrape_scheduler_stats(mp.spec.memory_url)) is not None}
+                 and (stats := scrape_scheduler_stats(mp.spec.memory_url,
+                                                      mp.spec.env.get(TOKEN_ENV))) is not None}
     summary = dict(result.summary)
     summary["fleet"] = {"processes": [{"name": mp.spec.name, "role": mp.spec.role}
                                       for mp in fleet.procs],
@@ -394,7 +399,8 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
         worker_env={"AGENTSERVING_WORKER_TORCH_THREADS": str(torch_threads)}
         if torch_threads else {},
         prefill_policy=prefill_policy, startup_timeout_s=startup_timeout_s,
-        worker_command=shlex.split(worker_command) if worker_command else None)
+        worker_command=shlex.split(worker_command) if worker_command else None,
+        internal_token=secrets.token_urlsafe(24))
     replay_opts = dict(rate=rate, time_scale=time_scale, progress=progress,
                        max_active_sessions=max_active_sessions,
                        chunk_size=DEFAULT_CHUNK_SIZE)

@@ -141,6 +141,9 @@ class FleetSizes:
     prefill_policy: str | None = None  # agentserving's prefill pods (None: PREFILL_POLICY)
     startup_timeout_s: float = 180.0
     worker_command: list[str] | None = None
+    # agentserving's fleets: the token between their components (core.internal_auth), as
+    # the deployment has it; the fleets of what users run today have none
+    internal_token: str | None = field(default=None, repr=False)
 
 
 def fleet_spec(config: BenchConfig, sizes: FleetSizes) -> Any:
@@ -189,4 +192,5 @@ def fleet_spec(config: BenchConfig, sizes: FleetSizes) -> Any:
     proxy_args = [*(VLLM_PROXY_ARGS if engine == "vllm" else []), *sizes.proxy_args]
     return FleetSpec(prefill=sizes.prefill, decode=sizes.decode,
                      cpu_cache_gib=sizes.cpu_cache_gib, disk_cache_gib=sizes.disk_cache_gib,
-                     role_args=role_args, proxy_args=proxy_args, **common)
+                     role_args=role_args, proxy_args=proxy_args,
+                     internal_token=sizes.internal_token, **common)

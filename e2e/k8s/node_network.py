@@ -148,7 +148,7 @@ def teardown_network(state_file: Path) -> None:
         _run("iptables", "-t", table, "-X", chain, check=False)
     remove_kube_chains()
     _run("ip", "link", "delete", saved["bridge"], check=False)
-    state_file.unlink()
+    state_file.unlink(missing_ok=True)
 
 
 def remove_kube_chains() -> None:

@@ -8,6 +8,7 @@ missing binaries or images fail these tests.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -21,7 +22,9 @@ import httpx
 import openai
 import pytest
 
+from agentserving.core.internal_auth import auth_headers
 from agentserving.core.testing import free_port
+from agentserving.operator.builders import internal_secret_name
 from agentserving.operator.builders.common import KVINDEX_PORT, PROXY_PORT
 
 from ..k8s.cluster import REPO, Binaries, Cluster, cache_dir
@@ -203,8 +206,16 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def registered_pods(kvindex_url: str) -> set[str]:
-    return {p["pod"] for p in httpx.get(kvindex_url + "/v1/pods", timeout=5).json()["pods"]}
+@pytest.fixture(scope="session")
+def internal_token(node_cluster, reference) -> str:
+    """The components' token, from the Secret the operator made for the resource."""
+    secret = node_cluster.get_json("secret", internal_secret_name(NAME), "-n", NAMESPACE)
+    return base64.b64decode(secret["data"]["token"]).decode()
+
+
+def registered_pods(kvindex_url: str, token: str) -> set[str]:
+    return {p["pod"] for p in httpx.get(kvindex_url + "/v1/pods", headers=auth_headers(token),
+                                        timeout=5).json()["pods"]}
 
 
 def retry_get(url: str, attempts: int = 20) -> httpx.Response:

@@ -12,6 +12,7 @@ import json
 import threading
 import time
 
+import httpx
 import pytest
 
 from ..k8s.polling import wait_for
@@ -46,11 +47,17 @@ def test_every_pod_is_running_and_ready_and_the_operator_runs_in_cluster(node_cl
     assert status.get("phase") == "Ready", status
 
 
-def test_three_turn_session_through_the_proxy_service(proxy_url, kvindex_url, reference):
+def test_three_turn_session_through_the_proxy_service(proxy_url, kvindex_url, reference,
+                                                     internal_token):
     worker_pods = {p["metadata"]["name"] for p in reference
                    if component_of(p) in ("prefill", "decode")}
-    wait_for(lambda: registered_pods(kvindex_url) >= worker_pods, 60,
+    # the pods hold the operator's token: they registered, and the proxy reads the index
+    wait_for(lambda: registered_pods(kvindex_url, internal_token) >= worker_pods, 60,
              "every worker pod registered with the kvindex")
+    # anyone else who reaches the kvindex is turned away
+    assert httpx.get(kvindex_url + "/v1/pods", timeout=5).status_code == 401
+    assert httpx.get(kvindex_url + "/v1/pods", timeout=5,
+                     headers={"authorization": "Bearer guessed"}).status_code == 403
     turns = three_turns(client(proxy_url), "node-three-turns", seed=1)
     assert turns[0][0].usage.prompt_tokens_details.cached_tokens == 0
     served = [headers.get("x-agentserving-decode-pod")
@@ -77,7 +84,7 @@ def test_a_deleted_decode_pod_does_not_end_the_session(node_cluster, proxy_url, 
 
 
 def test_scaling_decode_adds_a_pod_that_registers_and_takes_sessions(
-        node_cluster, proxy_url, kvindex_url):
+        node_cluster, proxy_url, kvindex_url, internal_token):
     before = {p["metadata"]["name"] for p in pods(node_cluster)
               if component_of(p) == "decode"}
     node_cluster.kubectl("patch", "agentserving", NAME, "-n", NAMESPACE, "--type=merge",
@@ -85,7 +92,8 @@ def test_scaling_decode_adds_a_pod_that_registers_and_takes_sessions(
     now = wait_ready(node_cluster, {"kvindex": 1, "proxy": 1, "prefill": 1, "decode": 3})
     new = {p["metadata"]["name"] for p in now if component_of(p) == "decode"} - before
     assert len(new) == 1
-    wait_for(lambda: registered_pods(kvindex_url) >= new, 60, "the new decode pod registered")
+    wait_for(lambda: registered_pods(kvindex_url, internal_token) >= new, 60,
+             "the new decode pod registered")
     c = client(proxy_url)
     landed = set()
     for k in range(9):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -87,6 +88,7 @@ class FakeKvindex:
     def __init__(self):
         self.deleted: list[tuple[str, str, str]] = []
         self.listed: list[tuple[str, str]] = []
+        self.authorization: dict[tuple[str, str], str | None] = {}  # per resource, last sent
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -116,6 +118,7 @@ class FakeKvindex:
                 ns, name, rest = self.path.strip("/").split("/", 2)
                 pod = rest.removeprefix("v1/pods/")
                 fake.deleted.append((ns, name, pod))
+                fake.authorization[(ns, name)] = self.headers.get("Authorization")
                 self._reply(200, {"removed": pod})
 
             def log_message(self, *args):
@@ -166,7 +169,9 @@ def operator(cluster, chart_rbac, fake_kvindex, tmp_path_factory):
             "--health-port", str(health_port), "--cleanup-timeout", "3",
             "--kvindex-url-template", fake_kvindex.url + "/{namespace}/{name}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTSERVING_OPERATOR_")}
-    env.update(KUBECONFIG=str(kubeconfig), PYTHONUNBUFFERED="1")
+    # the token key as the chart's Secret gives it (internalAuth)
+    env.update(KUBECONFIG=str(kubeconfig), PYTHONUNBUFFERED="1",
+               AGENTSERVING_OPERATOR_TOKEN_KEY=secrets.token_urlsafe(32))
     log = workdir / "operator.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,

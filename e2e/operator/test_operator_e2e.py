@@ -6,6 +6,7 @@ every reconcile here also proves the chart grants enough and no more is needed.
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 import urllib.request
@@ -242,14 +243,21 @@ def test_delete_forgets_kvindex_pods_and_collects_children(cluster, operator, fa
     wait_for(lambda: len(pods(cluster, ns, "decode")) == 2, WAIT, "decode pods")
     resource = get_resource(cluster, ns, name)
     assert "agentserving.io/finalizer" in resource["metadata"]["finalizers"]
+    # the operator made the components' internal token, and calls the kvindex with it
+    secret = cluster.get_json("secret", f"{name}-internal", "-n", ns)
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == resource["metadata"]["uid"]
     cluster.kubectl("delete", "agentserving", name, "-n", ns, "--wait=false")
     wait_for(lambda: cluster.kubectl("get", "asv", name, "-n", ns, check=False).returncode != 0,
              WAIT, "the resource to go")
     assert sorted(pod for (n_, r_, pod) in fake_kvindex.deleted if (n_, r_) == (ns, name)) == [
         f"{name}-decode-0", f"{name}-decode-1", f"{name}-prefill-0"]
+    assert fake_kvindex.authorization[(ns, name)] == f"Bearer {token}"
     # ownerReferences: the controller-manager's garbage collector removes every child.
     wait_for(lambda: children(cluster, ns, name) == {}, WAIT, "children to be collected")
     wait_for(lambda: cluster.get_json("pods", "-n", ns)["items"] == [], WAIT, "pods to go")
+    wait_for(lambda: cluster.kubectl("get", "secret", f"{name}-internal", "-n", ns,
+                                     check=False).returncode != 0, WAIT, "the secret to go")
 
 
 def test_hung_kvindex_does_not_block_deletion(cluster, operator, fake_kvindex):
@@ -293,6 +301,9 @@ def test_operator_identity_is_the_charts_service_account_not_admin(cluster, oper
     assert can("patch", "statefulsets.apps", "-n", "e2e-scale") == "yes"
     assert can("patch", "agentservings.agentserving.io/status", "-n", "e2e-scale") == "yes"
     assert can("get", "secrets", "-n", OPERATOR_NAMESPACE) == "no"
+    # it writes each resource's token Secret, and reads none (it derives the token)
+    assert can("create", "secrets", "-n", "e2e-scale") == "yes"
+    assert can("get", "secrets", "-n", "e2e-scale") == "no"
     assert can("create", "pods", "-n", "e2e-scale") == "no"
     assert can("delete", "namespaces") == "no"
     assert "Forbidden" not in operator.log_text()

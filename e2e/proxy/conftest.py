@@ -1,9 +1,11 @@
-"""A local fleet of real processes on loopback: kvindex, workers (tiny model), proxies."""
+"""A local fleet of real processes on loopback: kvindex, workers (tiny model), proxies, all
+sharing one internal token (core.internal_auth), as a deployment's components do."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -11,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from agentserving.core.internal_auth import TOKEN_ENV, auth_headers
 from agentserving.core.testing import free_port, free_port_run, service_process
 
 AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
@@ -21,6 +24,8 @@ class Proc:
     url: str
     proc: object
     log: Path
+    memory_url: str | None = None  # a worker's memory API
+    engine_memory_url: str | None = None  # its engine process's (seed 000: port + 1)
 
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -34,6 +39,16 @@ class Fleet:
     stack: contextlib.ExitStack
     kvindex: Proc | None = None
     workers: dict[str, Proc] = field(default_factory=dict)
+    token: str = field(default_factory=lambda: secrets.token_urlsafe(16))
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {TOKEN_ENV: self.token}
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """What a caller of the kvindex or a memory API must send."""
+        return auth_headers(self.token)
 
     def start_kvindex(self) -> Proc:
         port = free_port()
@@ -41,7 +56,7 @@ class Fleet:
         log = self.root / "kvindex.log"
         proc = self.stack.enter_context(service_process(
             [AGENTSERVING, "kvindex", "--port", str(port), "--lease-ttl", "3",
-             "--reap-interval", "0.5"], url + "/readyz", log_path=log))
+             "--reap-interval", "0.5"], url + "/readyz", env=self.env, log_path=log))
         self.kvindex = Proc(url, proc, log)
         return self.kvindex
 
@@ -57,9 +72,10 @@ class Fleet:
         if disk:
             args += ["--disk-cache-dir", str(self.root / f"disk-{name}"), "--disk-cache-gib", "1"]
         log = self.root / f"worker-{name}.log"
-        proc = self.stack.enter_context(service_process(args, url + "/readyz", log_path=log,
-                                                        timeout_s=180))
-        self.workers[name] = Proc(url, proc, log)
+        proc = self.stack.enter_context(service_process(args, url + "/readyz", env=self.env,
+                                                        log_path=log, timeout_s=180))
+        self.workers[name] = Proc(url, proc, log, memory_url=f"http://127.0.0.1:{mem}",
+                                  engine_memory_url=f"http://127.0.0.1:{mem + 1}")
         return self.workers[name]
 
     def start_proxy(self, *extra: str, name: str = "proxy") -> Proc:
@@ -70,7 +86,8 @@ class Fleet:
         if self.kvindex is not None and "--kvindex" not in extra:
             args += ["--kvindex", self.kvindex.url]
         log = self.root / f"{name}.log"
-        proc = self.stack.enter_context(service_process(args, url + "/healthz", log_path=log))
+        proc = self.stack.enter_context(service_process(args, url + "/healthz", env=self.env,
+                                                        log_path=log))
         return Proc(url, proc, log)
 
 

@@ -14,6 +14,9 @@ import httpx
 import openai
 import pytest
 
+from agentserving.core.schemas import TENANT_HEADER
+from agentserving.proxy.auth import ApiKeys
+
 TURN_TOKENS = 300
 
 
@@ -42,7 +45,7 @@ def fleet(fleet_factory):
                        name="proxy-kv")
     pd = f.start_proxy(name="proxy-pd")  # discovers all three pods from the kvindex
     f.proxy_kv, f.proxy_pd = kv, pd
-    wait_for(lambda: len(httpx.get(f.kvindex.url + "/v1/pods").json()["pods"]) == 3,
+    wait_for(lambda: len(kvindex_get(f, "/v1/pods").json()["pods"]) == 3,
              what="three pods registered")
     return f
 
@@ -66,13 +69,41 @@ def chunk_hashes_of(resp) -> list[str]:  # type: ignore[no-untyped-def]
     return (resp.model_extra or {})["kv_transfer_params"]["chunk_hashes"]
 
 
-def kvindex_get(fleet, path):  # type: ignore[no-untyped-def]
-    return httpx.get(fleet.kvindex.url + path, timeout=5)
+def kvindex_get(fleet, path, tenant=None):  # type: ignore[no-untyped-def]
+    scope = {TENANT_HEADER: tenant} if tenant else {}
+    return httpx.get(fleet.kvindex.url + path, headers={**fleet.headers, **scope}, timeout=5)
 
 
 def test_models_list_through_the_sdk(fleet):
     models = client(fleet.proxy_kv).models.list()
     assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_only_the_deployments_token_opens_the_kvindex_and_memory_apis(fleet):
+    """Every component here holds the fleet's internal token: the pods registered and the
+    proxies route with the index (the tests below), and a caller without it is turned away."""
+    w0 = fleet.workers["w0"]
+    for url in (fleet.kvindex.url + "/v1/pods", w0.memory_url + "/memory/chunks",
+                w0.engine_memory_url + "/memory/chunks"):
+        missing = httpx.get(url, timeout=5)
+        assert missing.status_code == 401, (url, missing.text)
+        assert missing.headers["www-authenticate"] == "Bearer"
+        assert missing.json()["error"]["param"] == "authorization"
+        wrong = httpx.get(url, headers={"authorization": "Bearer not-the-token"}, timeout=5)
+        assert wrong.status_code == 403, (url, wrong.text)
+        assert httpx.get(url, headers=fleet.headers, timeout=5).status_code == 200, url
+    evict = httpx.post(fleet.kvindex.url + "/v1/evict", json={"chunk_hashes": ["0" * 32],
+                                                               "force": True}, timeout=5)
+    assert evict.status_code == 401
+    # probes and scrapes stay open; the OpenAPI document says which routes need the token
+    for base in (fleet.kvindex.url, w0.memory_url, w0.engine_memory_url):
+        assert httpx.get(base + "/healthz", timeout=5).status_code == 200
+    for base in (fleet.kvindex.url, w0.engine_memory_url):  # the worker's own: on w0.url
+        assert httpx.get(base + "/metrics", timeout=5).status_code == 200
+    doc = httpx.get(fleet.kvindex.url + "/openapi.json", timeout=5).json()
+    assert doc["components"]["securitySchemes"]["internalToken"]["scheme"] == "bearer"
+    assert "401" in doc["paths"]["/v1/lookup"]["post"]["responses"]
+    assert "security" not in doc["paths"]["/healthz"]["get"]
 
 
 def test_three_turn_session_reuses_its_kv(fleet):
@@ -183,7 +214,7 @@ def test_memory_hooks_evict_old_topic_and_prefetch_the_next(fleet):
     # drop topic-b's DRAM copies, keep them on disk; a prefetch hook brings them back
     wait_for(lambda: {"pod": pod, "tier": "disk"} in kvindex_get(
         fleet, f"/v1/chunks/{topic_b[0]}").json()["locations"], what="topic-b on disk")
-    r = httpx.post(fleet.kvindex.url + "/v1/evict", json={
+    r = httpx.post(fleet.kvindex.url + "/v1/evict", headers=fleet.headers, json={
         "chunk_hashes": topic_b, "locations": ["cpu"], "force": True}, timeout=5).json()
     assert r["results"][pod]["ok"]
     wait_for(lambda: kvindex_get(fleet, f"/v1/chunks/{topic_b[0]}").json()["locations"] == [
@@ -215,10 +246,35 @@ def test_tenants_never_share_prefixes(fleet, tmp_path):
     proxy = fleet.start_proxy("--prefill", fleet.workers["w0"].url, "--api-keys", str(keys),
                               name="proxy-auth")
     prompt = prompt_for(13, 520)
-    ra, _ = turn(client(proxy, api_key="sk-tenant-a-0001"), "t", prompt)
-    rb, _ = turn(client(proxy, api_key="sk-tenant-b-0001"), "t", prompt)
+    ra, _ = turn(client(proxy, api_key="sk-tenant-a-0001"), "t", prompt,
+                 extra={"agent_memory": {"intent": "plan"}})
+    wait_for(lambda: kvindex_get(fleet, "/v1/sessions/t", "a").status_code == 200,
+             what="a's intent written back")
+    # b names a's session id and asks to evict its "plan" and close it: b's memory verbs act
+    # on b's own session "t" (the kvindex scopes sessions by tenant), never on a's
+    rb, _ = turn(client(proxy, api_key="sk-tenant-b-0001"), "t", prompt,
+                 extra={"agent_memory": {"evict_intents": ["plan"], "intent": "plan",
+                                         "close_session": True}})
     assert set(chunk_hashes_of(ra)).isdisjoint(chunk_hashes_of(rb))
     assert rb.usage.prompt_tokens_details.cached_tokens == 0  # a's KV is invisible to b
+    closed = 'proxy_memory_hook_calls_total{ok="true",op="close"} 1.0'
+    wait_for(lambda: closed in httpx.get(proxy.url + "/metrics", timeout=5).text,
+             what="b's verbs carried out")
+    assert kvindex_get(fleet, "/v1/sessions/t", "b").status_code == 404  # b's own, closed
+    assert kvindex_get(fleet, "/v1/sessions/t", "a").json()["intents"] == {
+        "plan": chunk_hashes_of(ra)}
+    assert kvindex_get(fleet, f"/v1/chunks/{chunk_hashes_of(ra)[0]}").json()["locations"]
+
+    # a caller that reaches the pod itself cannot probe a's prefixes by guessing a's salt:
+    # the old default, 'tenant:<name>', found them; the proxy's own salt for a still does
+    def probe(salt: str) -> int:
+        r = httpx.post(fleet.workers["w0"].url + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": prompt, "max_tokens": 1, "cache_salt": salt})
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert probe("tenant:a") == 0
+    real = ApiKeys.load(keys).authenticate("Bearer sk-tenant-a-0001").cache_salt
+    assert probe(real) >= 512
     with pytest.raises(openai.AuthenticationError):
         client(proxy, api_key="sk-wrong-key-000").models.list()
 

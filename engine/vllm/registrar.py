@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 from collections.abc import Sequence
 
 from agentserving.core.clients import KvindexClient, NotFound, RequestRejected, ServiceUnavailable
 from agentserving.core.hashing import DEFAULT_CHUNK_SIZE, HashScheme
+from agentserving.core.internal_auth import TOKEN_ENV, TOKEN_HELP
 from agentserving.core.logging import get_logger
 from agentserving.core.schemas import PodRegistration, PodRole
 
@@ -83,6 +85,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--residency", default="lmcache-controller",
                    help="where its residency comes from (label): lmcache-controller, "
                         "vllm-events")
+    p.add_argument("--internal-token", default=os.environ.get(TOKEN_ENV),
+                   help=f"{TOKEN_HELP} Default: ${TOKEN_ENV}.")
     return p.parse_args(argv)
 
 
@@ -98,8 +102,8 @@ async def _main(args: argparse.Namespace) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    registrar = Registrar(KvindexClient(args.kvindex, timeout_s=2.0), registration_of(args),
-                          args.interval)
+    registrar = Registrar(KvindexClient(args.kvindex, timeout_s=2.0, token=args.internal_token),
+                          registration_of(args), args.interval)
     await registrar.run(stop)
 
 

@@ -107,7 +107,8 @@ class WorkerServices:
     def __init__(self, settings: ConnectorSettings, backend: MemoryBackend, rank: int) -> None:
         self.port = settings.worker_port(rank)
         self.backend = backend
-        self.server, self.thread = _serve_thread(engine_memory_app(backend),
+        self.server, self.thread = _serve_thread(engine_memory_app(backend,
+                                                                   token=settings.internal_token),
                                                  settings.memory_host, self.port,
                                                  f"agentserving-memory-{rank}")
         log.info("vllm_worker_memory_api", port=self.port, rank=rank)
@@ -226,8 +227,9 @@ class SchedulerServices:
     async def _main(self) -> None:
         s = self.settings
         self._stop = asyncio.Event()
-        fanout = self.fanout = EngineFanout(s.worker_urls(self.world_size), timeout_s=5.0)
-        app = forwarding_memory_app(fanout, self.backends)
+        fanout = self.fanout = EngineFanout(s.worker_urls(self.world_size), timeout_s=5.0,
+                                            token=s.internal_token)
+        app = forwarding_memory_app(fanout, self.backends, s.internal_token)
         if self.finished is not None:
             add_finished_hashes_route(app, self.finished)
         add_scheduler_stats_route(app, lambda: self.scheduler_stats)
@@ -236,7 +238,8 @@ class SchedulerServices:
         tasks = [asyncio.create_task(server.serve())]
         if s.kvindex_url:
             self.reporter = KvindexReporter(
-                KvindexClient(s.kvindex_url, timeout_s=2.0), self.registration, self.book,
+                KvindexClient(s.kvindex_url, timeout_s=2.0, token=s.internal_token),
+                self.registration, self.book,
                 heartbeat_interval_s=s.heartbeat_interval_s,
                 flush_interval_s=s.report_interval_s)
             self.reporter.start()

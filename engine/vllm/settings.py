@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from agentserving.core.hashing import HashScheme
+from agentserving.core.internal_auth import TOKEN_ENV
 from agentserving.core.schemas import PodRole
 
 KV_ROLE_POD_ROLES = {"kv_producer": PodRole.PREFILL, "kv_consumer": PodRole.DECODE,
@@ -39,6 +40,9 @@ class ConnectorSettings:
     heartbeat_interval_s: float = 5.0
     pod_role: PodRole | None = None  # the kvindex role; None: from vLLM's kv_role
     handoff_timeout_s: float = 10.0  # prefill pods: longest wait for the remote KV writes
+    # core.internal_auth: from the environment only (kv_connector_extra_config is on vLLM's
+    # command line, where every process on the host can read it)
+    internal_token: str | None = field(default=None, repr=False)
 
     def worker_port(self, rank: int) -> int:
         return self.memory_port_start + 1 + rank
@@ -77,7 +81,7 @@ def _positive(key: str, value: Any) -> float:
 
 def parse_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str]) -> ConnectorSettings:
     """Settings from ``kv_connector_extra_config`` (wins) and the pod's environment
-    (``POD_NAME``, ``POD_IP``, ``AGENTSERVING_KVINDEX_URL``)."""
+    (``POD_NAME``, ``POD_IP``, ``AGENTSERVING_KVINDEX_URL``, ``AGENTSERVING_INTERNAL_TOKEN``)."""
     extra = dict(extra or {})
     host = socket.gethostname()
     pod = str(extra.get("pod_name") or env.get("POD_NAME") or host)
@@ -112,6 +116,7 @@ def parse_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str]) -> C
                                        extra.get("heartbeat_interval_s", 5.0)),
         pod_role=role,
         handoff_timeout_s=_positive("handoff_timeout_s", extra.get("handoff_timeout_s", 10.0)),
+        internal_token=env.get(TOKEN_ENV) or None,
     )
 
 

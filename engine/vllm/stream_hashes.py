@@ -28,6 +28,7 @@ from typing import Any
 
 import httpx
 
+from agentserving.core.internal_auth import TOKEN_ENV, auth_headers
 from agentserving.core.logging import get_logger
 
 log = get_logger(__name__)
@@ -88,9 +89,10 @@ class SseRewriter:
 
 class ChunkHashesMiddleware:
     def __init__(self, app: ASGIApp, memory_url: str | None = None,
-                 timeout_s: float = 2.0) -> None:
+                 timeout_s: float = 2.0, token: str | None = None) -> None:
         self.app = app
         self.memory_url = (memory_url or os.environ.get(MEMORY_URL_ENV) or "").rstrip("/")
+        self.token = token or os.environ.get(TOKEN_ENV) or None  # the pod's memory API's
         self.timeout_s = timeout_s
         self._client: httpx.AsyncClient | None = None
 
@@ -131,7 +133,8 @@ class ChunkHashesMiddleware:
         if not response_id:
             return None
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.timeout_s)
+            self._client = httpx.AsyncClient(timeout=self.timeout_s,
+                                             headers=auth_headers(self.token))
         for rid in candidate_ids(response_id):
             try:
                 r = await self._client.get(

@@ -22,6 +22,7 @@ from .common import (
     selector_string,
 )
 from .config import build_config, wants_config
+from .credentials import derive_token, internal_secret_name, with_internal_token
 from .engines import ENGINES, WorkerContext, validate_engine
 from .pools import build_pool, build_pool_service, validate_pool
 from .services import (
@@ -35,8 +36,8 @@ from .services import (
 
 __all__ = [
     "ENGINES", "KIND", "MANAGED_KINDS", "POOLS", "Instance", "SpecError", "WorkerContext",
-    "build_children", "endpoint", "kvindex_service_url", "selector_string", "worker_image",
-    "workloads",
+    "build_children", "derive_token", "endpoint", "internal_secret_name",
+    "kvindex_service_url", "selector_string", "worker_image", "workloads",
 ]
 
 # (apiVersion, kind) of everything build_children may return; the reconciler prunes these.
@@ -76,7 +77,10 @@ def workloads(inst: Instance) -> dict[str, tuple[str, str]]:
 
 def build_children(inst: Instance, settings: OperatorSettings) -> list[dict[str, Any]]:
     """Every child object of one AgentServing resource. Raises SpecError for a spec that
-    the schema admits but that cannot be served (e.g. two in-memory kvindex replicas)."""
+    the schema admits but that cannot be served (e.g. two in-memory kvindex replicas).
+    With the operator's token key, the children include the resource's internal token
+    (``credentials``) and every AgentServing container reads it; without one, no component
+    checks credentials."""
     if inst.spec["engine"]["type"] not in ENGINES:
         raise SpecError("spec.engine.type", f"unknown engine {inst.spec['engine']['type']!r}")
     kvindex_url = kvindex_service_url(inst)
@@ -100,4 +104,7 @@ def build_children(inst: Instance, settings: OperatorSettings) -> list[dict[str,
         children += build_redis(inst, settings.redis_image)
     if wants_kvserver(inst):
         children += build_kvserver(inst, image)
-    return children
+    if not settings.token_key:
+        return children
+    token = derive_token(settings.token_key, inst.namespace, inst.name, inst.uid)
+    return with_internal_token(inst, token, children)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from agentserving.core.argv import settings_argv
 from agentserving.core.hashing import DEFAULT_CHUNK_SIZE, ENGINE_HASH_SCHEMES, HashScheme
+from agentserving.core.internal_auth import TOKEN_ENV
 from agentserving.core.ports import bindable, pickable_ports
 from agentserving.engine.cli import command as worker_command
 from agentserving.engine.settings import WorkerSettings
@@ -94,6 +95,8 @@ class FleetSpec:
     proxy_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     worker_env: dict[str, str] = field(default_factory=dict)
+    # core.internal_auth: every process gets it (the kvindex and the memory APIs require it)
+    internal_token: str | None = field(default=None, repr=False)
     startup_timeout_s: float = 180.0
     # argv that replaces `agentserving worker` (tests run a stand-in with the same flags)
     worker_command: list[str] | None = None
@@ -101,6 +104,11 @@ class FleetSpec:
     @property
     def num_workers(self) -> int:
         return self.prefill + self.decode + self.both
+
+
+def process_env(spec: FleetSpec) -> dict[str, str]:
+    """The environment every process of the fleet adds to its parent's."""
+    return {**spec.env, **({TOKEN_ENV: spec.internal_token} if spec.internal_token else {})}
 
 
 def kv_events_dir(run_dir: Path) -> Path:
@@ -132,7 +140,7 @@ def _registrar(spec: FleetSpec, name: str, role: str, url: str, kv_url: str) -> 
     """Keeps a plain vLLM worker registered with the kvindex (it has no connector to do it),
     under vLLM's own block hashes: its residency is its KV event stream."""
     return ProcessSpec(
-        name=f"{name}-registrar", role="registrar", env=dict(spec.env), startup_timeout_s=30.0,
+        name=f"{name}-registrar", role="registrar", env=process_env(spec), startup_timeout_s=30.0,
         argv=[sys.executable, "-m", "agentserving.engine.vllm.registrar", "--kvindex", kv_url,
               "--pod", name, "--memory-api-url", url, "--api-url", url, "--role", role,
               "--model", spec.model, "--hash-scheme", HashScheme.VLLM_SHA256.value,
@@ -152,7 +160,7 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
     events = {name: f"ipc://{kv_events_dir(run_dir) / name}.sock"
               for _, name in workers} if spec.kv_events else {}
     out.append(ProcessSpec(
-        name="kvindex", role="kvindex", url=kv_url, env=dict(spec.env),
+        name="kvindex", role="kvindex", url=kv_url, env=process_env(spec),
         argv=[*cmd, "kvindex", *settings_argv(kvindex_command, KvindexSettings, {
             "host": LOOPBACK, "port": kv_port, "store": spec.kvindex}),
               *(f"--vllm-events={name}={ep}" for name, ep in events.items())],
@@ -165,7 +173,7 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
 
         server_port = ports.one()
         out.append(ProcessSpec(
-            name="kvserver", role="kvserver", env=dict(spec.env), startup_timeout_s=60.0,
+            name="kvserver", role="kvserver", env=process_env(spec), startup_timeout_s=60.0,
             argv=lmcache_server_argv(LOOPBACK, server_port)))
         common["kv_transfer_url"] = f"lm://{LOOPBACK}:{server_port}"
     prefill_urls: list[str] = []
@@ -184,7 +192,7 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
         argv = [*(spec.worker_command or [*cmd, "worker"]),
                 *settings_argv(worker_command, WorkerSettings, values),
                 *spec.worker_args, *spec.role_args.get(role, [])]
-        env = {**spec.env, **spec.worker_env}
+        env = {**process_env(spec), **spec.worker_env}
         if spec.engine == "vllm":  # vLLM binds its worker to core 0 unless told: spread them
             env.setdefault("VLLM_CPU_OMP_THREADS_BIND",
                            str((len(prefill_urls) + len(decode_urls)) % (os.cpu_count() or 1)))
@@ -210,7 +218,7 @@ def proxy_spec(spec: FleetSpec, port: int, kv_url: str, prefill_urls: list[str],
         "chunk_size": spec.chunk_size, "prefill_urls": prefill_urls,
         "decode_urls": decode_urls}), *spec.proxy_args]
     return ProcessSpec(name="proxy", role="proxy", url=f"http://{LOOPBACK}:{port}",
-                       argv=argv, env=dict(spec.env), startup_timeout_s=60.0)
+                       argv=argv, env=process_env(spec), startup_timeout_s=60.0)
 
 
 def same_pods(a: FleetSpec, b: FleetSpec) -> bool:

@@ -10,11 +10,13 @@ import httpx
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from agentserving.core.internal_auth import auth_headers
 from agentserving.core.service import (
     ApiError,
     error_responses,
     install_error_handlers,
     install_health_route,
+    install_internal_auth,
     install_metrics_route,
 )
 from agentserving.kvindex.controllers.reaper import expire_sessions_forever, reap_forever
@@ -42,7 +44,7 @@ def create_app(settings: KvindexSettings, index: Index | None = None,
             settings=settings,
             index=Instrumented(index, index_metrics, store_kind),  # type: ignore[arg-type]
             sessions=Instrumented(session_store, index_metrics, store_kind),  # type: ignore[arg-type]
-            http=httpx.AsyncClient(),
+            http=httpx.AsyncClient(headers=auth_headers(settings.internal_token)),
             registry=registry,
             metrics=ServiceMetrics(registry),
         )
@@ -78,6 +80,7 @@ def create_app(settings: KvindexSettings, index: Index | None = None,
         lifespan=lifespan,
     )
     install_error_handlers(app, max_body_bytes=settings.max_body_bytes)
+    install_internal_auth(app, settings.internal_token)
     install_metrics_route(app, registry)
     install_health_route(app)
 

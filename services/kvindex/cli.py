@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from agentserving.core.cli import option, settings_option
+from agentserving.core.internal_auth import TOKEN_ENV, TOKEN_HELP
 from agentserving.kvindex.settings import KvindexSettings
 
 setting = settings_option(KvindexSettings)
@@ -46,6 +47,7 @@ def _parse_pairs(values: tuple[str, ...], flag: str, form: str) -> dict[str, str
          help="Where LMCache workers' requests (DEALER) connect; default PORT+1.")
 @option("--lmcache-instance", multiple=True, metavar="INSTANCE=POD",
         help="Name the pod of an LMCache instance id (default: the id itself); repeatable.")
+@setting("--internal-token", envvar=TOKEN_ENV, metavar="TOKEN", help=TOKEN_HELP)
 @setting("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
          help="Log level.")
 @setting("--log-json/--log-console", help="JSON log lines, or readable ones.")

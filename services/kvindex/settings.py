@@ -33,6 +33,9 @@ class KvindexSettings(BaseModel):
     lmcache_instance_pods: dict[str, str] = Field(
         default_factory=dict, description="LMCache instance id -> pod name (default: same)"
     )
+    internal_token: str | None = Field(
+        default=None, repr=False, description="core.internal_auth: required on every /v1 "
+        "route, sent to the pods' memory APIs.")
     log_level: str = "info"
     log_json: bool = True
 

@@ -45,12 +45,14 @@ _EXTENSION_FIELDS = ("agent_memory",)
 def create_app(settings: ProxySettings) -> FastAPI:
     registry = CollectorRegistry()
     metrics = ProxyMetrics(registry)
-    keys = ApiKeys.load(settings.api_keys_file) if settings.api_keys_file else None
+    keys = (ApiKeys.load(settings.api_keys_file, settings.salt_secret)
+            if settings.api_keys_file else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         http = new_session(settings.upstream_timeout_s, settings.upstream_connect_timeout_s)
-        kvindex = (AioKvindexClient(settings.kvindex_url, settings.kvindex_timeout_s)
+        kvindex = (AioKvindexClient(settings.kvindex_url, settings.kvindex_timeout_s,
+                                    token=settings.internal_token)
                    if settings.kvindex_url else None)
         pool = PodPool(settings.prefill_urls, settings.decode_urls, kvindex)
         await pool.refresh()

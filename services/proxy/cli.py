@@ -8,6 +8,7 @@ import click
 
 from agentserving.core.cli import settings_option
 from agentserving.core.hashing import HashScheme
+from agentserving.core.internal_auth import TOKEN_ENV, TOKEN_HELP
 from agentserving.proxy.settings import ProxySettings, RoutingName
 
 setting = settings_option(ProxySettings)
@@ -29,6 +30,11 @@ setting = settings_option(ProxySettings)
                                                          path_type=Path),
          help='JSON {"keys": [{"key", "tenant", "cache_salt"?}]}; when set, Bearer keys are '
               "required and each tenant's chunks are salted apart.")
+@setting("--salt-secret", metavar="SECRET",
+         help="Secret under which each tenant's default cache_salt is derived (an HMAC of the "
+              "tenant's name); unset: a digest of every key in --api-keys. Keep it stable: a "
+              "new secret makes every tenant's cached KV unreachable (recomputed, never mixed).")
+@setting("--internal-token", envvar=TOKEN_ENV, metavar="TOKEN", help=TOKEN_HELP)
 @setting("--discovery-interval", "discovery_interval_s", type=click.FloatRange(min=0.05),
          help="Seconds between kvindex pod-registry refreshes.")
 @setting("--kvindex-timeout", "kvindex_timeout_s", type=click.FloatRange(min=0.01),

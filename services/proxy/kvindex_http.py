@@ -23,6 +23,7 @@ import aiohttp
 from pydantic import BaseModel
 
 from agentserving.core.clients import KvindexClient, M, ServiceUnavailable, answer
+from agentserving.core.internal_auth import auth_headers
 
 _JSON = {"content-type": "application/json"}
 
@@ -30,16 +31,20 @@ _JSON = {"content-type": "application/json"}
 class AioKvindexClient(KvindexClient):
     """``KvindexClient`` on one pooled aiohttp session (create it inside the event loop)."""
 
-    def __init__(self, base_url: str, timeout_s: float = 2.0, max_connections: int = 100
-                 ) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 2.0, max_connections: int = 100,
+                 *, token: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
+        self._headers: dict[str, str] = {}  # per call (for_tenant); the token is the session's
+        self._owns_client = True
         self._session = aiohttp.ClientSession(
+            headers=auth_headers(token),
             timeout=aiohttp.ClientTimeout(total=None, connect=timeout_s,
                                           sock_connect=timeout_s, sock_read=timeout_s),
             connector=aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=60))
 
     async def aclose(self) -> None:
-        await self._session.close()
+        if self._owns_client:
+            await self._session.close()
 
     async def _call(self, method: str, path: str, body: BaseModel | None,
                     model: type[M] | None) -> Any:
@@ -47,7 +52,8 @@ class AioKvindexClient(KvindexClient):
             async with self._session.request(
                     method, self.base_url + path,
                     data=body.model_dump_json(exclude_none=True) if body is not None else None,
-                    headers=_JSON if body is not None else None) as resp:
+                    headers={**self._headers, **_JSON} if body is not None
+                    else self._headers) as resp:
                 status, content = resp.status, await resp.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ServiceUnavailable(f"{method} {self.base_url}{path}: {exc!r}") from exc

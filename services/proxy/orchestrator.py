@@ -134,8 +134,8 @@ class Orchestrator:
         if turn.parent_session_id and state.turns == 0:
             await self._fork(turn, state)
         if turn.memory and self.kvindex and turn.session_id:
-            await memory_hooks.before_turn(self.kvindex, turn.session_id, turn.memory,
-                                           self._record_hook)
+            await memory_hooks.before_turn(self.kvindex.for_tenant(turn.tenant),
+                                           turn.session_id, turn.memory, self._record_hook)
         routed = await self._route(turn, state)
         attempts = self._attempts(routed.prefill, routed.decode,
                                   await self._local_pod(turn, state, routed))
@@ -493,7 +493,8 @@ class Orchestrator:
         state.prefetch_fired_at = None
         if turn.session_id and self.kvindex is not None:
             if turn.memory:
-                self._spawn(memory_hooks.after_turn(self.kvindex, turn.session_id, turn.memory,
+                self._spawn(memory_hooks.after_turn(self.kvindex.for_tenant(turn.tenant),
+                                                    turn.session_id, turn.memory,
                                                     outcome.chunk_hashes, self._record_hook))
             if state.pending_tool is not None or outcome.finish_reason == "tool_calls":
                 self._schedule_tool_prefetch(turn, state)
@@ -551,7 +552,8 @@ class Orchestrator:
             state.prompt_tokens, state.prompt_chars = parent.prompt_tokens, parent.prompt_chars
         if self.kvindex is not None and turn.session_id:
             try:
-                await self.kvindex.fork(turn.parent_session_id, turn.session_id)
+                await self.kvindex.for_tenant(turn.tenant).fork(turn.parent_session_id,
+                                                               turn.session_id)
                 self._record_hook("fork", True)
             except (ServiceUnavailable, RequestRejected):
                 self._record_hook("fork", False)

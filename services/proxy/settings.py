@@ -24,6 +24,8 @@ class ProxySettings(BaseModel):
     decode_urls: list[str] = Field(default_factory=list)
     routing: RoutingName = RoutingName.KV_AWARE
     api_keys_file: Path | None = None
+    salt_secret: str | None = Field(default=None, repr=False)
+    internal_token: str | None = Field(default=None, repr=False)
     discovery_interval_s: float = Field(default=2.0, gt=0)
     kvindex_timeout_s: float = Field(default=0.5, gt=0)
     upstream_connect_timeout_s: float = Field(default=2.0, gt=0)

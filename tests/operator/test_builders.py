@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -49,6 +50,33 @@ def test_every_child_is_owned_and_labelled(settings):
             "uid": "uid-1234", "controller": True, "blockOwnerDeletion": True}]
         assert meta["labels"]["app.kubernetes.io/instance"] == "demo"
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "agentserving-operator"
+
+
+def test_the_token_reaches_agentservings_containers_only_and_a_users_variable_wins(settings):
+    spec = {"model": {"name": "tiny"}, "kvindex": {"redis": {"inCluster": True}},
+            "engine": {"env": [{"name": "AGENTSERVING_INTERNAL_TOKEN", "value": "mine"}]}}
+    kids = by_key(build_children(make_instance(spec),
+                                 dataclasses.replace(settings, token_key="k")))
+
+    def token_vars(kind, name):  # type: ignore[no-untyped-def]
+        pod = kids[(kind, name)]["spec"]["template"]["spec"]
+        return [[e for e in c.get("env", []) if e["name"] == "AGENTSERVING_INTERNAL_TOKEN"]
+                for c in pod["containers"]]
+
+    from_secret = {"name": "AGENTSERVING_INTERNAL_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": "demo-internal", "key": "token"}}}
+    for kind, name in (("Deployment", "demo-kvindex"), ("Deployment", "demo-proxy")):
+        assert token_vars(kind, name) == [[from_secret]], name
+    # the user's own value comes after, so Kubernetes gives the container the user's
+    assert token_vars("StatefulSet", "demo-decode") == [
+        [from_secret, {"name": "AGENTSERVING_INTERNAL_TOKEN", "value": "mine"}]]
+    assert token_vars("Deployment", "demo-redis") == [[]]
+    assert ("Secret", "demo-internal") in kids
+    # no token key: no Secret, no variable (nothing checks credentials)
+    plain = build_children(make_instance(spec), settings)
+    assert not any(c["kind"] == "Secret" for c in plain)
+    assert "AGENTSERVING_INTERNAL_TOKEN" not in json.dumps(
+        by_key(plain)[("Deployment", "demo-kvindex")])
 
 
 def test_reference_worker_command_line_follows_the_contract(settings):

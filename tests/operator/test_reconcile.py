@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import base64
 import copy
+import dataclasses
 
 import pytest
 from kubernetes.client.exceptions import ApiException
 
 from agentserving.operator import reconcile
-from agentserving.operator.builders import SpecError
+from agentserving.operator.builders import SpecError, derive_token
 
 from .operator_testing import defaulted
 
@@ -81,6 +83,34 @@ def test_reconcile_prunes_what_the_spec_no_longer_wants(settings):
     assert ("Deployment", "ns1", "demo-redis") not in kube.objects
     assert "redis" not in status
     assert kube.status_writes[-1][0]["redis"] is None  # removed from the stored status
+
+
+def test_the_internal_token_is_a_child_the_same_on_every_pass(settings):
+    """With the operator's token key, each resource gets its token's Secret; the token is
+    derived, so a second pass (or a restarted operator) writes the same one, and the
+    finalizer can derive it without reading any Secret."""
+    keyed = dataclasses.replace(settings, token_key="operator-key")
+    kube = FakeKube()
+    kube.resource = body({"model": {"name": "tiny"}})
+    reconcile.reconcile(kube, keyed, kube.resource)
+    assert len(kube.objects) == 9  # and the Secret
+    secret = kube.objects[("Secret", "ns1", "demo-internal")]
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert token == derive_token("operator-key", "ns1", "demo", "uid-1") and len(token) >= 32
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"  # goes with the resource
+    reconcile.reconcile(kube, keyed, kube.resource)
+    assert kube.objects[("Secret", "ns1", "demo-internal")]["data"] == secret["data"]
+    for kind, name in (("StatefulSet", "demo-prefill"), ("StatefulSet", "demo-decode"),
+                       ("Deployment", "demo-kvindex"), ("Deployment", "demo-proxy")):
+        container = kube.objects[(kind, "ns1", name)]["spec"]["template"]["spec"][
+            "containers"][0]
+        assert {"name": "AGENTSERVING_INTERNAL_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": "demo-internal", "key": "token"}}} in container["env"], name
+    # another key, another resource (or the same name made again: another uid): other tokens
+    assert len({derive_token("operator-key", "ns1", "demo", "uid-1"),
+                derive_token("other-key", "ns1", "demo", "uid-1"),
+                derive_token("operator-key", "ns1", "demo", "uid-2"),
+                derive_token("operator-key", "ns2", "demo", "uid-1")}) == 4
 
 
 def test_prune_spares_objects_owned_by_someone_else(settings):

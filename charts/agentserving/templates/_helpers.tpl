@@ -29,3 +29,8 @@ app.kubernetes.io/component: operator
 {{- default "default" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The Secret holding the operator's token key (internalAuth). */}}
+{{- define "agentserving.tokenKeySecret" -}}
+{{- .Values.internalAuth.existingSecret | default (printf "%s-token-key" (include "agentserving.fullname" .)) }}
+{{- end }}

@@ -17,6 +17,7 @@ from agentserving.kvindex.controllers.fanout import (
     tiers_for_locations,
 )
 from agentserving.kvindex.http_apis.deps import KvindexState, guarded, state
+from agentserving.kvindex.http_apis.scope import SessionScope, session_scope
 from agentserving.kvindex.http_apis.validation import check_chain_size
 from agentserving.kvindex.index.base import eviction_priority, protected_chunks
 
@@ -72,7 +73,8 @@ async def fan_out_evict(st: KvindexState, chunk_hashes: list[str], protected: se
              responses=error_responses(400, 404, 413),
              summary="Ask the holders of these chunks to drop them (named tiers, or all); "
                      "chunks live sessions pin or hold at this priority or above are kept.")
-async def evict(req: EvictRequest, st: KvindexState = Depends(state)) -> FanoutResponse:
+async def evict(req: EvictRequest, st: KvindexState = Depends(state),
+                scope: SessionScope = Depends(session_scope)) -> FanoutResponse:
     check_chain_size(req.chunk_hashes, st.settings.max_batch_chunks)
     try:
         tiers = tiers_for_locations(req.locations)
@@ -82,10 +84,11 @@ async def evict(req: EvictRequest, st: KvindexState = Depends(state)) -> FanoutR
     _check_pod(req.pod, pods)
     protected: set[str] = set()
     if not req.force:
-        refs = await guarded(st, st.sessions.references(req.chunk_hashes, also=req.session_id))
-        asker = refs.sessions.get(req.session_id) if req.session_id is not None else None
+        sid = scope.key(req.session_id) if req.session_id is not None else None
+        refs = await guarded(st, st.sessions.references(req.chunk_hashes, also=sid))
+        asker = refs.sessions.get(sid) if sid is not None else None
         protected = protected_chunks(
-            refs, asker=req.session_id,
+            refs, asker=sid,
             priority=eviction_priority(req.priority, asker, refs.now))
     return await fan_out_evict(st, req.chunk_hashes, protected, locations=req.locations,
                                tiers=tiers, pod=req.pod, pods=pods)

@@ -4,6 +4,7 @@ And their lifecycle, the programmable-KV verbs: pin (retain the session's chunks
 predicted tool gap, lapsing by itself), release, an eviction priority, and close (the final
 turn: the session's chunks leave every tier of every pod, except those another live session
 still references). Every write restarts the session's idle TTL (``--session-idle-ttl``).
+Sessions are the caller's tenant's (``scope``): every route keys the store by the scoped id.
 """
 
 from __future__ import annotations
@@ -21,25 +22,29 @@ from agentserving.core.schemas import (
 from agentserving.core.service import ApiError, error_responses
 from agentserving.kvindex.http_apis.control import fan_out_evict
 from agentserving.kvindex.http_apis.deps import KvindexState, guarded, state
+from agentserving.kvindex.http_apis.scope import SessionScope, session_scope
 from agentserving.kvindex.http_apis.validation import check_chain_size
 from agentserving.kvindex.index.base import protected_chunks
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"],
                    responses=error_responses(503))
+Scope = Depends(session_scope)
 
 
 @router.get("/{session_id}", response_model=SessionInfo, responses=error_responses(404),
             summary="A live session: its intents, priority, pin and expiry.")
-async def get_session(session_id: str, st: KvindexState = Depends(state)) -> SessionInfo:
-    return await guarded(st, st.sessions.get_session(session_id))
+async def get_session(session_id: str, st: KvindexState = Depends(state),
+                      scope: SessionScope = Scope) -> SessionInfo:
+    return scope.shown(await guarded(st, st.sessions.get_session(scope.key(session_id))))
 
 
 @router.delete("/{session_id}", response_model=SessionClosed, responses=error_responses(404),
                summary="Close a session: its references are released and its chunks evicted "
                        "from every tier of the pods holding them, except those another live "
                        "session references.")
-async def close_session(session_id: str, st: KvindexState = Depends(state)) -> SessionClosed:
-    chunks = await guarded(st, st.sessions.close_session(session_id))
+async def close_session(session_id: str, st: KvindexState = Depends(state),
+                        scope: SessionScope = Scope) -> SessionClosed:
+    chunks = await guarded(st, st.sessions.close_session(scope.key(session_id)))
     if chunks is None:
         raise ApiError(404, f"unknown session '{session_id}'", param="session_id",
                        type="not_found_error")
@@ -54,18 +59,20 @@ async def close_session(session_id: str, st: KvindexState = Depends(state)) -> S
             responses=error_responses(413),
             summary="Set the chunks an intent reuses (creates the session if new).")
 async def put_intent(session_id: str, intent: str, body: IntentChunks,
-                     st: KvindexState = Depends(state)) -> SessionInfo:
+                     st: KvindexState = Depends(state),
+                     scope: SessionScope = Scope) -> SessionInfo:
     check_chain_size(body.chunk_hashes, st.settings.max_batch_chunks)
-    return await guarded(st, st.sessions.put_intent(session_id, intent, body.chunk_hashes,
-                                                    st.settings.idle_ttl_s))
+    return scope.shown(await guarded(st, st.sessions.put_intent(
+        scope.key(session_id), intent, body.chunk_hashes, st.settings.idle_ttl_s)))
 
 
 @router.get("/{session_id}/intents/{intent}", response_model=IntentChunks,
             responses=error_responses(404),
             summary="The chunks an intent reuses.")
 async def get_intent(session_id: str, intent: str,
-                     st: KvindexState = Depends(state)) -> IntentChunks:
-    chunks = await guarded(st, st.sessions.get_intent(session_id, intent))
+                     st: KvindexState = Depends(state),
+                     scope: SessionScope = Scope) -> IntentChunks:
+    chunks = await guarded(st, st.sessions.get_intent(scope.key(session_id), intent))
     return IntentChunks(chunk_hashes=chunks)
 
 
@@ -73,33 +80,40 @@ async def get_intent(session_id: str, intent: str,
                responses=error_responses(404),
                summary="Forget an intent; its chunk references are released.")
 async def delete_intent(session_id: str, intent: str,
-                        st: KvindexState = Depends(state)) -> SessionInfo:
-    return await guarded(st, st.sessions.delete_intent(session_id, intent,
-                                                       st.settings.idle_ttl_s))
+                        st: KvindexState = Depends(state),
+                        scope: SessionScope = Scope) -> SessionInfo:
+    return scope.shown(await guarded(st, st.sessions.delete_intent(
+        scope.key(session_id), intent, st.settings.idle_ttl_s)))
 
 
 @router.post("/{session_id}/fork", response_model=SessionInfo, status_code=201,
              responses=error_responses(404, 409, 413),
              summary="Start a child session sharing the parent's chunks copy-on-write.")
 async def fork(session_id: str, body: ForkRequest,
-               st: KvindexState = Depends(state)) -> SessionInfo:
-    return await guarded(st, st.sessions.fork(session_id, body.child, st.settings.idle_ttl_s))
+               st: KvindexState = Depends(state),
+               scope: SessionScope = Scope) -> SessionInfo:
+    return scope.shown(await guarded(st, st.sessions.fork(
+        scope.key(session_id), scope.key(body.child), st.settings.idle_ttl_s)))
 
 
 @router.post("/{session_id}/pin", response_model=SessionInfo, responses=error_responses(404),
              summary="Pin (retain) the session's chunks for ttl_s seconds: no other session's "
                      "evict takes them, at any priority, until the pin lapses or is released.")
 async def pin(session_id: str, body: PinRequest,
-              st: KvindexState = Depends(state)) -> SessionInfo:
-    return await guarded(st, st.sessions.pin(session_id, body.ttl_s, st.settings.idle_ttl_s))
+              st: KvindexState = Depends(state),
+              scope: SessionScope = Scope) -> SessionInfo:
+    return scope.shown(await guarded(st, st.sessions.pin(
+        scope.key(session_id), body.ttl_s, st.settings.idle_ttl_s)))
 
 
 @router.post("/{session_id}/release", response_model=SessionInfo,
              responses=error_responses(404),
              summary="Drop the session's pin now (its references still protect at its "
                      "priority).")
-async def release(session_id: str, st: KvindexState = Depends(state)) -> SessionInfo:
-    return await guarded(st, st.sessions.release(session_id, st.settings.idle_ttl_s))
+async def release(session_id: str, st: KvindexState = Depends(state),
+                  scope: SessionScope = Scope) -> SessionInfo:
+    return scope.shown(await guarded(st, st.sessions.release(scope.key(session_id),
+                                                              st.settings.idle_ttl_s)))
 
 
 @router.put("/{session_id}/priority", response_model=SessionInfo,
@@ -107,6 +121,7 @@ async def release(session_id: str, st: KvindexState = Depends(state)) -> Session
             summary="Set the session's eviction priority: an evict at or below it keeps "
                     "the session's chunks, one above it may take them.")
 async def set_priority(session_id: str, body: PriorityRequest,
-                       st: KvindexState = Depends(state)) -> SessionInfo:
-    return await guarded(st, st.sessions.set_priority(session_id, body.priority,
-                                                      st.settings.idle_ttl_s))
+                       st: KvindexState = Depends(state),
+                       scope: SessionScope = Scope) -> SessionInfo:
+    return scope.shown(await guarded(st, st.sessions.set_priority(
+        scope.key(session_id), body.priority, st.settings.idle_ttl_s)))

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from agentserving.core.schemas import PodPrefix
-from agentserving.proxy.auth import ApiKeys, KeyEntry
+from agentserving.proxy.auth import ApiKeys, KeyEntry, tenant_salt
 from agentserving.proxy.routing import (
     Candidate,
     KvAware,
@@ -107,9 +107,29 @@ def test_api_keys(tmp_path):
                                           "cache_salt": "s3cret"}]}))
     keys = ApiKeys.load(path)
     assert keys.authenticate("Bearer sk-acme-123456").tenant == "acme"
-    assert keys.authenticate("Bearer sk-acme-123456").cache_salt == "tenant:acme"
     assert keys.authenticate("bearer sk-beta-123456").cache_salt == "s3cret"
     assert keys.authenticate("Bearer nope-nope-nope") is None
     assert keys.authenticate(None) is None
     with pytest.raises(ValueError):
         KeyEntry(key="short", tenant="x")
+
+
+def test_default_tenant_salts_need_a_secret_no_tenant_holds():
+    """A salt a tenant can compute lets it rebuild another's chunk hashes and probe them."""
+    acme = KeyEntry(key="sk-acme-123456", tenant="acme")
+    beta = KeyEntry(key="sk-beta-123456", tenant="beta")
+
+    def salt(entries, tenant_key, secret=None):  # type: ignore[no-untyped-def]
+        return ApiKeys(entries, secret).authenticate(f"Bearer {tenant_key}").cache_salt
+
+    no_secret = salt([acme, beta], acme.key)
+    assert no_secret not in ("tenant:acme", "acme") and "acme" not in no_secret.split(":", 1)[1]
+    assert no_secret != salt([acme, beta], beta.key)  # tenants apart
+    # without --salt-secret it rests on every key: acme alone (knowing only its own) gets
+    # another salt than the deployment's
+    assert salt([acme], acme.key) != no_secret
+    # with one, it is the secret's alone: stable across key rotation, new with a new secret
+    rotated = KeyEntry(key="sk-acme-rotated", tenant="acme")
+    assert salt([acme, beta], acme.key, "s1") == salt([rotated, beta], rotated.key, "s1")
+    assert salt([acme, beta], acme.key, "s1") != salt([acme, beta], acme.key, "s2")
+    assert salt([acme, beta], acme.key, "s1") == tenant_salt(b"s1", "acme")

@@ -8,13 +8,8 @@ import pytest
 
 from agentserving.core.schemas import TENANT_HEADER
 
-from .test_lifecycle import CHAIN, clock, evicted, kvindex, ok, pod_holding, put  # noqa: F401
-
-
-@pytest.fixture
-def client(store, clock):  # type: ignore[no-untyped-def]
-    with kvindex(store, clock, session_idle_ttl_s=600) as c:
-        yield c
+from .test_lifecycle import CHAIN, evicted, ok, pod_holding, put
+from .test_lifecycle import client, clock  # noqa: F401  (fixtures)
 
 A = {TENANT_HEADER: "acme"}
 B = {TENANT_HEADER: "beta"}

@@ -40,6 +40,7 @@ from agentserving.core.schemas import (
     PriorityRequest,
     SessionClosed,
     SessionInfo,
+    SessionRoute,
 )
 
 M = TypeVar("M", bound=BaseModel)
@@ -178,6 +179,12 @@ class KvindexClient(_JsonClient):
     async def set_priority(self, session_id: str, priority: int) -> SessionInfo:
         return await self._call("PUT", f"/v1/sessions/{session_id}/priority",
                                 PriorityRequest(priority=priority), SessionInfo)
+
+    async def put_route(self, session_id: str, route: SessionRoute) -> SessionRoute:
+        return await self._call("PUT", f"/v1/sessions/{session_id}/route", route, SessionRoute)
+
+    async def get_route(self, session_id: str) -> SessionRoute:
+        return await self._call("GET", f"/v1/sessions/{session_id}/route", None, SessionRoute)
 
     async def fork(self, session_id: str, child: str) -> SessionInfo:
         return await self._call("POST", f"/v1/sessions/{session_id}/fork",

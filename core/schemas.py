@@ -374,6 +374,22 @@ class SessionInfo(BaseModel):
         "protecting, then it is reaped); a pin extends it. Null: never.")
 
 
+class SessionRoute(Strict):
+    """What the proxy keeps of a session's last turn to route its next: shared by every proxy
+    replica through the kvindex (``proxy --shared-sessions``), so any replica routes a turn
+    as the one that served the session's last, and a restarted proxy forgets nothing."""
+    turns: NonNegWireInt = Field(description="Turns served; a replica adopts a record with "
+                                 "more turns than it has seen.")
+    chunk_hashes: list[ChunkHash] = Field(default_factory=list,
+                                          description="The last turn's chunk hashes.")
+    last_pod: str | None = Field(default=None, max_length=253,
+                                 description="The pod that prefilled the last turn.")
+    last_decode_pod: str | None = Field(default=None, max_length=253,
+                                        description="The pod holding the session's context.")
+    prompt_tokens: NonNegWireInt | None = None
+    prompt_chars: NonNegWireInt | None = None
+
+
 class PinRequest(Strict):
     ttl_s: PinTtl = Field(description="Seconds to keep the session's chunks, e.g. the "
                           "predicted tool gap; the pin then lapses by itself.")

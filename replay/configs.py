@@ -49,11 +49,13 @@ VLLM_BLOCK_TOKENS = 128  # vLLM-CPU's KV block
 DEVICE_KV_BLOCKS = 64
 # agentserving's proxy on vLLM: a first turn that finds the prefill pod busy runs whole on the
 # least-loaded decode pod (E2E P95 4.6 s -> 3.1 s on bench-agent, req/s 2.51 -> 2.76, hit
-# unchanged; measured December 2026 with 128 device blocks); one that finds it idle while both
-# decode pods are busy runs whole there and stays (--prefill-hosts-sessions). Its worth is not
-# measured yet (an A/B is owed): it engaged in two of three runs (10 and 17 of 89 turns on the
-# prefill pod, December 2026, session 11; README)
-VLLM_PROXY_ARGS = ["--max-prefill-backlog", "1", "--prefill-hosts-sessions"]
+# unchanged; measured December 2026 with 128 device blocks). The prefill pod does not host
+# sessions (--prefill-hosts-sessions off): a hosted session's turns keep the prefill pod busy,
+# so every first turn meanwhile runs whole on a decode pod, where the appends of the sessions
+# living there queue behind it (session 14's first run: the prefill pod hosted one session
+# from 6.6 s to 11.4 s, five first turns went whole to the decode pods, and appends on decode-1
+# waited 4-5 s for their first token); session 12's A/B, two pairs: P95 4.3 s off, 5.3-5.9 s on.
+VLLM_PROXY_ARGS = ["--max-prefill-backlog", "1"]
 # The workload's pace per engine (--time-scale). On vLLM the bench replays bench-agent at twice
 # its own speed: at its own times agentserving finished 33-38 s after the start, of which the
 # arrivals took 23 s, so req/s measured the arrival times more than any configuration's capacity

@@ -239,6 +239,41 @@ def test_tool_gap_prefetch_is_warm_on_arrival(fleet):
     assert "proxy_tool_gap_prediction_error_seconds_count 1.0" in metrics
 
 
+def test_proxy_replicas_share_each_sessions_routing(fleet):
+    """Issue 18: a session's turns spread round-robin over three proxies with
+    --shared-sessions route turn for turn as one proxy routes them (P/D first, short appends
+    whole on the session's decode pod, a long append P/D again) with the same prefix hits, and
+    a proxy killed mid-session and started afresh routes its next turn as the others would.
+    The control: two plain proxies, whose second never saw the session, send the first short
+    append P/D (the very decision the shared record keeps)."""
+    shared = [fleet.start_proxy("--shared-sessions", name=f"proxy-shared-{i}")
+              for i in range(3)]
+    plain = [fleet.start_proxy(name=f"proxy-plain-{i}") for i in range(2)]
+
+    def run(proxies, sid: str, seed: int, restart_before: int | None = None):  # type: ignore[no-untyped-def]
+        prompt, out = prompt_for(seed, 600), []
+        for k, grow in enumerate((100, 100, 2200, 100, None)):
+            if k == restart_before:  # the replica that serves turn k dies and comes back
+                i = k % len(proxies)
+                proxies[i].kill()
+                proxies[i] = fleet.start_proxy("--shared-sessions", name=f"proxy-shared-r{i}")
+            resp, headers = turn(client(proxies[k % len(proxies)]), sid, prompt)
+            out.append((headers["x-agentserving-pd"], headers["x-agentserving-decode-pod"],
+                        resp.usage.prompt_tokens_details.cached_tokens))
+            if grow is not None:
+                prompt = prompt + list(range(100, 104)) + prompt_for(seed + 1 + k, grow)
+        return out
+
+    one = run([fleet.proxy_pd], "one-proxy", 90)
+    assert [pd for pd, _, _ in one] == ["disaggregated", "local", "local", "disaggregated",
+                                        "local"], one
+    assert run(shared, "three-proxies", 100, restart_before=4) == one
+    metrics = httpx.get(shared[1].url + "/metrics", timeout=5).text
+    assert 'proxy_shared_session_records_total{op="read",result="adopted"}' in metrics
+    control = run(plain, "two-plain-proxies", 110)
+    assert control[1][0] == "disaggregated" and control != one, control
+
+
 def test_tenants_never_share_prefixes(fleet, tmp_path):
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"keys": [{"key": "sk-tenant-a-0001", "tenant": "a"},

@@ -111,6 +111,8 @@ def proxy_argv(inst: Instance, kvindex_url: str) -> list[str]:
                               "chunk_size": inst.spec["kvCache"]["chunkSize"]}
     if proxy.get("localPrefillTokens") is not None:
         values["local_prefill_tokens"] = proxy["localPrefillTokens"]
+    if proxy["replicas"] > 1:  # a Service spreads a session's turns over the replicas
+        values["shared_sessions"] = True
     return _argv("proxy", proxy_command, ProxySettings, "spec.proxy", values)
 
 

@@ -62,7 +62,7 @@ def test_the_vllm_configurations_share_pods_and_device_kv(tmp_path):
                                                                  "longcap-dynamic"]
     assert "decode" not in cand.role_args  # the reference engine's decode-pod policy only
     # first turns may go local, and an idle prefill pod may keep a session
-    assert cand.proxy_args == ["--max-prefill-backlog", "1", "--prefill-hosts-sessions"]
+    assert cand.proxy_args == ["--max-prefill-backlog", "1"]
     precise = s["vllm-precise"]
     assert (precise.both, precise.routing, precise.kv_events) == (3, "kv-aware", True)
     assert precise.chunk_size == VLLM_BLOCK_TOKENS  # the proxy looks up vLLM's own blocks

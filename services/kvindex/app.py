@@ -33,7 +33,7 @@ def create_app(settings: KvindexSettings, index: Index | None = None,
     if index is None or session_store is None:
         from agentserving.kvindex.index.factory import new_index
 
-        index, session_store = new_index(settings.store)
+        index, session_store = new_index(settings.store, **settings.redis_options())
     registry = CollectorRegistry()
     store_kind = "memory" if settings.store == "memory" else "redis"
     index_metrics = IndexMetrics(registry)

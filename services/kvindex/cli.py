@@ -26,7 +26,13 @@ def _parse_pairs(values: tuple[str, ...], flag: str, form: str) -> dict[str, str
 @setting("--host", help="Address to bind (0.0.0.0 in a pod).")
 @setting("--port", type=click.IntRange(0, 65535), help="HTTP port.")
 @setting("--store",
-         help="'memory' (one process, lost on exit) or a Redis URL, e.g. redis://redis:6379/0.")
+         help="'memory' (one process, lost on exit), a Redis URL, e.g. redis://redis:6379/0, or "
+              "Redis behind Sentinel: redis+sentinel://s1:26379,s2:26379/mymaster/0 (the "
+              "master the sentinels name, followed through a failover).")
+@setting("--redis-min-acks", type=click.IntRange(min=0),
+         help="Replicas that must hold each write before the kvindex acknowledges it (Redis "
+              "WAIT), so a failover loses nothing acknowledged; fewer in time: 503 (callers "
+              "retry). Run one more replica than this. 0: the master's word is enough.")
 @setting("--lease-ttl", "lease_ttl_s", type=click.FloatRange(min=0.01),
          help="Seconds a pod stays registered without a heartbeat.")
 @setting("--reap-interval", "reap_interval_s", type=click.FloatRange(min=0.01),

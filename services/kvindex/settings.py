@@ -10,6 +10,9 @@ class KvindexSettings(BaseModel):
     host: str = "127.0.0.1"
     port: int = Field(default=8300, ge=0, le=65535)
     store: str = Field(default="memory", description="'memory' or a redis:// URL.")
+    redis_min_acks: int = Field(
+        default=0, ge=0, description="Redis replicas that must hold a write before the "
+        "kvindex acknowledges it (WAIT); 0: the master's word is enough.")
     lease_ttl_s: float = Field(default=15.0, gt=0)
     reap_interval_s: float = Field(default=1.0, gt=0)
     max_batch_chunks: int = Field(default=65536, gt=0)
@@ -43,3 +46,7 @@ class KvindexSettings(BaseModel):
     def idle_ttl_s(self) -> float | None:
         """The idle TTL as the session stores take it: None for never."""
         return self.session_idle_ttl_s or None
+
+    def redis_options(self) -> dict[str, int]:
+        """What the Redis backends take from these settings."""
+        return {"min_acks": self.redis_min_acks} if self.redis_min_acks else {}

@@ -65,6 +65,12 @@ setting = settings_option(ProxySettings)
          help="P/D: a prefill pod with nothing in flight, when every decode pod is busy, runs "
               "a first turn whole and becomes the session's own pod, its appends running there "
               "as on a decode pod: the prefill pool's idle time serves sessions too.")
+@setting("--shared-sessions/--no-shared-sessions",
+         help="Keep each session's routing record (its last turn's chunk hashes and pods) in "
+              "the kvindex too, so that every proxy replica behind a Service routes a "
+              "session's turns as one proxy would, and a restarted proxy forgets nothing: one "
+              "kvindex read before each turn of a session, one write after it. Needs "
+              "--kvindex; the operator sets it when proxy.replicas > 1.")
 @setting("--prefetch-lead", "prefetch_lead_s", type=click.FloatRange(min=0),
          help="Seconds before a tool call's predicted return to prefetch the session's KV.")
 @setting("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),

@@ -34,6 +34,11 @@ class ProxyMetrics:
         self.memory_hooks = Counter("proxy_memory_hook_calls_total",
                                     "agent_memory evict/prefetch/write-back calls.",
                                     ["op", "ok"], registry=registry)
+        self.shared_sessions = Counter(
+            "proxy_shared_session_records_total",
+            "--shared-sessions: records read before a turn (adopted: newer than this "
+            "replica's; current; missing) or written after it (written), or failed.",
+            ["op", "result"], registry=registry)
         self.tool_gap_error = Histogram("proxy_tool_gap_prediction_error_seconds",
                                         "|predicted - actual| tool-call gap.",
                                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30),

@@ -22,9 +22,20 @@ from typing import Any
 import aiohttp
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from agentserving.core.clients import KvindexClient, RequestRejected, ServiceUnavailable
+from agentserving.core.clients import (
+    KvindexClient,
+    NotFound,
+    RequestRejected,
+    ServiceUnavailable,
+)
 from agentserving.core.logging import get_logger
-from agentserving.core.schemas import LookupRequest, PodPrefix, PodRole, PrefetchRequest
+from agentserving.core.schemas import (
+    LookupRequest,
+    PodPrefix,
+    PodRole,
+    PrefetchRequest,
+    SessionRoute,
+)
 from agentserving.core.service import ApiError
 from agentserving.proxy import memory_hooks
 from agentserving.proxy.disagg import (
@@ -130,6 +141,7 @@ class Orchestrator:
     async def handle(self, turn: Turn) -> JSONResponse | StreamingResponse:
         state = self.sessions.get(turn.session_key) if turn.session_key else SessionState()
         self.metrics.sessions.set(len(self.sessions))
+        await self._adopt_shared_route(turn, state)
         self._on_arrival(turn, state)
         if turn.parent_session_id and state.turns == 0:
             await self._fork(turn, state)
@@ -486,6 +498,7 @@ class Orchestrator:
             state.chunk_hashes = outcome.chunk_hashes
         state.prompt_tokens = outcome.prompt_tokens
         state.prompt_chars = prompt_size(turn.endpoint, turn.body).chars
+        self._share_route(turn, state)
         state.last_turn_end = time.monotonic()
         tool = turn.next_tool or (outcome.tool_names[0] if outcome.tool_names else None)
         state.pending_tool = tool if (tool or outcome.finish_reason == "tool_calls") else None
@@ -557,6 +570,58 @@ class Orchestrator:
                 self._record_hook("fork", True)
             except (ServiceUnavailable, RequestRejected):
                 self._record_hook("fork", False)
+
+    # ------------------------------------------------------------------ shared sessions
+    def _shares(self, turn: Turn) -> KvindexClient | None:
+        """The kvindex client acting for the turn's tenant, when --shared-sessions keeps its
+        session's routing record there."""
+        if not self.settings.shared_sessions or self.kvindex is None or not turn.session_id:
+            return None
+        return self.kvindex.for_tenant(turn.tenant)
+
+    async def _adopt_shared_route(self, turn: Turn, state: SessionState) -> None:
+        """Take the kvindex's record of the session's last turn when it is newer than what
+        this replica saw (another replica served it, or this one restarted since). Without
+        it (kvindex down, never written) the turn routes on what this replica knows."""
+        kv = self._shares(turn)
+        if kv is None:
+            return
+        try:
+            route = await kv.get_route(turn.session_id)  # type: ignore[arg-type]
+        except NotFound:
+            self.metrics.shared_sessions.labels("read", "missing").inc()
+            return
+        except (ServiceUnavailable, RequestRejected) as exc:
+            self.metrics.shared_sessions.labels("read", "failed").inc()
+            log.warning("shared_session_read_failed", error=str(exc))
+            return
+        if route.turns <= state.turns:
+            self.metrics.shared_sessions.labels("read", "current").inc()
+            return
+        self.metrics.shared_sessions.labels("read", "adopted").inc()
+        state.turns, state.chunk_hashes = route.turns, list(route.chunk_hashes)
+        state.last_pod, state.last_decode_pod = route.last_pod, route.last_decode_pod
+        state.prompt_tokens, state.prompt_chars = route.prompt_tokens, route.prompt_chars
+
+    def _share_route(self, turn: Turn, state: SessionState) -> None:
+        """Write the session's routing record after its turn, in the background: the
+        session's next turn comes after this one's answer and the agent's tool call."""
+        kv = self._shares(turn)
+        if kv is None:
+            return
+        route = SessionRoute(turns=state.turns, chunk_hashes=state.chunk_hashes,
+                             last_pod=state.last_pod, last_decode_pod=state.last_decode_pod,
+                             prompt_tokens=state.prompt_tokens, prompt_chars=state.prompt_chars)
+
+        async def write() -> None:
+            try:
+                await kv.put_route(turn.session_id, route)  # type: ignore[arg-type]
+                self.metrics.shared_sessions.labels("write", "written").inc()
+            except (ServiceUnavailable, RequestRejected) as exc:
+                self.metrics.shared_sessions.labels("write", "failed").inc()
+                log.warning("shared_session_write_failed", error=str(exc))
+
+        self._spawn(write())
 
     def _record_hook(self, op: str, ok: bool) -> None:
         self.metrics.memory_hooks.labels(op, str(ok).lower()).inc()

@@ -51,6 +51,12 @@ class ProxySettings(BaseModel):
         default=False,
         description="A prefill pod with nothing in flight runs a first turn whole and keeps "
                     "the session (its appends run there) when every decode pod is busy.")
+    shared_sessions: bool = Field(
+        default=False,
+        description="Keep each session's routing record in the kvindex as well: every proxy "
+                    "replica routes any turn as the one that served the session's last, and a "
+                    "restarted proxy forgets nothing (one kvindex read before a turn, a write "
+                    "after it).")
     prefetch_lead_s: float = Field(default=0.5, ge=0)
     max_sessions: int = Field(default=100_000, gt=0)
     log_level: str = "info"

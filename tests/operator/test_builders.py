@@ -197,12 +197,14 @@ def test_proxy_and_kvindex_command_lines(settings):
     assert proxy["spec"]["replicas"] == 3
     assert proxy["spec"]["template"]["spec"]["containers"][0]["command"] == [
         "agentserving", "proxy", "--host", "0.0.0.0", "--port", "8080", "--kvindex",
-        "http://demo-kvindex.ns1.svc:8300", "--routing", "session", "--chunk-size", "256"]
+        "http://demo-kvindex.ns1.svc:8300", "--routing", "session", "--chunk-size", "256",
+        "--shared-sessions"]  # three replicas share each session's routing record
     assert children[("Service", "demo-proxy")]["spec"]["type"] == "LoadBalancer"
     spec["proxy"]["localPrefillTokens"] = 0  # always disaggregate
+    spec["proxy"]["replicas"] = 1  # one proxy: its own memory is the whole record
     command = by_key(build_children(make_instance(spec), settings))[
         ("Deployment", "demo-proxy")]["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert command[-2:] == ["--local-prefill-tokens", "0"]
+    assert command[-2:] == ["--local-prefill-tokens", "0"] and "--shared-sessions" not in command
     kvi = children[("Deployment", "demo-kvindex")]
     assert kvi["spec"]["template"]["spec"]["containers"][0]["command"] == [
         "agentserving", "kvindex", "--host", "0.0.0.0", "--port", "8300", "--store", "memory"]

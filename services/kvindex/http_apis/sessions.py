@@ -18,6 +18,7 @@ from agentserving.core.schemas import (
     PriorityRequest,
     SessionClosed,
     SessionInfo,
+    SessionRoute,
 )
 from agentserving.core.service import ApiError, error_responses
 from agentserving.kvindex.http_apis.control import fan_out_evict
@@ -125,3 +126,27 @@ async def set_priority(session_id: str, body: PriorityRequest,
                        scope: SessionScope = Scope) -> SessionInfo:
     return scope.shown(await guarded(st, st.sessions.set_priority(
         scope.key(session_id), body.priority, st.settings.idle_ttl_s)))
+
+
+@router.put("/{session_id}/route", response_model=SessionRoute,
+            responses=error_responses(413),
+            summary="Keep the proxy's routing record of a session (its last turn's chunks and "
+                    "pods) for every proxy replica; apart from the session: it creates none "
+                    "and protects no chunk. Lapses with --session-idle-ttl, goes with a close.")
+async def put_route(session_id: str, body: SessionRoute, st: KvindexState = Depends(state),
+                    scope: SessionScope = Scope) -> SessionRoute:
+    check_chain_size(body.chunk_hashes, st.settings.max_batch_chunks)
+    await guarded(st, st.sessions.put_route(scope.key(session_id), body.model_dump_json(),
+                                            st.settings.idle_ttl_s))
+    return body
+
+
+@router.get("/{session_id}/route", response_model=SessionRoute, responses=error_responses(404),
+            summary="The proxy's routing record of a session.")
+async def get_route(session_id: str, st: KvindexState = Depends(state),
+                    scope: SessionScope = Scope) -> SessionRoute:
+    route = await guarded(st, st.sessions.get_route(scope.key(session_id)))
+    if route is None:
+        raise ApiError(404, f"no routing record for session '{session_id}'",
+                       param="session_id", type="not_found_error")
+    return SessionRoute.model_validate_json(route)

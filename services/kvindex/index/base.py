@@ -13,6 +13,8 @@ Contract every backend honours (``tests/test_contract.py`` runs against each):
   ignored, a gap is applied but flags the pod ``needs_resync`` until a snapshot arrives.
 - ``lookup`` walks the chain in order and, for each live pod, counts how many leading chunks it
   holds (any tier) and which tier is the fastest for each of them.
+- A session's routing record (``put_route``) lives apart from the session, until its own TTL
+  or the session's close; it references no chunk.
 - A session lives until it is closed or until it expires idle: every write to it (intents,
   pin, release, priority) moves its expiry to ``session_expiry(now, idle_ttl_s, pin)``; an
   expired session is invisible to every read at once (its references stop protecting chunks),
@@ -297,6 +299,17 @@ class SessionStore(Protocol):
 
     async def expire_sessions(self) -> list[str]:
         """Drop every session whose expiry passed, with its references; return their ids."""
+        ...
+
+    async def put_route(self, session_id: str, route: str, ttl_s: float | None = None
+                        ) -> None:
+        """Keep a session's routing record (the proxy's, opaque JSON) for ``ttl_s`` (None:
+        until its session closes). Apart from the session itself: a record references no
+        chunk, protects nothing and creates no session."""
+        ...
+
+    async def get_route(self, session_id: str) -> str | None:
+        """The session's routing record, or None (never written, expired, closed)."""
         ...
 
     async def ping(self) -> None: ...

@@ -324,6 +324,7 @@ class InMemorySessionStore:
         self._clock = clock
         self._sessions: dict[str, _Session] = {}
         self._refs: dict[str, set[str]] = {}
+        self._routes: dict[str, tuple[str, float | None]] = {}  # sid -> (record, expiry)
 
     def _live(self, sid: str, now: float) -> _Session | None:
         session = self._sessions.get(sid)
@@ -399,6 +400,7 @@ class InMemorySessionStore:
 
     async def close_session(self, session_id: str) -> list[str] | None:
         now = self._clock()
+        self._routes.pop(session_id, None)
         if session_id not in self._sessions:
             return None
         live = self._live(session_id, now) is not None
@@ -454,7 +456,18 @@ class InMemorySessionStore:
         gone = sorted(sid for sid, s in self._sessions.items() if not s.life().live(now))
         for sid in gone:
             self._drop(sid)
+        for sid in [sid for sid, (_, exp) in self._routes.items() if exp is not None
+                    and exp <= now]:
+            del self._routes[sid]
         return gone
+
+    async def put_route(self, session_id: str, route: str, ttl_s: float | None = None
+                        ) -> None:
+        self._routes[session_id] = (route, None if ttl_s is None else self._clock() + ttl_s)
+
+    async def get_route(self, session_id: str) -> str | None:
+        route, expiry = self._routes.get(session_id, (None, None))
+        return None if expiry is not None and expiry <= self._clock() else route
 
     async def ping(self) -> None:
         return None

@@ -36,6 +36,15 @@ Failure contract: any connection error or timeout raises ``BackendUnavailable``;
 circuit breaker fails every call at once, without touching a socket, for ``breaker_s``, then
 lets calls probe again. The client reconnects by itself once Redis answers; a stale pooled
 connection (Redis restarted) is retried once on a fresh one, transparently.
+
+High availability: a ``redis+sentinel://`` store (``sentinel_parts``) reaches whichever Redis
+the sentinels name master, so a failover costs the calls in flight and the breaker's second,
+then every replica of the kvindex carries on against the promoted replica. Redis replicates
+asynchronously, so a master killed right after a write may take it along; with ``min_acks``
+(``--redis-min-acks``) every write script is followed by ``WAIT`` on its own connection and
+acknowledged only once that many replicas hold it (else 503, ``NotReplicated``): what the
+kvindex acknowledged survives the failover. The proxy's routing records (``put_route``) are
+soft state and not waited on.
 """
 
 from __future__ import annotations
@@ -656,26 +665,35 @@ class _RedisBackend:
     """A redis.asyncio client with the scripts registered and a circuit breaker in front."""
 
     _SCRIPTS: dict[str, str] = {}
+    _WRITES: frozenset[str] = frozenset()  # the scripts that write (``min_acks`` waits on them)
 
     def __init__(self, url: str, *, key_prefix: str = "as:", connect_timeout_s: float = 0.25,
                  op_timeout_s: float = 2.0, breaker_s: float = 1.0,
-                 max_connections: int = 64) -> None:
+                 max_connections: int = 64, min_acks: int = 0) -> None:
         self.url = url
         self._prefix = key_prefix
         self._breaker_s = breaker_s
+        self._op_timeout_s = op_timeout_s
+        self._min_acks = min_acks
         self._open_until = 0.0  # monotonic time until which calls fail without trying
         # One retry, on connection errors only: it reconnects a pooled connection that went
-        # stale when Redis restarted. Timeouts are not retried (the op may be running).
-        # A blocking pool: past max_connections, calls queue for a connection (up to the op
-        # timeout) instead of failing, so a burst of lookups is not mistaken for an outage.
-        pool = aioredis.BlockingConnectionPool.from_url(
-            url, decode_responses=True, socket_connect_timeout=connect_timeout_s,
-            socket_timeout=op_timeout_s, max_connections=max_connections, timeout=op_timeout_s,
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
-        )
+        # stale when Redis restarted (or, under Sentinel, asks again for the master after a
+        # failover). Timeouts are not retried (the op may be running).
+        retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+        if url.startswith(SENTINEL_SCHEME):
+            self._redis = _sentinel_master(url, connect_timeout_s, op_timeout_s, retry)
+            pool = self._redis.connection_pool
+        else:
+            # A blocking pool: past max_connections, calls queue for a connection (up to the
+            # op timeout) instead of failing, so a burst of lookups is not mistaken for an
+            # outage.
+            pool = aioredis.BlockingConnectionPool.from_url(
+                url, decode_responses=True, socket_connect_timeout=connect_timeout_s,
+                socket_timeout=op_timeout_s, max_connections=max_connections,
+                timeout=op_timeout_s, retry=retry)
+            self._redis = aioredis.Redis(connection_pool=pool)
         if hiredis is not None:
             pool.connection_class = _hiredis_packing(pool.connection_class)
-        self._redis = aioredis.Redis(connection_pool=pool)
         self._scripts = {name: self._redis.register_script(src)
                          for name, src in self._SCRIPTS.items()}
 
@@ -696,7 +714,23 @@ class _RedisBackend:
 
     async def _run(self, name: str, *args: Any) -> Any:
         script = self._scripts[name]
+        if self._min_acks and name in self._WRITES:
+            return await self._guard(lambda: self._replicated(script, [self._prefix, *args]))
         return await self._guard(lambda: script(args=[self._prefix, *args]))
+
+    async def _replicated(self, script: Any, args: list[Any]) -> Any:
+        """The script, then WAIT on the same connection: the write is acknowledged only once
+        ``min_acks`` replicas have it, so a failover to one of them loses nothing the kvindex
+        acknowledged. Fewer replicas in time: ``NotReplicated``, answered 503 (the write may
+        stand on the master; every write is idempotent, so the caller's retry is safe)."""
+        async with self._redis.pipeline(transaction=False) as pipe:
+            await script(args=args, client=pipe)
+            pipe.execute_command("WAIT", self._min_acks, _ttl_ms(self._op_timeout_s / 2))
+            result, acks = await pipe.execute()
+        if int(acks) < self._min_acks:
+            raise NotReplicated(f"redis at {_redact(self.url)}: the write reached {acks} of "
+                                f"{self._min_acks} replicas in time")
+        return result
 
     async def ping(self) -> None:
         await self._guard(self._redis.ping)
@@ -729,6 +763,42 @@ def _hiredis_packing(cls: type) -> type:
         return [hiredis.pack_command(args)]
 
     return type(f"HiredisPacking{cls.__name__}", (cls,), {"pack_command": pack_command})
+
+
+SENTINEL_SCHEME = "redis+sentinel://"
+
+
+class NotReplicated(BackendUnavailable):
+    """A write the master took but too few replicas acknowledged (``min_acks``)."""
+
+
+def sentinel_parts(url: str) -> tuple[list[tuple[str, int]], str, int, str | None]:
+    """``redis+sentinel://[:password@]host:port[,host:port...]/service[/db]`` ->
+    (sentinels, master service name, db, password); a sentinel's port defaults to 26379."""
+    rest = url[len(SENTINEL_SCHEME):]
+    auth, _, rest = rest.rpartition("@")
+    hosts, _, path = rest.partition("/")
+    service, _, db = path.strip("/").partition("/")
+    if not hosts or not service:
+        raise ValueError(f"store: {_redact(url)!r} needs sentinels and a service name "
+                         f"({SENTINEL_SCHEME}host:26379[,host:26379]/mymaster[/0])")
+    sentinels = []
+    for host in hosts.split(","):
+        name, _, port = host.rpartition(":") if ":" in host else (host, "", "26379")
+        sentinels.append((name, int(port)))
+    return sentinels, service, int(db or 0), auth.partition(":")[2] or None
+
+
+def _sentinel_master(url: str, connect_timeout_s: float, op_timeout_s: float,
+                     retry: Retry) -> aioredis.Redis:
+    """A client of the master the sentinels name now; each new connection asks them again,
+    so after a failover the one retry reconnects to the new master."""
+    from redis.asyncio.sentinel import Sentinel
+
+    sentinels, service, db, password = sentinel_parts(url)
+    timeouts = {"socket_timeout": op_timeout_s, "socket_connect_timeout": connect_timeout_s}
+    return Sentinel(sentinels, sentinel_kwargs=timeouts).master_for(
+        service, db=db, password=password, decode_responses=True, retry=retry, **timeouts)
 
 
 def _redact(url: str) -> str:
@@ -764,6 +834,7 @@ class RedisIndex(_RedisBackend):
     _SCRIPTS = {"register": _REGISTER, "heartbeat": _HEARTBEAT, "deregister": _DEREGISTER,
                 "get_pod": _GET_POD, "list_pods": _LIST_PODS, "expire": _EXPIRE,
                 "apply": _APPLY, "replace": _REPLACE, "lookup": _LOOKUP, "holders": _HOLDERS}
+    _WRITES = frozenset({"register", "heartbeat", "deregister", "expire", "apply", "replace"})
 
     def __init__(self, url: str, *, clock: Callable[[], float] = time.time,
                  **options: Any) -> None:
@@ -870,6 +941,8 @@ class RedisSessionStore(_RedisBackend):
                 "delete_intent": _DELETE_INTENT, "get_session": _GET_SESSION,
                 "close_session": _CLOSE_SESSION, "fork": _FORK, "lifecycle": _LIFECYCLE,
                 "references": _REFERENCES, "expire_sessions": _EXPIRE_SESSIONS}
+    _WRITES = frozenset({"put_intent", "delete_intent", "close_session", "fork", "lifecycle",
+                         "expire_sessions"})
     # sessions one expiry script drops at most, so a large backlog never blocks Redis long
     EXPIRE_BATCH = 1000
 
@@ -912,10 +985,23 @@ class RedisSessionStore(_RedisBackend):
         return _session_info(session_id, got, now)
 
     async def close_session(self, session_id: str) -> list[str] | None:
+        await self._guard(lambda: self._redis.delete(self._route_key(session_id)))
         got = await self._run("close_session", session_id, repr(self._clock()))
         if got is None or not got[0]:
             return None
         return sorted(got[1])
+
+    def _route_key(self, session_id: str) -> str:
+        return f"{self._prefix}route:{session_id}"
+
+    async def put_route(self, session_id: str, route: str, ttl_s: float | None = None
+                        ) -> None:
+        """One key with Redis's own TTL: expiry needs no reaper."""
+        px = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        await self._guard(lambda: self._redis.set(self._route_key(session_id), route, px=px))
+
+    async def get_route(self, session_id: str) -> str | None:
+        return await self._guard(lambda: self._redis.get(self._route_key(session_id)))
 
     async def fork(self, session_id: str, child: str,
                    idle_ttl_s: float | None = None) -> SessionInfo:

@@ -9,8 +9,13 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
-from agentserving.core.schemas import LookupResponse, PodPrefix
+from agentserving.core.schemas import LookupResponse, PodPrefix, SessionRoute
+from agentserving.core.testing import ThreadedServer, free_port
+from agentserving.kvindex.app import create_app as create_kvindex
+from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStore
+from agentserving.kvindex.settings import KvindexSettings
 from agentserving.proxy.jsonio import dumps, loads
+from agentserving.proxy.kvindex_http import AioKvindexClient
 from agentserving.proxy.metrics import ProxyMetrics
 from agentserving.proxy.orchestrator import Orchestrator, Turn
 from agentserving.proxy.pods import PodPool
@@ -168,3 +173,41 @@ def test_a_turn_moved_off_a_dead_pod_names_it_in_a_header(stream):
     status, headers, content, dead = asyncio.run(go())
     assert status == 200 and b"ok" in content
     assert headers[H_RETRIED] == dead
+
+
+def test_shared_session_records_are_adopted_only_when_newer_and_a_dead_kvindex_is_no_error():
+    """--shared-sessions against a real kvindex over HTTP: a replica that saw fewer turns takes
+    the record, one that saw as many keeps its own; the record is the tenant's; with the
+    kvindex gone the turn routes on what the replica knows."""
+    server = ThreadedServer(create_kvindex(KvindexSettings(), InMemoryIndex(),
+                                           InMemorySessionStore()))
+
+    async def go(url: str) -> list[SessionState]:
+        async with aiohttp.ClientSession() as http:
+            kv = AioKvindexClient(url, 1.0)
+            orch = Orchestrator(ProxySettings(shared_sessions=True), PodPool([], [], None), kv,
+                                make_policy("kv-aware"), http, ProxyMetrics(CollectorRegistry()))
+            record = SessionRoute(turns=3, chunk_hashes=["ab" * 16], last_pod="p1",
+                                  last_decode_pod="d1", prompt_tokens=900)
+            if url == server.url:
+                await kv.for_tenant("acme").put_route("s", record)
+            states = []
+            for tenant, seen in (("acme", 1), ("acme", 3), ("beta", 0)):
+                state = SessionState(turns=seen, last_decode_pod="d0")
+                await orch._adopt_shared_route(
+                    Turn(endpoint="/v1/completions", body={"prompt": [1]}, session_id="s",
+                         session_key=f"{tenant}/s", tenant=tenant), state)
+                states.append(state)
+            await kv.aclose()
+            return states
+
+    try:
+        newer, same, other_tenant = asyncio.run(go(server.url))
+    finally:
+        server.stop()
+    assert (newer.turns, newer.last_decode_pod, newer.prompt_tokens) == (3, "d1", 900)
+    assert newer.chunk_hashes == ["ab" * 16] and newer.last_pod == "p1"
+    assert (same.turns, same.last_decode_pod) == (3, "d0")  # its own, as current
+    assert (other_tenant.turns, other_tenant.last_decode_pod) == (0, "d0")  # none for beta
+    down = asyncio.run(go(f"http://127.0.0.1:{free_port()}"))
+    assert [(s.turns, s.last_decode_pod) for s in down] == [(1, "d0"), (3, "d0"), (0, "d0")]

@@ -97,6 +97,9 @@ def _argv(subcommand: str, command: Any, settings_cls: type[BaseModel], where: s
 def kvindex_argv(inst: Instance) -> list[str]:
     values: dict[str, Any] = {"host": "0.0.0.0", "port": KVINDEX_PORT,
                               "store": kvindex_store(inst)}
+    min_acks = (inst.spec["kvindex"].get("redis") or {}).get("minAcks")
+    if min_acks:
+        values["redis_min_acks"] = min_acks
     if uses_lmcache_controller(inst):
         # LMCache(-Ascend) workers report their chunks here (PULL) and register (ROUTER, +1)
         values["lmcache_controller"] = f"tcp://0.0.0.0:{LMCACHE_CONTROLLER_PORT}"

@@ -227,6 +227,12 @@ def test_kvindex_store_choices(settings):
     redis = children[("Deployment", "demo-redis")]
     assert redis["spec"]["template"]["spec"]["containers"][0]["image"] == "redis:7.4-alpine"
     assert children[("Service", "demo-redis")]["spec"]["ports"][0]["port"] == 6379
+    # Redis behind Sentinel, each write acknowledged once a replica holds it
+    sentinel = "redis+sentinel://s0:26379,s1:26379/kv/0"
+    children, _ = store({"replicas": 2, "redis": {"url": sentinel, "minAcks": 1}})
+    command = children[("Deployment", "demo-kvindex")]["spec"]["template"]["spec"][
+        "containers"][0]["command"]
+    assert command[-4:] == ["--store", sentinel, "--redis-min-acks", "1"]
 
 
 @pytest.mark.parametrize("spec, field", [

@@ -285,6 +285,13 @@ def test_tenants_never_share_prefixes(fleet, tmp_path):
                  extra={"agent_memory": {"intent": "plan"}})
     wait_for(lambda: kvindex_get(fleet, "/v1/sessions/t", "a").status_code == 200,
              what="a's intent written back")
+
+    def w0_holds(chunk: str) -> bool:  # the pod's own tiers, not the index's lagging view
+        held = httpx.get(fleet.workers["w0"].memory_url + "/memory/chunks",
+                         headers=fleet.headers, timeout=5).json()["chunks"]
+        return any(chunk in chunks for chunks in held.values())
+
+    wait_for(lambda: w0_holds(chunk_hashes_of(ra)[0]), what="a's chunks stored on w0")
     # b names a's session id and asks to evict its "plan" and close it: b's memory verbs act
     # on b's own session "t" (the kvindex scopes sessions by tenant), never on a's
     rb, _ = turn(client(proxy, api_key="sk-tenant-b-0001"), "t", prompt,
@@ -298,7 +305,7 @@ def test_tenants_never_share_prefixes(fleet, tmp_path):
     assert kvindex_get(fleet, "/v1/sessions/t", "b").status_code == 404  # b's own, closed
     assert kvindex_get(fleet, "/v1/sessions/t", "a").json()["intents"] == {
         "plan": chunk_hashes_of(ra)}
-    assert kvindex_get(fleet, f"/v1/chunks/{chunk_hashes_of(ra)[0]}").json()["locations"]
+    assert w0_holds(chunk_hashes_of(ra)[0])  # b's evict of "plan" and its close took b's own
 
     # a caller that reaches the pod itself cannot probe a's prefixes by guessing a's salt:
     # the old default, 'tenant:<name>', found them; the proxy's own salt for a still does

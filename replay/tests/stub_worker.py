@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 from collections import OrderedDict
 from typing import Any
 
@@ -30,6 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from agentserving.core.clients import KvindexClient, ServiceUnavailable
 from agentserving.core.hashing import chunk_hashes
+from agentserving.core.internal_auth import TOKEN_ENV
 from agentserving.core.schemas import EventBatch, PodRegistration, ResidencyEvent
 
 KV_BYTES_PER_TOKEN = 8192
@@ -62,7 +64,9 @@ def make_app(args: argparse.Namespace) -> FastAPI:
     engine = asyncio.Lock()
     state: dict[str, Any] = {"seq": 0}
     url = f"http://127.0.0.1:{args.port}"
-    kv = KvindexClient(args.kvindex) if args.kvindex else None
+    # the fleet's internal token, as the real worker reads it (core.internal_auth)
+    kv = (KvindexClient(args.kvindex, token=os.environ.get(TOKEN_ENV))
+          if args.kvindex else None)
 
     async def heartbeat() -> None:
         while True:

@@ -34,7 +34,6 @@ from agentserving.core.schemas import (
     PodPrefix,
     PodRole,
     PrefetchRequest,
-    SessionRoute,
 )
 from agentserving.core.service import ApiError
 from agentserving.proxy import memory_hooks
@@ -599,9 +598,7 @@ class Orchestrator:
             self.metrics.shared_sessions.labels("read", "current").inc()
             return
         self.metrics.shared_sessions.labels("read", "adopted").inc()
-        state.turns, state.chunk_hashes = route.turns, list(route.chunk_hashes)
-        state.last_pod, state.last_decode_pod = route.last_pod, route.last_decode_pod
-        state.prompt_tokens, state.prompt_chars = route.prompt_tokens, route.prompt_chars
+        state.adopt(route)
 
     def _share_route(self, turn: Turn, state: SessionState) -> None:
         """Write the session's routing record after its turn, in the background: the
@@ -609,9 +606,7 @@ class Orchestrator:
         kv = self._shares(turn)
         if kv is None:
             return
-        route = SessionRoute(turns=state.turns, chunk_hashes=state.chunk_hashes,
-                             last_pod=state.last_pod, last_decode_pod=state.last_decode_pod,
-                             prompt_tokens=state.prompt_tokens, prompt_chars=state.prompt_chars)
+        route = state.route()
 
         async def write() -> None:
             try:

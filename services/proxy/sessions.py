@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from agentserving.core.schemas import SessionRoute
+
 
 @dataclass
 class SessionState:
@@ -22,6 +24,18 @@ class SessionState:
     pending_tool: str | None = None  # the tool the previous turn called
     predicted_gap_s: float | None = None
     prefetch_fired_at: float | None = None
+
+    # The routing fields above, as every proxy replica shares them (--shared-sessions); the
+    # tool-gap fields stay with the replica (monotonic times, this process's predictor).
+    def route(self) -> SessionRoute:
+        return SessionRoute(turns=self.turns, chunk_hashes=self.chunk_hashes,
+                            last_pod=self.last_pod, last_decode_pod=self.last_decode_pod,
+                            prompt_tokens=self.prompt_tokens, prompt_chars=self.prompt_chars)
+
+    def adopt(self, route: SessionRoute) -> None:
+        self.turns, self.chunk_hashes = route.turns, list(route.chunk_hashes)
+        self.last_pod, self.last_decode_pod = route.last_pod, route.last_decode_pod
+        self.prompt_tokens, self.prompt_chars = route.prompt_tokens, route.prompt_chars
 
 
 class SessionTable:

@@ -997,7 +997,7 @@ class RedisSessionStore(_RedisBackend):
     async def put_route(self, session_id: str, route: str, ttl_s: float | None = None
                         ) -> None:
         """One key with Redis's own TTL: expiry needs no reaper."""
-        px = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        px = None if ttl_s is None else _ttl_ms(ttl_s)
         await self._guard(lambda: self._redis.set(self._route_key(session_id), route, px=px))
 
     async def get_route(self, session_id: str) -> str | None:

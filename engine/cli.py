@@ -137,6 +137,9 @@ setting = settings_option(WorkerSettings)
          help="Seconds between residency event batches to the kvindex.")
 @setting("--residency-interval", "residency_interval_s", type=click.FloatRange(min=0.01),
          help="Seconds between scans of what each LMCache tier holds.")
+@setting("--metrics-max-tenants", type=click.IntRange(min=0),
+         help="Distinct tenants (x-agentserving-tenant, else a digest of the cache_salt) the "
+              "reuse metrics name; later ones are counted as tenant=\"other\".")
 @setting("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
          help="Log level.")
 @setting("--log-json/--log-console", help="JSON log lines, or readable ones.")

@@ -3,15 +3,91 @@
 Per-request figures come with each request's engine outputs; tier sizes with residency
 messages; engine counters (transfers, corrupt chunks, ...) arrive as cumulative values in
 stats messages and are turned into counter increments here.
+
+Prompt-token reuse by tier and tenant (``ReuseMetrics``) is one contract for both engines:
+``agentserving_worker_prompt_tokens{tenant}`` and
+``agentserving_worker_cached_tokens{tier, tenant}``, tier one of ``device`` (the engine's own
+KV pool: vLLM's prefix cache; the reference engine has none), ``cpu`` (LMCache DRAM), ``disk``
+(LMCache local disk), ``remote`` (pulled from a prefill pod or LMCache's KV server). The pod is
+the scrape target, so "per pod" is Prometheus's ``pod``/``instance`` label. The tenant label
+is bounded (``TenantLabels``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
+import threading
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from agentserving.core.schemas import TENANT_PATTERN
+
 P = "agentserving_worker_"
+REUSE_TIERS = ("device", "cpu", "disk", "remote")
+NO_TENANT = "none"  # no tenant header and no cache_salt: a single-tenant fleet
+OTHER_TENANT = "other"  # every tenant past the cap
+DEFAULT_MAX_TENANTS = 64
+_TENANT = re.compile(TENANT_PATTERN.strip("^$"))
+
+
+def tenant_name(tenant: str | None, cache_salt: str | None) -> str:
+    """A request's tenant as the metrics name it: the tenant the caller named
+    (``TENANT_HEADER``), else ``salt-`` and 8 hex digits of the SHA-256 of its ``cache_salt``
+    (the proxy salts each tenant apart; the digest tells tenants apart on a dashboard without
+    revealing the salt, which would let anyone rebuild that tenant's chunk hashes), else
+    ``NO_TENANT``. A tenant name that is not a valid one (``TENANT_PATTERN``) is ignored."""
+    if tenant and _TENANT.fullmatch(tenant):
+        return tenant
+    if cache_salt:
+        return "salt-" + hashlib.sha256(cache_salt.encode()).hexdigest()[:8]
+    return NO_TENANT
+
+
+class TenantLabels:
+    """Bounded ``tenant`` label values: the first ``max_tenants`` distinct tenants seen keep
+    their name, later ones are counted as ``OTHER_TENANT`` (one series set per tenant per
+    tier, so a fleet with many tenants cannot blow up the scrape). Thread-safe."""
+
+    def __init__(self, max_tenants: int = DEFAULT_MAX_TENANTS) -> None:
+        self.max_tenants = max_tenants
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, tenant: str | None, cache_salt: str | None = None) -> str:
+        name = tenant_name(tenant, cache_salt)
+        if name in self._seen or name in (NO_TENANT, OTHER_TENANT):
+            return name
+        with self._lock:
+            if len(self._seen) >= self.max_tenants:
+                return OTHER_TENANT
+            self._seen.add(name)
+            return name
+
+
+class ReuseMetrics:
+    """Prompt tokens and the tokens among them whose KV was reused, by tier and tenant."""
+
+    def __init__(self, registry: CollectorRegistry | None,
+                 max_tenants: int = DEFAULT_MAX_TENANTS) -> None:
+        kw: dict[str, Any] = {} if registry is None else {"registry": registry}
+        self.tenants = TenantLabels(max_tenants)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens received, by tenant.",
+                                     ["tenant"], **kw)
+        self.cached_tokens = Counter(
+            P + "cached_tokens", "Prompt tokens whose KV was reused, by where it came from "
+            "(device = the engine's own KV pool, cpu = LMCache DRAM, disk = LMCache disk, "
+            "remote = pulled from a prefill pod or KV server) and tenant.",
+            ["tier", "tenant"], **kw)
+
+    def observe(self, tenant: str, prompt_tokens: int, by_tier: dict[str, int]) -> None:
+        """One request's figures; ``tenant`` a label from ``self.tenants``."""
+        if prompt_tokens:
+            self.prompt_tokens.labels(tenant).inc(prompt_tokens)
+        for tier, n in by_tier.items():
+            if n:
+                self.cached_tokens.labels(tier, tenant).inc(n)
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 # engine counter name -> (metric attribute, label values)
@@ -34,14 +110,15 @@ _COUNTERS: dict[str, tuple[str, tuple[str, ...]]] = {
 
 
 class WorkerMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None,
+                 max_tenants: int = DEFAULT_MAX_TENANTS) -> None:
         r = self.registry = registry or CollectorRegistry()
         self.requests = Counter(P + "requests", "Requests by endpoint and outcome.",
                                 ["endpoint", "outcome"], registry=r)
-        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens received.", registry=r)
-        self.cached_tokens = Counter(
-            P + "cached_tokens", "Prompt tokens whose KV was reused, by where it came from "
-            "(cpu, disk, remote = pulled from a prefill pod).", ["tier"], registry=r)
+        self.reuse = ReuseMetrics(r, max_tenants)
+        self.tenants = self.reuse.tenants
+        self.prompt_tokens = self.reuse.prompt_tokens
+        self.cached_tokens = self.reuse.cached_tokens
         self.computed_tokens = Counter(P + "computed_prompt_tokens",
                                        "Prompt tokens prefilled here.", registry=r)
         self.completion_tokens = Counter(P + "completion_tokens", "Tokens generated.",
@@ -98,10 +175,10 @@ class WorkerMetrics:
         self._waiting: dict[int, int] = {}
         self._running: dict[int, int] = {}
 
-    def observe_first(self, meta: dict[str, Any]) -> None:
-        self.prompt_tokens.inc(meta.get("prompt_tokens", 0))
-        for tier, n in (meta.get("cached_tokens_by_tier") or {}).items():
-            self.cached_tokens.labels(tier).inc(n)
+    def observe_first(self, meta: dict[str, Any], tenant: str = NO_TENANT) -> None:
+        """The first output of a request; ``tenant`` a label from ``self.tenants``."""
+        self.reuse.observe(tenant, int(meta.get("prompt_tokens", 0)),
+                           dict(meta.get("cached_tokens_by_tier") or {}))
         self.computed_tokens.inc(meta.get("prefill_tokens", 0))
         self.prefill_time.observe(meta.get("prefill_seconds", 0.0))
         self.kv_load_time.observe(meta.get("load_seconds", 0.0))

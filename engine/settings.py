@@ -110,6 +110,9 @@ class WorkerSettings(BaseModel):
     residency_interval_s: float = Field(default=0.25, gt=0)
     # -- misc
     max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    metrics_max_tenants: int = Field(
+        default=64, ge=0, description="Distinct tenants the reuse metrics name; later ones "
+        "are counted as tenant=\"other\".")
     ready_wait_s: float = Field(default=120.0, ge=0, description="How long a request that "
                                 "arrives while the engines load waits for them.")
     log_level: str = "info"

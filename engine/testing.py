@@ -93,6 +93,16 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
     return 0.0
 
 
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` whose labels include ``labels`` (0 if none): a
+    figure over the labels a test does not name (``tier="cpu"`` over every tenant)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(sample.value for family in text_string_to_metric_families(text)
+               for sample in family.samples
+               if sample.name == name and labels.items() <= sample.labels.items())
+
+
 @contextlib.contextmanager
 def worker_process(tmp: Path, *args: str, name: str = "worker",
                    timeout_s: float = 120.0) -> Iterator[Worker]:

@@ -49,7 +49,7 @@ def registration(settings: WorkerSettings, client: EngineClient) -> PodRegistrat
 
 
 async def serve(settings: WorkerSettings) -> int:
-    metrics = WorkerMetrics()
+    metrics = WorkerMetrics(max_tenants=settings.metrics_max_tenants)
     book = ResidencyBook()
     reporter: KvindexReporter | None = None
     client = EngineClient(settings, metrics, book,

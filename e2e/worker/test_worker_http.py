@@ -15,7 +15,7 @@ import pytest
 
 from agentserving.core.hashing import ChunkHasher
 from agentserving.core.testing import free_port, service_process
-from agentserving.engine.testing import metric_value, prompt, worker_process
+from agentserving.engine.testing import metric_sum, metric_value, prompt, worker_process
 
 AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 MAX_LEN = 2048
@@ -291,9 +291,9 @@ def test_metrics_cover_tokens_tiers_time_and_queue(stack):
     w, _ = stack
     text = w.metrics()
     assert metric_value(text, "agentserving_worker_ttft_seconds_count") >= 5
-    assert metric_value(text, "agentserving_worker_cached_tokens_total", 'tier="cpu"') > 0
-    assert metric_value(text, "agentserving_worker_cached_tokens_total", 'tier="disk"') > 0
-    assert metric_value(text, "agentserving_worker_prompt_tokens_total") > 3000
+    assert metric_sum(text, "agentserving_worker_cached_tokens_total", tier="cpu") > 0
+    assert metric_sum(text, "agentserving_worker_cached_tokens_total", tier="disk") > 0
+    assert metric_sum(text, "agentserving_worker_prompt_tokens_total") > 3000
     assert metric_value(text, "agentserving_worker_prefill_seconds_count") >= 5
     assert metric_value(text, "agentserving_worker_decode_seconds_sum") > 0
     assert metric_value(text, "agentserving_worker_kv_bytes", 'tier="cpu"') > 0

@@ -28,7 +28,7 @@ from agentserving.core.openai_protocol import (
     CompletionRequest,
     SamplingFields,
 )
-from agentserving.core.schemas import PodRole
+from agentserving.core.schemas import TENANT_HEADER, PodRole
 from agentserving.core.service import (
     ApiError,
     error_responses,
@@ -37,7 +37,7 @@ from agentserving.core.service import (
 )
 from agentserving.engine import ipc
 from agentserving.engine.api.engine_client import EngineClient, EngineDead
-from agentserving.engine.metrics import WorkerMetrics
+from agentserving.engine.metrics import NO_TENANT, WorkerMetrics
 from agentserving.engine.model.tokenizer import Tokenizer
 from agentserving.engine.settings import WorkerSettings
 
@@ -129,6 +129,7 @@ class _Turn:
         self.created = int(time.time())
         self.max_tokens = 0
         self.stops: list[str] = list(body.stop or [])  # type: ignore[arg-type]
+        self.tenant = NO_TENANT  # the metrics' tenant label (WorkerMetrics.tenants)
 
 
 def create_api_app(api: WorkerApi) -> FastAPI:
@@ -173,6 +174,7 @@ def create_api_app(api: WorkerApi) -> FastAPI:
         else:
             ids = list(body.prompt)
         turn = _Turn("completion", body, ids, body.logprobs)
+        turn.tenant = api.metrics.tenants(request.headers.get(TENANT_HEADER), body.cache_salt)
         return await _serve(api, turn, "prompt", t0, DEFAULT_COMPLETION_MAX_TOKENS)
 
     @app.post("/v1/chat/completions", tags=["openai"], responses=_COMPLETION_RESPONSES)
@@ -183,6 +185,7 @@ def create_api_app(api: WorkerApi) -> FastAPI:
         ids = api.tokenizer.apply_chat_template(messages)
         n = (body.top_logprobs or 0) if body.logprobs else None
         turn = _Turn("chat", body, ids, n)
+        turn.tenant = api.metrics.tenants(request.headers.get(TENANT_HEADER), body.cache_salt)
         return await _serve(api, turn, "messages", t0, None)
 
     _narrow_to_model(app, api.tokenizer.vocab_size)
@@ -316,7 +319,7 @@ async def _generate(api: WorkerApi, turn: _Turn, add: ipc.AddRequest, hashes: li
                 first = False
                 api.metrics.ttft.observe(time.perf_counter() - t0)
                 meta.update(item.meta)
-                api.metrics.observe_first(item.meta)
+                api.metrics.observe_first(item.meta, turn.tenant)
             if item.finished:
                 meta.update(item.meta)
             piece = "".join(decoder.push(t.token_id) for t in item.tokens)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 from typing import Any, Self, TypeVar
+from urllib.parse import urlencode
 
 import httpx
 from pydantic import BaseModel
@@ -38,6 +39,8 @@ from agentserving.core.schemas import (
     PodRegistration,
     PrefetchRequest,
     PriorityRequest,
+    ResidencyChanges,
+    ResidencyListing,
     SessionClosed,
     SessionInfo,
     SessionRoute,
@@ -146,6 +149,14 @@ class KvindexClient(_JsonClient):
 
     async def lookup(self, req: LookupRequest) -> LookupResponse:
         return await self._call("POST", "/v1/lookup", req, LookupResponse)
+
+    async def residency(self) -> ResidencyListing:
+        return await self._call("GET", "/v1/residency", None, ResidencyListing)
+
+    async def residency_changes(self, after: str, wait_s: float = 0.0, limit: int = 1000
+                                ) -> ResidencyChanges:
+        query = urlencode({"after": after, "wait_s": wait_s, "limit": limit})
+        return await self._call("GET", f"/v1/residency/changes?{query}", None, ResidencyChanges)
 
     async def prefetch(self, req: PrefetchRequest) -> FanoutResponse:
         return await self._call("POST", "/v1/prefetch", req, FanoutResponse)

@@ -280,6 +280,44 @@ class LookupResponse(BaseModel):
     best_pod: str | None
 
 
+# ---------------------------------------------------------------- residency feed (list + watch)
+
+
+class ChangeKind(StrEnum):
+    POD = "pod"            # registered or re-registered: ``registration``
+    GONE = "gone"          # deregistered or its lease lapsed: the pod and all its residency
+    EVENTS = "events"      # an applied event batch: ``events``
+    SNAPSHOT = "snapshot"  # its residency replaced whole: ``snapshot``
+
+
+class ResidencyChange(BaseModel):
+    """One change to the kvindex's residency, as its followers (the proxies' replicas) replay
+    it: only what the index applied, in the order it applied it, per pod."""
+
+    kind: ChangeKind
+    pod: str
+    registration: PodRegistration | None = None
+    events: list[ResidencyEvent] | None = None
+    snapshot: ChunkSnapshot | None = None
+
+
+class ResidencyChanges(BaseModel):
+    cursor: str = Field(description="Pass as ``after`` to get the changes that follow these.")
+    changes: list[ResidencyChange]
+
+
+class PodResidency(BaseModel):
+    info: PodInfo
+    chunks: dict[Tier, list[str]] = Field(description="Every chunk the pod holds, by tier.")
+
+
+class ResidencyListing(BaseModel):
+    cursor: str = Field(description="Watch from here (``/v1/residency/changes?after=``): "
+                                    "every change after it may or may not be in this listing, "
+                                    "and replaying it converges.")
+    pods: list[PodResidency]
+
+
 # ---------------------------------------------------------------- control (fan-out)
 
 

@@ -82,6 +82,7 @@ _ERROR_DESCRIPTIONS = {
     401: "Missing or invalid API key.",
     404: "No such resource; `error.param` names the field.",
     409: "Conflicts with what exists; `error.param` names the field.",
+    410: "What the request points at is no longer kept (an expired cursor): start over.",
     413: "The body or a list in it is over its size limit.",
     503: "A backend (store, engine, upstream) is unavailable; retry.",
 }

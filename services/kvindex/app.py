@@ -20,33 +20,42 @@ from agentserving.core.service import (
     install_metrics_route,
 )
 from agentserving.kvindex.controllers.reaper import expire_sessions_forever, reap_forever
-from agentserving.kvindex.http_apis import control, pods, residency, sessions
+from agentserving.kvindex.http_apis import control, pods, residency, residency_feed, sessions
 from agentserving.kvindex.http_apis.deps import KvindexState, ServiceMetrics
 from agentserving.kvindex.index.base import BackendUnavailable, Index, SessionStore
+from agentserving.kvindex.index.changes import ChangeFeed, MemoryChangeFeed
+from agentserving.kvindex.index.factory import new_feed, new_index
 from agentserving.kvindex.index.instrumented import IndexMetrics, Instrumented
+from agentserving.kvindex.index.publishing import FeedMetrics, Publishing
 from agentserving.kvindex.settings import KvindexSettings
 
 
 def create_app(settings: KvindexSettings, index: Index | None = None,
-               session_store: SessionStore | None = None) -> FastAPI:
-    """Build the app; ``index``/``session_store`` default to the backends named by ``store``."""
+               session_store: SessionStore | None = None, feed: ChangeFeed | None = None
+               ) -> FastAPI:
+    """Build the app; ``index``/``session_store`` default to the backends named by ``store``
+    and ``feed`` to the change feed beside them (in-process when the backends are given)."""
     if index is None or session_store is None:
-        from agentserving.kvindex.index.factory import new_index
-
         index, session_store = new_index(settings.store, **settings.redis_options())
+        feed = feed or new_feed(settings.store, settings.change_feed_max,
+                                **settings.redis_options())
+    feed = feed or MemoryChangeFeed(settings.change_feed_max)
     registry = CollectorRegistry()
     store_kind = "memory" if settings.store == "memory" else "redis"
     index_metrics = IndexMetrics(registry)
+    feed_metrics = FeedMetrics(registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         st = KvindexState(
             settings=settings,
-            index=Instrumented(index, index_metrics, store_kind),  # type: ignore[arg-type]
+            index=Publishing(Instrumented(index, index_metrics, store_kind), feed,  # type: ignore[arg-type]
+                             feed_metrics),
             sessions=Instrumented(session_store, index_metrics, store_kind),  # type: ignore[arg-type]
             http=httpx.AsyncClient(headers=auth_headers(settings.internal_token)),
             registry=registry,
             metrics=ServiceMetrics(registry),
+            feed=feed,
         )
         app.state.kv = st
         tasks = [asyncio.create_task(reap_forever(st.index, settings.reap_interval_s)),
@@ -72,6 +81,7 @@ def create_app(settings: KvindexSettings, index: Index | None = None,
             await st.http.aclose()
             await index.close()
             await session_store.close()
+            await feed.close()
 
     app = FastAPI(
         title="AgentServing kvindex",
@@ -95,6 +105,7 @@ def create_app(settings: KvindexSettings, index: Index | None = None,
             raise ApiError(503, f"store unavailable: {exc}", type="service_unavailable") from exc
         return {"status": "ready", "store": store_kind}
 
-    for router in (pods.router, residency.router, control.router, sessions.router):
+    for router in (pods.router, residency.router, residency_feed.router, control.router,
+                   sessions.router):
         app.include_router(router)
     return app

@@ -38,6 +38,9 @@ def _parse_pairs(values: tuple[str, ...], flag: str, form: str) -> dict[str, str
 @setting("--reap-interval", "reap_interval_s", type=click.FloatRange(min=0.01),
          help="Seconds between sweeps that drop pods whose lease lapsed and sessions "
          "that expired idle.")
+@setting("--change-feed-max", type=click.IntRange(min=1),
+         help="Residency changes kept for followers (GET /v1/residency/changes: the proxies' "
+              "in-process replicas); a follower further behind gets 410 and lists again.")
 @setting("--max-batch-chunks", type=click.IntRange(min=1),
          help="Most chunk hashes one request may carry (more: 413).")
 @setting("--fanout-timeout", "fanout_timeout_s", type=click.FloatRange(min=0.01),

@@ -34,9 +34,10 @@ from agentserving.proxy.openapi import (
 )
 from agentserving.proxy.orchestrator import H_NEXT_TOOL, Orchestrator, Turn
 from agentserving.proxy.pods import PodPool
+from agentserving.proxy.residency_replica import ReplicaMetrics, ResidencyReplica, following
 from agentserving.proxy.routing import make_policy
 from agentserving.proxy.sessions import session_key
-from agentserving.proxy.settings import ProxySettings
+from agentserving.proxy.settings import ProxySettings, RoutingName
 from agentserving.proxy.upstream import UPSTREAM_ERRORS, new_session
 
 _EXTENSION_FIELDS = ("agent_memory",)
@@ -45,6 +46,7 @@ _EXTENSION_FIELDS = ("agent_memory",)
 def create_app(settings: ProxySettings) -> FastAPI:
     registry = CollectorRegistry()
     metrics = ProxyMetrics(registry)
+    replica_metrics = ReplicaMetrics(registry)
     keys = (ApiKeys.load(settings.api_keys_file, settings.salt_secret)
             if settings.api_keys_file else None)
 
@@ -57,10 +59,12 @@ def create_app(settings: ProxySettings) -> FastAPI:
         pool = PodPool(settings.prefill_urls, settings.decode_urls, kvindex)
         await pool.refresh()
         policy = make_policy(settings.routing, settings.chunk_size, settings.load_penalty_tokens)
-        app.state.orch = Orchestrator(settings, pool, kvindex, policy, http, metrics)
+        replica = _replica(settings, replica_metrics)
+        app.state.orch = Orchestrator(settings, pool, kvindex, policy, http, metrics, replica)
         follower = asyncio.create_task(pool.follow(settings.discovery_interval_s))
         try:
-            yield
+            async with following(replica):
+                yield
         finally:
             follower.cancel()
             await asyncio.gather(follower, return_exceptions=True)
@@ -68,6 +72,8 @@ def create_app(settings: ProxySettings) -> FastAPI:
             await http.close()
             if kvindex is not None:
                 await kvindex.aclose()
+            if replica is not None:
+                await replica.client.aclose()
 
     app = FastAPI(title="AgentServing proxy", version="v1", lifespan=lifespan,
                   summary="OpenAI-compatible front door routing each agent turn to its KV.")
@@ -152,6 +158,20 @@ def create_app(settings: ProxySettings) -> FastAPI:
 
     document_turn_bodies(app)
     return app
+
+
+def _replica(settings: ProxySettings, metrics: ReplicaMetrics) -> ResidencyReplica | None:
+    """The in-process residency replica kv-aware routing reads, on a connection of its own
+    (its long polls would hold a lookup's); None when routing does not look residency up."""
+    if (not settings.residency_replica or settings.kvindex_url is None
+            or settings.routing != RoutingName.KV_AWARE):
+        return None
+    wait_s = 2.0
+    client = AioKvindexClient(settings.kvindex_url, wait_s + settings.kvindex_timeout_s + 1.0,
+                              max_connections=1, token=settings.internal_token)
+    return ResidencyReplica(client, metrics, wait_s=wait_s,
+                            max_lag_s=settings.replica_max_lag_s,
+                            resync_s=settings.replica_resync_s)
 
 
 async def _models_from_pods(orch: Orchestrator) -> list[str]:

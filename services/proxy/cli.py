@@ -71,6 +71,18 @@ setting = settings_option(ProxySettings)
               "session's turns as one proxy would, and a restarted proxy forgets nothing: one "
               "kvindex read before each turn of a session, one write after it. Needs "
               "--kvindex; the operator sets it when proxy.replicas > 1.")
+@setting("--residency-replica/--no-residency-replica",
+         help="kv-aware: keep the kvindex's residency (which pod holds which chunk in which "
+              "tier) in this process, listed once and then followed through the kvindex's "
+              "change feed (GET /v1/residency/changes), and answer each turn's lookup from it "
+              "instead of a kvindex round trip. While the replica is stale (see "
+              "--replica-max-lag) lookups go to the kvindex as without it.")
+@setting("--replica-max-lag", "replica_max_lag_s", type=click.FloatRange(min=0.01),
+         help="Seconds without an answer from the kvindex's feed after which the replica is "
+              "stale and each lookup asks the kvindex itself.")
+@setting("--replica-resync", "replica_resync_s", type=click.FloatRange(min=0.01),
+         help="Seconds between the replica's full listings of the kvindex's residency (they "
+              "repair a change the kvindex applied but could not publish).")
 @setting("--prefetch-lead", "prefetch_lead_s", type=click.FloatRange(min=0),
          help="Seconds before a tool call's predicted return to prefetch the session's KV.")
 @setting("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),

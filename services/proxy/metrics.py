@@ -24,6 +24,10 @@ class ProxyMetrics:
                                   "Time spent deciding where a turn goes (incl. kvindex lookup).",
                                   buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01,
                                            0.05, 0.1, 0.5), registry=registry)
+        self.lookups = Counter("proxy_kv_lookups_total",
+                               "kv-aware lookups, by who answered: replica (the in-process "
+                               "residency replica) or kvindex (a round trip: the replica is "
+                               "off or stale).", ["source"], registry=registry)
         self.retries = Counter("proxy_retries_total", "Upstream attempts retried on another pod.",
                                ["stage"], registry=registry)
         self.failures = Counter("proxy_failed_turns_total", "Turns answered with an error.",

@@ -31,6 +31,7 @@ from agentserving.core.clients import (
 from agentserving.core.logging import get_logger
 from agentserving.core.schemas import (
     LookupRequest,
+    LookupResponse,
     PodPrefix,
     PodRole,
     PrefetchRequest,
@@ -47,6 +48,7 @@ from agentserving.proxy.memory_hooks import AgentMemory
 from agentserving.proxy.metrics import ProxyMetrics
 from agentserving.proxy.pods import PodPool, QueuedPrompt
 from agentserving.proxy.prompt_hashes import prompt_chunk_hashes
+from agentserving.proxy.residency_replica import ResidencyReplica
 from agentserving.proxy.routing import Candidate, LeastLoaded, RouteInput, RoutingPolicy
 from agentserving.proxy.sessions import SessionState, SessionTable, session_key
 from agentserving.proxy.settings import ProxySettings
@@ -123,10 +125,12 @@ class Turn:
 
 class Orchestrator:
     def __init__(self, settings: ProxySettings, pool: PodPool, kvindex: KvindexClient | None,
-                 policy: RoutingPolicy, http: aiohttp.ClientSession, metrics: ProxyMetrics) -> None:
+                 policy: RoutingPolicy, http: aiohttp.ClientSession, metrics: ProxyMetrics,
+                 replica: ResidencyReplica | None = None) -> None:
         self.settings = settings
         self.pool = pool
         self.kvindex = kvindex
+        self.replica = replica
         self.policy = policy
         self.http = http
         self.metrics = metrics
@@ -188,7 +192,7 @@ class Orchestrator:
         hashes = self._lookup_hashes(turn, state) if len(candidates) > 1 else None
         if self.kvindex is not None and hashes and self.policy.name == "kv-aware":
             try:
-                found = await self.kvindex.lookup(LookupRequest(
+                found = await self._lookup(LookupRequest(
                     chunk_hashes=hashes, pods=[c.name for c in candidates],
                     role=PodRole.PREFILL))
                 prefixes = {p.pod: p for p in found.pods}
@@ -206,6 +210,16 @@ class Orchestrator:
         turn.headers[H_ROUTING] = self.policy.name
         self.metrics.overhead.observe(time.perf_counter() - t0)
         return Routed(prefill_order, decode_order, prefixes, asked)
+
+    async def _lookup(self, req: LookupRequest) -> LookupResponse:
+        """The in-process replica's answer while it is fresh, else the kvindex's (which raises
+        as the kvindex client does)."""
+        if self.replica is not None and (found := self.replica.lookup(req)) is not None:
+            self.metrics.lookups.labels("replica").inc()
+            return found
+        assert self.kvindex is not None
+        self.metrics.lookups.labels("kvindex").inc()
+        return await self.kvindex.lookup(req)
 
     def _lookup_hashes(self, turn: Turn, state: SessionState) -> list[str] | None:
         """What the kvindex is asked about: the prompt's own hashes (--prompt-hash-scheme),
@@ -271,7 +285,7 @@ class Orchestrator:
         held = routed.held_chunks(pod, state.chunk_hashes)
         if held is None:
             try:
-                found = await self.kvindex.lookup(LookupRequest(
+                found = await self._lookup(LookupRequest(
                     chunk_hashes=state.chunk_hashes, pods=[pod]))
             except (ServiceUnavailable, RequestRejected):
                 return None

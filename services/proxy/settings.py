@@ -57,6 +57,15 @@ class ProxySettings(BaseModel):
                     "replica routes any turn as the one that served the session's last, and a "
                     "restarted proxy forgets nothing (one kvindex read before a turn, a write "
                     "after it).")
+    residency_replica: bool = Field(
+        default=True,
+        description="kv-aware: keep the kvindex's residency in-process, followed through its "
+                    "change feed, and route without a kvindex round trip per turn.")
+    replica_max_lag_s: float = Field(
+        default=5.0, gt=0, description="Ask the kvindex itself when the replica has not heard "
+        "from it for this long.")
+    replica_resync_s: float = Field(
+        default=60.0, gt=0, description="Seconds between the replica's full listings.")
     prefetch_lead_s: float = Field(default=0.5, ge=0)
     max_sessions: int = Field(default=100_000, gt=0)
     log_level: str = "info"

@@ -19,6 +19,7 @@ from agentserving.kvindex.index.base import (
     UnknownPod,
     UnknownSession,
 )
+from agentserving.kvindex.index.changes import ChangeFeed
 from agentserving.kvindex.settings import KvindexSettings
 
 T = TypeVar("T")
@@ -52,6 +53,7 @@ class KvindexState:
     http: httpx.AsyncClient
     registry: CollectorRegistry
     metrics: ServiceMetrics
+    feed: ChangeFeed
 
 
 def state(request: Request) -> KvindexState:

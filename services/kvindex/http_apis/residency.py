@@ -15,7 +15,7 @@ from agentserving.core.schemas import (
 from agentserving.core.service import error_responses
 from agentserving.kvindex.http_apis.deps import KvindexState, guarded, state
 from agentserving.kvindex.http_apis.validation import check_batch_size, check_chain_size
-from agentserving.kvindex.index.base import rank_prefixes
+from agentserving.kvindex.index.base import answer_lookup
 
 router = APIRouter(prefix="/v1", tags=["residency"], responses=error_responses(503))
 
@@ -42,8 +42,7 @@ async def locate(chunk_hash: ChunkHash, st: KvindexState = Depends(state)) -> Ch
 async def lookup(req: LookupRequest, st: KvindexState = Depends(state)) -> LookupResponse:
     check_chain_size(req.chunk_hashes, st.settings.max_batch_chunks)
     prefixes = await guarded(st, st.index.lookup(req.chunk_hashes, req.pods, req.role))
-    ranked = rank_prefixes(prefixes)
-    st.metrics.lookups.labels("hit" if ranked else "miss").inc()
-    st.metrics.lookup_prefix.observe(ranked[0].prefix_chunks if ranked else 0)
-    return LookupResponse(num_chunks=len(req.chunk_hashes), pods=ranked,
-                          best_pod=ranked[0].pod if ranked else None)
+    found = answer_lookup(len(req.chunk_hashes), prefixes)
+    st.metrics.lookups.labels("hit" if found.pods else "miss").inc()
+    st.metrics.lookup_prefix.observe(found.pods[0].prefix_chunks if found.pods else 0)
+    return found

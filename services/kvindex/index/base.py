@@ -28,6 +28,7 @@ Contract every backend honours (``tests/test_contract.py`` runs against each):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -39,6 +40,7 @@ from agentserving.core.schemas import (
     EventBatch,
     EventBatchResult,
     LeaseInfo,
+    LookupResponse,
     PodInfo,
     PodPrefix,
     PodRegistration,
@@ -102,7 +104,7 @@ class PrefixCount:
     tiers: dict[Tier, int] = field(default_factory=dict)
 
 
-def prefix_of(masks: list[int]) -> PrefixCount | None:
+def prefix_of(masks: Iterable[int]) -> PrefixCount | None:
     """Count leading non-zero masks and tally each one's fastest tier (pod filled by caller)."""
     tiers: dict[Tier, int] = {}
     n = 0
@@ -127,6 +129,13 @@ def rank_prefixes(prefixes: list[PrefixCount]) -> list[PodPrefix]:
         PodPrefix(pod=p.pod, prefix_chunks=p.prefix_chunks, tiers=p.tiers, score=round(s, 6))
         for s, p in scored
     ]
+
+
+def answer_lookup(num_chunks: int, prefixes: list[PrefixCount]) -> LookupResponse:
+    """A lookup's answer, whoever counted the prefixes (the kvindex, a proxy's replica)."""
+    ranked = rank_prefixes(prefixes)
+    return LookupResponse(num_chunks=num_chunks, pods=ranked,
+                          best_pod=ranked[0].pod if ranked else None)
 
 
 def role_matches(pod_role: PodRole, wanted: PodRole | None) -> bool:
@@ -241,6 +250,11 @@ class Index(Protocol):
 
     async def holders(self, chunk_hashes: list[str]) -> dict[str, dict[str, int]]:
         """pod -> {chunk_hash: tier mask} for the given chunks held by live pods."""
+        ...
+
+    async def pod_chunks(self, pod: str) -> dict[str, int]:
+        """Every chunk a live pod holds -> its tier mask (``UnknownPod`` when not live): what
+        a follower of the change feed lists."""
         ...
 
     async def expire_leases(self) -> list[str]:

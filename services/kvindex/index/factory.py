@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from agentserving.kvindex.index.base import Index, SessionStore
+from agentserving.kvindex.index.changes import ChangeFeed
 
 REDIS_SCHEMES = ("redis://", "rediss://", "unix://", "redis+sentinel://")
 
@@ -31,3 +32,15 @@ def new_index(store: str, **redis_options: Any) -> tuple[Index, SessionStore]:
         f"(redis://host:port/db, rediss://..., unix:///path, "
         f"redis+sentinel://host:26379/service/db)"
     )
+
+
+def new_feed(store: str, max_changes: int, **redis_options: Any) -> ChangeFeed:
+    """The residency change feed beside ``new_index(store)``'s backends: in-process for
+    ``memory``, a stream in the same Redis (shared by every replica) otherwise."""
+    if store == "memory":
+        from agentserving.kvindex.index.changes import MemoryChangeFeed
+
+        return MemoryChangeFeed(max_changes)
+    from agentserving.kvindex.index.changes import RedisChangeFeed
+
+    return RedisChangeFeed(store, max_changes=max_changes, **redis_options)

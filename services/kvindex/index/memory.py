@@ -288,6 +288,9 @@ class InMemoryIndex:
                     out.setdefault(pod, {})[chunk] = mask
         return out
 
+    async def pod_chunks(self, pod: str) -> dict[str, int]:
+        return dict(self._live(pod).chunks)
+
     async def ping(self) -> None:
         return None
 

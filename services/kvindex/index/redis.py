@@ -209,6 +209,12 @@ if not live(ARGV[2]) then return false end
 return pod_info(ARGV[2])
 """
 
+# ARGV: P, pod. False when the pod is not live; else {chunk, mask, ...}.
+_POD_CHUNKS = _LIB + r"""
+if not live(ARGV[2]) then return false end
+return redis.call('HGETALL', P .. 'pc:' .. ARGV[2])
+"""
+
 # ARGV: P
 _LIST_PODS = _LIB + r"""
 local names = redis.call('SMEMBERS', P .. 'pods')
@@ -833,7 +839,8 @@ class RedisIndex(_RedisBackend):
 
     _SCRIPTS = {"register": _REGISTER, "heartbeat": _HEARTBEAT, "deregister": _DEREGISTER,
                 "get_pod": _GET_POD, "list_pods": _LIST_PODS, "expire": _EXPIRE,
-                "apply": _APPLY, "replace": _REPLACE, "lookup": _LOOKUP, "holders": _HOLDERS}
+                "apply": _APPLY, "replace": _REPLACE, "lookup": _LOOKUP, "holders": _HOLDERS,
+                "pod_chunks": _POD_CHUNKS}
     _WRITES = frozenset({"register", "heartbeat", "deregister", "expire", "apply", "replace"})
 
     def __init__(self, url: str, *, clock: Callable[[], float] = time.time,
@@ -927,6 +934,13 @@ class RedisIndex(_RedisBackend):
         for i in range(0, len(flat), 3):
             out.setdefault(flat[i + 1], {})[flat[i]] = flat[i + 2]
         return out
+
+
+    async def pod_chunks(self, pod: str) -> dict[str, int]:
+        flat = await self._run("pod_chunks", pod)
+        if flat is None:
+            raise UnknownPod(pod)
+        return {flat[i]: int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
 
 def _lease(pod: str, got: list[Any]) -> LeaseInfo:

@@ -42,7 +42,7 @@ def fleet(fleet_factory):
     f.start_worker("w1")
     f.start_worker("d0", role="decode", disk=False)
     kv = f.start_proxy("--prefill", f.workers["w0"].url, "--prefill", f.workers["w1"].url,
-                       name="proxy-kv")
+                       "--replica-max-lag", "2", name="proxy-kv")
     pd = f.start_proxy(name="proxy-pd")  # discovers all three pods from the kvindex
     f.proxy_kv, f.proxy_pd = kv, pd
     wait_for(lambda: len(kvindex_get(f, "/v1/pods").json()["pods"]) == 3,
@@ -274,6 +274,42 @@ def test_proxy_replicas_share_each_sessions_routing(fleet):
     assert control[1][0] == "disaggregated" and control != one, control
 
 
+def metric(proc, name: str, **labels: str) -> float:  # type: ignore[no-untyped-def]
+    """One sample of a service's /metrics (0 when absent)."""
+    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"
+                   if labels else "")
+    for line in httpx.get(proc.url + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(want + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_kv_aware_routing_reads_the_in_process_replica(fleet):
+    """Issue 18: with two prefill pods every turn of a session is looked up, and the proxy's
+    residency replica answers: the kvindex serves no lookup, and the session still goes
+    where its KV is (each append reuses all but its new suffix)."""
+    c = client(fleet.proxy_kv)
+    before = metric(fleet.kvindex, "kvindex_lookups_total", result="hit")
+    before += metric(fleet.kvindex, "kvindex_lookups_total", result="miss")
+    replica_before = metric(fleet.proxy_kv, "proxy_kv_lookups_total", source="replica")
+    prompt, pods, previous = prompt_for(17, 700), [], 0
+    for k in range(4):
+        resp, headers = turn(c, "replica", prompt)
+        pods.append(headers["x-agentserving-prefill-pod"])
+        # every whole chunk (256 tokens) of the previous turn's prompt was cached where it went
+        assert resp.usage.prompt_tokens_details.cached_tokens >= previous // 256 * 256, k
+        previous = len(prompt)
+        prompt = prompt + list(range(100, 104)) + prompt_for(40 + k, 200)
+        time.sleep(0.3)  # the turn's residency reaches the kvindex, then its feed
+    assert len(set(pods)) == 1, pods
+    assert metric(fleet.proxy_kv, "proxy_kv_lookups_total", source="replica") \
+        >= replica_before + 3
+    after = metric(fleet.kvindex, "kvindex_lookups_total", result="hit")
+    after += metric(fleet.kvindex, "kvindex_lookups_total", result="miss")
+    assert after == before
+    assert metric(fleet.proxy_kv, "proxy_residency_replica_chunks") > 0
+
+
 def test_tenants_never_share_prefixes(fleet, tmp_path):
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"keys": [{"key": "sk-tenant-a-0001", "tenant": "a"},
@@ -333,10 +369,14 @@ def test_bad_requests_name_the_field(fleet):
 
 
 def test_kvindex_stopped_turns_still_answer_degraded(fleet):
+    """While its residency replica is fresh the proxy routes as before; once it is stale
+    (--replica-max-lag 2) it asks the kvindex, finds it gone and routes by affinity."""
     c = client(fleet.proxy_kv)
     prompt = prompt_for(16, 600)
     turn(c, "degraded", prompt)
     fleet.kvindex.kill()
+    wait_for(lambda: metric(fleet.proxy_kv, "proxy_residency_replica_staleness_seconds") > 2,
+             what="the replica to go stale")
     resp, headers = turn(c, "degraded", prompt + list(range(100, 104)))
     assert resp.usage.completion_tokens == 4
     assert "kvindex-unavailable" in headers["x-agentserving-degraded"]

@@ -25,6 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from agentserving.core.clients import KvindexClient, RequestRejected, ServiceUnavailable
 from agentserving.core.logging import get_logger
+from agentserving.core.residency import TIER_BITS, answer_lookup, prefix_of, role_matches
 from agentserving.core.schemas import (
     TIERS_FASTEST_FIRST,
     ChangeKind,
@@ -37,7 +38,6 @@ from agentserving.core.schemas import (
     ResidencyListing,
     Tier,
 )
-from agentserving.kvindex.index.base import TIER_BITS, answer_lookup, prefix_of, role_matches
 
 log = get_logger(__name__)
 

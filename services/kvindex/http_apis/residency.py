@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
+from agentserving.core.residency import answer_lookup
 from agentserving.core.schemas import (
     ChunkHash,
     ChunkLocations,
@@ -15,7 +16,6 @@ from agentserving.core.schemas import (
 from agentserving.core.service import error_responses
 from agentserving.kvindex.http_apis.deps import KvindexState, guarded, state
 from agentserving.kvindex.http_apis.validation import check_batch_size, check_chain_size
-from agentserving.kvindex.index.base import answer_lookup
 
 router = APIRouter(prefix="/v1", tags=["residency"], responses=error_responses(503))
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Query
 
+from agentserving.core.residency import TIER_BITS
 from agentserving.core.schemas import (
     TIERS_FASTEST_FIRST,
     PodResidency,
@@ -12,7 +13,6 @@ from agentserving.core.schemas import (
 )
 from agentserving.core.service import ApiError, error_responses
 from agentserving.kvindex.http_apis.deps import KvindexState, guarded, state
-from agentserving.kvindex.index.base import TIER_BITS
 from agentserving.kvindex.index.changes import CursorExpired
 
 router = APIRouter(prefix="/v1/residency", tags=["residency feed"],

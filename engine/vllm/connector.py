@@ -19,6 +19,8 @@ adds, as LMCache-Ascend does on NPUs (seed 000):
 - worker role (TP rank k): the memory API on ``memory_port_start + 1 + k`` over LMCache's
   storage manager in this process (``storage.LMCacheStorageBackend``), started once LMCache's
   engine exists (after ``register_kv_caches``).
+- both: prompt-token reuse by tier and tenant (``reuse``): prompt tokens and vLLM's own
+  prefix-cache hits (device) in the scheduler, LMCache's cpu/disk/remote loads in rank 0.
 
 The glue below only reads vLLM/LMCache objects and calls the pure functions of ``hashes``,
 ``settings`` and ``services``. Settings: ``settings.parse_settings``.
@@ -54,7 +56,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from agentserving.core.logging import get_logger
 from agentserving.core.schemas import PodRole
 
-from . import paged_cpu, salting
+from . import paged_cpu, reuse, salting
 from .hashes import (
     ChunkHashCache,
     RecordingTokenDatabase,
@@ -96,8 +98,13 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         self._as_barrier: Any = None  # the flush's key (prefill pods with a KV server)
         # what a prefill policy in vLLM's scheduler asks of the tiers (scheduler_hooks)
         self.agentserving_hooks: SchedulerKvHooks | None = None
+        # prompt tokens and device-tier hits by tenant, counted here (scheduler role); the
+        # LMCache tiers' by the worker role's rank 0 (_maybe_start_worker_services)
+        self._as_reuse: reuse.SchedulerReuse | None = None
         impl = self._lmcache_engine
         if role == KVConnectorRole.SCHEDULER:
+            self._as_reuse = reuse.SchedulerReuse(
+                reuse.process_metrics(self._as_settings.metrics_max_tenants))
             if self._as_settings.chunk_hashes and impl.lookup_client is not None:
                 self._as_recorder = install_recorder(impl.lookup_client, self._as_hashes)
             if self._as_settings.memory_api:
@@ -129,13 +136,29 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
+        if getattr(self, "_as_reuse", None) is not None:
+            self._count_first_look(request, num_computed_tokens)
         if self._as_recorder is None:
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
         with self._as_recorder.recording(request.request_id):
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def _count_first_look(self, request: Any, num_computed_tokens: int) -> None:
+        """Prompt tokens and vLLM's own prefix-cache hit (the device tier), once a request."""
+        assert self._as_reuse is not None
+        try:
+            from lmcache.integration.vllm.utils import extract_request_configs_from_request
+
+            self._as_reuse.first_look(str(request.request_id), int(request.num_prompt_tokens),
+                                      int(num_computed_tokens),
+                                      extract_request_configs_from_request(request))
+        except Exception:  # noqa: BLE001 - metrics never fail a request
+            log.exception("reuse_metrics_failed")
+
     def request_finished(self, request: Any,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if getattr(self, "_as_reuse", None) is not None:
+            self._as_reuse.forget(str(request.request_id))
         delay_free, params = super().request_finished(request, block_ids)
         if not self._as_settings.chunk_hashes:
             return delay_free, params
@@ -170,6 +193,9 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         engine = self._lmcache_engine.lmcache_engine
         if engine is None or engine.storage_manager is None:
             return  # LMCache builds it at register_kv_caches
+        if int(engine.metadata.worker_id) == 0:  # TP ranks load the same tokens: count once
+            reuse.count_retrieves(engine,
+                                  reuse.process_metrics(self._as_settings.metrics_max_tenants))
         backend = LMCacheStorageBackend(engine.storage_manager, engine.token_database,
                                         engine.metadata)
         self._as_worker = WorkerServices(self._as_settings, backend,

@@ -7,7 +7,8 @@ tenant's chunks under the other's hashes). Two pieces close that:
 - ``CacheSaltMiddleware`` (vLLM's API server, ``--middleware``): copies the body's
   ``cache_salt`` into ``kv_transfer_params[SALT_KEY]``. vLLM hands ``kv_transfer_params``
   entries named ``lmcache.*`` to LMCache as the request's configs, in the scheduler process
-  (lookup) and in the worker processes (store, retrieve).
+  (lookup) and in the worker processes (store, retrieve). It copies the caller's
+  ``x-agentserving-tenant`` header too (``TENANT_KEY``): the reuse metrics' tenant (``reuse``).
 - ``install()`` (every process that builds the connector): LMCache's token database starts the
   chunk-hash chain of a request with that config from the salted start of
   ``agentserving.core.hashing`` (the DESIGN's rule: the salt is mixed into h_0), so every
@@ -25,9 +26,14 @@ from collections.abc import Awaitable, Callable, Iterator, MutableMapping
 from typing import Any
 
 from agentserving.core.hashing import HashScheme, salted_start
+from agentserving.core.schemas import TENANT_HEADER
 
 SALT_KEY = "lmcache.agentserving_cache_salt"
+# the caller's tenant (TENANT_HEADER), for the reuse metrics' tenant label only (``reuse``):
+# an ``lmcache.`` key that is no ``lmcache.tag.``, so it never reaches a chunk's key
+TENANT_KEY = "lmcache.agentserving_tenant"
 SALTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+_TENANT_HEADER = TENANT_HEADER.encode()
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -36,17 +42,30 @@ _init_hash: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "agentserving_lmcache_init_hash", default=None)
 
 
-def salted_body(body: Any) -> Any | None:
-    """The request body with its ``cache_salt`` copied for LMCache; None when unchanged."""
+def salted_body(body: Any, tenant: str | None = None) -> Any | None:
+    """The request body with its ``cache_salt`` (and the caller's ``tenant``, from
+    ``TENANT_HEADER``) copied for LMCache; None when unchanged."""
     if not isinstance(body, dict):
         return None
     salt = body.get("cache_salt")
-    if not isinstance(salt, str) or not salt:
+    added = {}
+    if isinstance(salt, str) and salt:
+        added[SALT_KEY] = salt
+    if tenant:
+        added[TENANT_KEY] = tenant
+    if not added:
         return None
     params = body.get("kv_transfer_params")
     if params is not None and not isinstance(params, dict):
         return None  # vLLM rejects it with its own 400
-    return {**body, "kv_transfer_params": {**(params or {}), SALT_KEY: salt}}
+    return {**body, "kv_transfer_params": {**(params or {}), **added}}
+
+
+def _tenant_header(scope: Scope) -> str | None:
+    for k, v in scope.get("headers", []):
+        if k.lower() == _TENANT_HEADER:
+            return v.decode("latin-1") or None
+    return None
 
 
 def salt_of(request_configs: Any) -> str | None:
@@ -77,7 +96,7 @@ class CacheSaltMiddleware:
                 break
         raw = b"".join(chunks)
         try:
-            new = salted_body(json.loads(raw))
+            new = salted_body(json.loads(raw), _tenant_header(scope))
         except ValueError:
             new = None  # vLLM answers malformed JSON itself
         if new is not None:

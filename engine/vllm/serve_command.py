@@ -26,7 +26,7 @@ so a pod and a test run the same command line. What each worker setting becomes:
 - role: the pod's role in the kvindex. Every vLLM pod is ``kv_both``: it loads and saves KV,
   so a decode pod keeps what it pulled and computed;
 - pod_name, advertise_host, memory_port_start, kvindex_url, heartbeat and residency
-  intervals: the connector's ``kv_connector_extra_config``;
+  intervals, metrics_max_tenants: the connector's ``kv_connector_extra_config``;
 - log_level, lmcache_log_level: ``VLLM_LOGGING_LEVEL``, ``LMCACHE_LOG_LEVEL``.
 
 Settings that only the reference engine has (its other scheduler policies, P/D pull timeouts,
@@ -164,6 +164,7 @@ def kv_transfer_config(settings: WorkerSettings) -> dict[str, object]:
         "heartbeat_interval_s": settings.heartbeat_interval_s,
         "report_interval_s": settings.residency_interval_s,
         "handoff_timeout_s": settings.kv_transfer_timeout_s,
+        "metrics_max_tenants": settings.metrics_max_tenants,
     }
     if settings.kvindex_url:
         extra["kvindex_url"] = settings.kvindex_url

@@ -23,10 +23,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import uvicorn
+from prometheus_client import REGISTRY
 
 from agentserving.core.clients import KvindexClient
 from agentserving.core.logging import get_logger
 from agentserving.core.schemas import MemoryChunks, PodRegistration, PodRole, Tier
+from agentserving.core.service import install_metrics_route
 from agentserving.engine.memory_api import (
     EngineFanout,
     MemoryBackend,
@@ -230,6 +232,8 @@ class SchedulerServices:
         fanout = self.fanout = EngineFanout(s.worker_urls(self.world_size), timeout_s=5.0,
                                             token=s.internal_token)
         app = forwarding_memory_app(fanout, self.backends, s.internal_token)
+        # this process's reuse counters (prompt tokens, device-tier hits: ``reuse``)
+        install_metrics_route(app, REGISTRY)
         if self.finished is not None:
             add_finished_hashes_route(app, self.finished)
         add_scheduler_stats_route(app, lambda: self.scheduler_stats)

@@ -40,6 +40,7 @@ class ConnectorSettings:
     heartbeat_interval_s: float = 5.0
     pod_role: PodRole | None = None  # the kvindex role; None: from vLLM's kv_role
     handoff_timeout_s: float = 10.0  # prefill pods: longest wait for the remote KV writes
+    metrics_max_tenants: int = 64  # the reuse metrics' tenant label cap (engine.metrics)
     # core.internal_auth: from the environment only (kv_connector_extra_config is on vLLM's
     # command line, where every process on the host can read it)
     internal_token: str | None = field(default=None, repr=False)
@@ -76,6 +77,16 @@ def _positive(key: str, value: Any) -> float:
         raise ConnectorConfigError(key, f"expected a number, got {value!r}") from None
     if out <= 0:
         raise ConnectorConfigError(key, f"must be > 0, got {out}")
+    return out
+
+
+def _count(key: str, value: Any) -> int:
+    try:
+        out = int(value)
+    except (TypeError, ValueError):
+        raise ConnectorConfigError(key, f"expected a whole number, got {value!r}") from None
+    if out < 0:
+        raise ConnectorConfigError(key, f"must be >= 0, got {out}")
     return out
 
 
@@ -116,6 +127,7 @@ def parse_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str]) -> C
                                        extra.get("heartbeat_interval_s", 5.0)),
         pod_role=role,
         handoff_timeout_s=_positive("handoff_timeout_s", extra.get("handoff_timeout_s", 10.0)),
+        metrics_max_tenants=_count("metrics_max_tenants", extra.get("metrics_max_tenants", 64)),
         internal_token=env.get(TOKEN_ENV) or None,
     )
 

@@ -118,3 +118,15 @@ def test_worker_glue_serves_memory_api_on_lmcache_engine(report):
     assert w["chunks"]["cpu"] == sorted(w["expected"]) and len(w["expected"]) == 2
     assert w["evicted"] == 2
     assert w["served_after_shutdown"] is False  # shutdown stops the rank's server
+
+
+def test_reuse_metrics_in_the_scheduler_and_rank_0(report):
+    from agentserving.engine.testing import metric_sum
+
+    sched, worker = report["scheduler_metrics"], report["worker"]["worker_metrics"]
+    # every request's prompt once (53 + 40 + 53 tokens; r2 was never looked up), no tenant
+    assert metric_sum(sched, "agentserving_worker_prompt_tokens_total", tenant="none") == 146
+    assert metric_sum(sched, "agentserving_worker_cached_tokens_total", tier="device") == 32
+    # rank 0: the 2 chunks it loaded, from LMCache's DRAM
+    assert metric_sum(worker, "agentserving_worker_cached_tokens_total", tier="cpu",
+                      tenant="none") == 32

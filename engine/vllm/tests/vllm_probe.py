@@ -114,6 +114,14 @@ def main() -> None:
         report["abort_finished"] = conn.request_finished(r3, [])[1]
         report["cache_left"] = len(conn._as_hashes)
 
+        # reuse metrics: prompt tokens of each request once, and vLLM's own prefix-cache hit
+        # (the device tier) as the scheduler hands it to the connector
+        r4 = request("req-device", tokens)
+        conn.get_num_new_matched_tokens(r4, 32)
+        conn.get_num_new_matched_tokens(r4, 32)  # asked again while waiting: counted once
+        r4.status = RequestStatus.FINISHED_ABORTED
+        conn.request_finished(r4, [])
+
         # the scheduler's services: forwarding memory API up, the pod registered
         import httpx
 
@@ -129,6 +137,8 @@ def main() -> None:
         r = httpx.post(f"http://127.0.0.1:{port_start}/memory/evict",
                        json={"chunk_hashes": ["abc"], "locations": ["tape"]}, timeout=5)
         report["forwarding_bad_location"] = [r.status_code, r.json()["error"].get("param")]
+        report["scheduler_metrics"] = httpx.get(f"http://127.0.0.1:{port_start}/metrics",
+                                                timeout=5).text
     finally:
         # Our services stop first; then LMCache's own shutdown, whose async lookup client can
         # block forever in zmq term() when a lookup was sent to a worker that never existed
@@ -192,6 +202,9 @@ def worker_side(port_start: int, work: Path) -> dict:
             time.sleep(0.1)
     out["expected"] = [f"{h:x}" for _, _, h in
                        engine.token_database.process_tokens(tokens, make_key=False)]
+    # rank 0 counts LMCache's loads by tier: a retrieve as vLLM's load makes one
+    engine.retrieve(torch.tensor(tokens), out=torch.zeros_like(helpers.random_kv(len(tokens), 4)))
+    out["worker_metrics"] = httpx.get(f"{url}/metrics", timeout=5).text
     r = httpx.post(f"{url}/memory/evict", json={"chunk_hashes": out["expected"],
                                                 "locations": ["LocalCPUBackend"]}, timeout=5)
     out["evicted"] = r.json()["num_evicted"]

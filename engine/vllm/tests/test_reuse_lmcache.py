@@ -1,0 +1,113 @@
+"""A vLLM pod's reuse metrics (``engine.vllm.reuse``) over a real LMCache engine (stock
+``ChunkedTokenDatabase``, CPU and disk tiers; no vLLM): LMCache loads counted by the tier they
+came from and the tenant in their ``request_configs``, vLLM's device-tier hits once per
+request, and the scheduler process's ``/metrics`` serving them."""
+
+from __future__ import annotations
+
+import httpx
+import torch
+from prometheus_client import CollectorRegistry, generate_latest
+
+from agentserving.core.schemas import TENANT_HEADER, Tier
+from agentserving.core.testing import free_port_run, wait_for_http
+from agentserving.engine.metrics import ReuseMetrics, tenant_name
+from agentserving.engine.testing import metric_sum
+from agentserving.engine.vllm import reuse, salting
+from agentserving.engine.vllm.services import SchedulerServices
+from agentserving.engine.vllm.settings import ConnectorSettings, parse_settings
+from agentserving.engine.vllm.storage import LMCacheStorageBackend
+
+from .conftest import CHUNK, random_kv, until
+
+CACHED = "agentserving_worker_cached_tokens_total"
+PROMPT = "agentserving_worker_prompt_tokens_total"
+A = {salting.SALT_KEY: "salt-of-a", salting.TENANT_KEY: "tenant-a"}
+
+
+def _text(registry: CollectorRegistry) -> str:
+    return generate_latest(registry).decode()
+
+
+def test_lmcache_loads_are_counted_by_tier_and_tenant(engines) -> None:
+    engine = engines()
+    registry = CollectorRegistry()
+    metrics = ReuseMetrics(registry)
+    reuse.count_retrieves(engine, metrics)
+    reuse.count_retrieves(engine, metrics)  # once only
+    tokens = list(range(3 * CHUNK + 5))  # 3 full chunks (48 tokens) and a partial, unstored
+    engine.store(torch.tensor(tokens), kv=random_kv(len(tokens), 1), request_configs=A)
+    out = torch.zeros_like(random_kv(len(tokens), 2))
+
+    got = engine.retrieve(torch.tensor(tokens), out=out, request_configs=A)
+    assert int(got.sum()) == 3 * CHUNK
+    text = _text(registry)
+    assert metric_sum(text, CACHED, tier="cpu", tenant="tenant-a") == 3 * CHUNK
+    assert metric_sum(text, CACHED, tier="disk") == 0
+
+    # vLLM held the first chunk (its mask is off there): the two others are loaded
+    mask = torch.ones(len(tokens), dtype=torch.bool)
+    mask[:CHUNK] = False
+    engine.retrieve(torch.tensor(tokens), mask, out=out, request_configs=A)
+    assert metric_sum(_text(registry), CACHED, tier="cpu", tenant="tenant-a") == \
+        5 * CHUNK
+
+    # DRAM dropped, disk kept: the same load comes from disk
+    backend = LMCacheStorageBackend(engine.storage_manager, engine.token_database,
+                                    engine.metadata)
+    until(lambda: len(backend.residency().get(Tier.DISK, ())) == 3, what="disk writes")
+    engine.clear(tokens, ["LocalCPUBackend"], A)
+    assert not backend.residency().get(Tier.CPU)
+    engine.retrieve(torch.tensor(tokens), out=out, request_configs=A)
+    text = _text(registry)
+    assert metric_sum(text, CACHED, tier="disk", tenant="tenant-a") == 3 * CHUNK
+    assert metric_sum(text, CACHED, tier="cpu", tenant="tenant-a") == 5 * CHUNK
+    # nothing under any other tenant; no prompt tokens here (the scheduler counts those)
+    assert metric_sum(text, CACHED) == 8 * CHUNK and metric_sum(text, PROMPT) == 0
+
+
+def test_tokens_by_tier_caps_to_what_was_retrieved() -> None:
+    mapping = {"LocalCPUBackend": [("k0", 0, 4), ("k1", 4, 8)],
+               "LocalDiskBackend": [("k2", 8, 12)], "RemoteBackend": [("k3", 12, 16)]}
+    assert reuse.tokens_by_tier(mapping, [True] * 16) == {"cpu": 8, "disk": 4, "remote": 4}
+    # the last block failed to load: LMCache cut the mask there
+    assert reuse.tokens_by_tier(mapping, [True] * 10 + [False] * 6) == {"cpu": 8, "disk": 2}
+
+
+def test_scheduler_counts_prompt_and_device_tokens_once_per_request() -> None:
+    registry = CollectorRegistry()
+    sched = reuse.SchedulerReuse(ReuseMetrics(registry))
+    assert sched.first_look("r1", 100, 64, A)
+    assert not sched.first_look("r1", 100, 64, A)  # asked again while waiting
+    assert sched.first_look("r2", 50, 0, {salting.SALT_KEY: "salt-of-b"})
+    sched.forget("r1")
+    text = generate_latest(registry).decode()
+    assert metric_sum(text, PROMPT, tenant="tenant-a") == 100
+    assert metric_sum(text, CACHED, tier="device", tenant="tenant-a") == 64
+    b = tenant_name(None, "salt-of-b")
+    assert metric_sum(text, PROMPT, tenant=b) == 50
+    assert metric_sum(text, CACHED, tenant=b) == 0
+
+
+def test_middleware_body_carries_the_tenant_header() -> None:
+    out = salting.salted_body({"prompt": [1], "cache_salt": "s"}, "acme")
+    assert out["kv_transfer_params"] == {salting.SALT_KEY: "s", salting.TENANT_KEY: "acme"}
+    out = salting.salted_body({"prompt": [1]}, "acme")
+    assert out["kv_transfer_params"] == {salting.TENANT_KEY: "acme"}
+    assert salting._tenant_header({"headers": [(TENANT_HEADER.encode(), b"acme")]}) == "acme"
+    assert salting._tenant_header({"headers": []}) is None
+    assert parse_settings({"metrics_max_tenants": 5}, {}).metrics_max_tenants == 5
+
+
+def test_scheduler_process_serves_the_reuse_counters() -> None:
+    start = free_port_run(2)
+    settings = ConnectorSettings(pod_name="p", public_host="127.0.0.1",
+                                 memory_host="127.0.0.1", memory_port_start=start)
+    reuse.process_metrics().observe("tenant-s", 10, {"device": 4})
+    sched = SchedulerServices(settings, 1, ["LocalCPUBackend"], lambda: None)
+    try:
+        wait_for_http(f"http://127.0.0.1:{start}/healthz", timeout_s=30)
+        text = httpx.get(f"http://127.0.0.1:{start}/metrics", timeout=10).text
+        assert metric_sum(text, CACHED, tier="device", tenant="tenant-s") >= 4
+    finally:
+        sched.stop()

@@ -353,6 +353,11 @@ def test_tenants_never_share_prefixes(fleet, tmp_path):
     assert probe("tenant:a") == 0
     real = ApiKeys.load(keys).authenticate("Bearer sk-tenant-a-0001").cache_salt
     assert probe(real) >= 512
+    # the proxy tells the pod whose turn it runs: w0's reuse metrics are per tenant by name
+    assert metric(fleet.workers["w0"], "agentserving_worker_prompt_tokens_total",
+                  tenant="a") == len(prompt)
+    assert metric(fleet.workers["w0"], "agentserving_worker_prompt_tokens_total",
+                  tenant="b") == len(prompt)
     with pytest.raises(openai.AuthenticationError):
         client(proxy, api_key="sk-wrong-key-000").models.list()
 

@@ -30,6 +30,7 @@ from agentserving.core.clients import (
 )
 from agentserving.core.logging import get_logger
 from agentserving.core.schemas import (
+    TENANT_HEADER,
     LookupRequest,
     LookupResponse,
     PodPrefix,
@@ -121,6 +122,12 @@ class Turn:
     @property
     def stream(self) -> bool:
         return bool(self.body.get("stream"))
+
+    @property
+    def upstream_headers(self) -> dict[str, str] | None:
+        """What the pods are told besides the body: the caller's tenant, which labels their
+        reuse metrics (the cache_salt, not this, keeps tenants' chunks apart)."""
+        return {TENANT_HEADER: self.tenant} if self.tenant else None
 
 
 class Orchestrator:
@@ -479,7 +486,8 @@ class Orchestrator:
         self.metrics.routed.labels(stage, pod.name, self.policy.name).inc()
         self.pool.acquire(pod.name)
         try:
-            return await fn(self.http, pod.name, pod.url + turn.endpoint, body)
+            return await fn(self.http, pod.name, pod.url + turn.endpoint, body,
+                            turn.upstream_headers)
         except UpstreamFailed:
             self.pool.mark_failed(pod.name)
             raise

@@ -91,10 +91,11 @@ class StreamReply:
             yield buf.removesuffix(b"\r").decode()
 
 
-async def post_json(client: aiohttp.ClientSession, pod: str, url: str, body: dict[str, Any]
-                    ) -> Reply:
+async def post_json(client: aiohttp.ClientSession, pod: str, url: str, body: dict[str, Any],
+                    headers: Mapping[str, str] | None = None) -> Reply:
     try:
-        async with client.post(url, data=dumps(body), headers=_JSON) as resp:
+        async with client.post(url, data=dumps(body),
+                               headers={**_JSON, **headers} if headers else _JSON) as resp:
             reply = Reply(resp.status, resp.headers, await resp.read())
     except UPSTREAM_ERRORS as exc:
         raise UpstreamFailed(pod, f"{type(exc).__name__}: {exc}") from exc
@@ -103,11 +104,12 @@ async def post_json(client: aiohttp.ClientSession, pod: str, url: str, body: dic
     return reply
 
 
-async def open_stream(client: aiohttp.ClientSession, pod: str, url: str, body: dict[str, Any]
-                      ) -> StreamReply:
+async def open_stream(client: aiohttp.ClientSession, pod: str, url: str, body: dict[str, Any],
+                      headers: Mapping[str, str] | None = None) -> StreamReply:
     """Send the request and read the status line; the body is read later, line by line."""
     try:
-        resp = await client.post(url, data=dumps(body), headers=_JSON)
+        resp = await client.post(url, data=dumps(body),
+                                 headers={**_JSON, **headers} if headers else _JSON)
     except UPSTREAM_ERRORS as exc:
         raise UpstreamFailed(pod, f"{type(exc).__name__}: {exc}") from exc
     if resp.status >= 500:

@@ -116,6 +116,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lookup-rate", type=float, default=20.0,
                         help="the bench's own timed kvindex lookups per second during the load "
                              "(default 20; 0: none)")
+    parser.add_argument("--lookups", choices=("replica", "kvindex"), default="replica",
+                        help="where the proxy looks each turn up: its in-process residency "
+                             "replica (default) or the kvindex, a round trip per turn "
+                             "(--no-residency-replica, the proxy before issue 18)")
     parser.add_argument("--seed", type=int, default=19, help="random seed (default 19)")
     parser.add_argument("--logs", type=Path, default=None,
                         help="keep every process's log in this folder (default: a temp folder, "
@@ -180,7 +184,8 @@ def fleet(args: argparse.Namespace, stack: contextlib.ExitStack, logs: Path) -> 
     pp = stack.enter_context(service_process(
         [AGENTSERVING, "proxy", "--port", str(proxy_port), "--kvindex", kvindex,
          "--routing", "kv-aware", "--chunk-size", str(args.chunk_size),
-         "--discovery-interval", "1", "--log-level", "warning"],
+         "--discovery-interval", "1", "--log-level", "warning",
+         *(["--no-residency-replica"] if args.lookups == "kvindex" else [])],
         proxy + "/readyz", log_path=logs / "proxy.log"))
     pids["proxy"] = pp.pid
     deadline = time.monotonic() + 30
@@ -633,6 +638,7 @@ def summarize(args: argparse.Namespace, r: Results, after: dict[str, Any]) -> di
                    "output_tokens": args.output_tokens, "think_s_mean": args.think_s,
                    "ramp_s": args.ramp_s, "standin_workers": args.workers,
                    "chunk_size": args.chunk_size, "routing": "kv-aware",
+                   "lookups": args.lookups,
                    "kvindex_store": "redis", "lookup_rate_per_s": args.lookup_rate,
                    "seed": args.seed, "python": platform.python_version(),
                    "cpus": os.cpu_count(), "load_average_1m_at_start": args.load_at_start,

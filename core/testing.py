@@ -113,6 +113,70 @@ def redis_server() -> Iterator[RedisServer]:
         server.stop()
 
 
+@contextlib.contextmanager
+def redis_process(port: int, workdir: Path, *args: str) -> Iterator[subprocess.Popen]:
+    """A redis-server (or, with ``conf --sentinel``, a sentinel) on loopback, no persistence."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server not found: run `make setup` (installs Debian's)")
+    proc = subprocess.Popen([binary, *args, "--bind", "127.0.0.1", "--port", str(port),
+                             "--dir", str(workdir), "--save", "", "--appendonly", "no",
+                             "--repl-diskless-sync-delay", "0"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_port(port)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def wait_until(check, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
+    """Poll ``check`` until it returns something true (Redis errors count as not yet)."""
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(redis.RedisError):
+            if value := check():
+                return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@contextlib.contextmanager
+def redis_sentinel_set(service: str = "kv") -> Iterator[tuple[str, subprocess.Popen, int]]:
+    """A master, two replicas and one sentinel watching them, all synced: (the store's
+    ``redis+sentinel://`` URL, the master's process, the sentinel's port)."""
+    import redis
+
+    root = Path(tempfile.mkdtemp(prefix="agentserving-sentinel-"))
+    master, *replicas, sentinel = (free_port() for _ in range(4))
+    for name in ("m", "r0", "r1", "s"):
+        (root / name).mkdir()
+    conf = root / "s" / "sentinel.conf"
+    conf.write_text(f"sentinel monitor {service} 127.0.0.1 {master} 1\n"
+                    f"sentinel down-after-milliseconds {service} 1000\n"
+                    f"sentinel failover-timeout {service} 3000\n")
+    try:
+        with contextlib.ExitStack() as stack:
+            m = stack.enter_context(redis_process(master, root / "m"))
+            for i, port in enumerate(replicas):
+                stack.enter_context(redis_process(port, root / f"r{i}", "--replicaof",
+                                                  "127.0.0.1", str(master)))
+            stack.enter_context(redis_process(sentinel, root / "s", str(conf), "--sentinel"))
+            primary = redis.Redis(port=master)
+            wait_until(lambda: [primary.info("replication").get(f"slave{i}", {}).get("state")
+                                for i in range(2)] == ["online", "online"], 20,
+                       "both replicas to sync")
+            watcher = redis.Redis(port=sentinel)
+            wait_until(lambda: len(watcher.sentinel_slaves(service)) == 2, 20,
+                       "the sentinel to find both replicas")
+            yield f"redis+sentinel://127.0.0.1:{sentinel}/{service}/0", m, sentinel
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def _tail(path: Path | None, lines: int = 40) -> str:
     """The end of a service's log, so a failed start explains itself in the test report."""
     if path is None:

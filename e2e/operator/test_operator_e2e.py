@@ -93,6 +93,8 @@ INVALID = [
     ("no-model", {"engine": {"type": "reference"}}, "spec.model"),
     ("bad-redis", {"model": {"name": "m"}, "kvindex": {"redis": {"url": "http://redis:6379"}}},
      "spec.kvindex.redis.url"),
+    ("bad-redis-replicas", {"model": {"name": "m"}, "kvindex": {"redis": {
+        "inCluster": True, "replicas": 0}}}, "spec.kvindex.redis.replicas"),
     ("bad-accelerator", {"model": {"name": "m"}, "decode": {"accelerator": {"type": "tpu"}}},
      "spec.decode.accelerator.type"),
     ("bad-chunk", {"model": {"name": "m"}, "kvCache": {"chunkSize": 0}}, "spec.kvCache.chunkSize"),
@@ -232,6 +234,39 @@ def test_unservable_spec_is_degraded_with_the_field_named(cluster, operator):
     assert condition(resource, "Degraded")["reason"] == "InvalidSpec"
     assert "spec.kvindex.replicas" in condition(resource, "Degraded")["message"]
     assert children(cluster, ns, name) == {}
+
+
+def test_in_cluster_redis_with_sentinel_and_back_to_one(cluster, operator):
+    """redis.replicas 3: a StatefulSet (pods with a redis and a sentinel container), its
+    headless Service, the sentinels' Service and the ConfigMap, accepted by a real API
+    server; the status counts the StatefulSet. Back to 1: those are pruned and the single
+    Deployment returns."""
+    ns, name = "e2e-redis-ha", "ha"
+    doc = load(REPO / "examples" / "agentserving-reference.yaml")
+    doc["metadata"]["name"] = name
+    doc["spec"]["kvindex"] = {"replicas": 2, "redis": {"inCluster": True, "replicas": 3}}
+    create(cluster, ns, json.dumps(doc))
+    want = expected_children(get_resource(cluster, ns, name))
+    assert {("StatefulSet", f"{name}-redis"), ("Service", f"{name}-redis-headless"),
+            ("Service", f"{name}-redis-sentinel"), ("ConfigMap", f"{name}-redis")} <= want
+    got = wait_for(lambda: (c := children(cluster, ns, name)) and set(c) == want and c, WAIT,
+                   f"children of {ns}/{name}")
+    assert got[("Service", f"{name}-redis-headless")]["spec"]["clusterIP"] == "None"
+    assert got[("StatefulSet", f"{name}-redis")]["spec"]["replicas"] == 3
+    # OrderedReady: pod 0 only, until it is Ready (never, without a kubelet)
+    redis_pods = wait_for(lambda: (p := pods(cluster, ns, "redis")) and p, WAIT, "redis pod 0")
+    assert [p["metadata"]["name"] for p in redis_pods] == [f"{name}-redis-0"]
+    assert [c["name"] for c in redis_pods[0]["spec"]["containers"]] == ["redis", "sentinel"]
+    status = wait_reconciled(cluster, ns, name)["status"]
+    assert status["redis"]["replicas"] == 3 and status["redis"]["readyReplicas"] == 0
+    cluster.kubectl("patch", "agentserving", name, "-n", ns, "--type=merge",
+                    "-p", json.dumps({"spec": {"kvindex": {"redis": {"replicas": 1}}}}))
+    resource = wait_for(lambda: (r := wait_reconciled(cluster, ns, name))["metadata"][
+        "generation"] == 2 and r, WAIT, "generation 2 applied")
+    want = expected_children(resource)
+    assert ("Deployment", f"{name}-redis") in want and ("StatefulSet", f"{name}-redis") not in want
+    wait_for(lambda: set(children(cluster, ns, name)) == want, WAIT, "the Sentinel set pruned")
+    assert resource["status"]["redis"]["replicas"] == 1
 
 
 def test_delete_forgets_kvindex_pods_and_collects_children(cluster, operator, fake_kvindex):

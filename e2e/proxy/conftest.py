@@ -50,15 +50,17 @@ class Fleet:
         """What a caller of the kvindex or a memory API must send."""
         return auth_headers(self.token)
 
-    def start_kvindex(self) -> Proc:
+    def start_kvindex(self, *extra: str, name: str = "kvindex") -> Proc:
+        """A kvindex; the first one started is the one workers and proxies use by default."""
         port = free_port()
         url = f"http://127.0.0.1:{port}"
-        log = self.root / "kvindex.log"
+        log = self.root / f"{name}.log"
         proc = self.stack.enter_context(service_process(
             [AGENTSERVING, "kvindex", "--port", str(port), "--lease-ttl", "3",
-             "--reap-interval", "0.5"], url + "/readyz", env=self.env, log_path=log))
-        self.kvindex = Proc(url, proc, log)
-        return self.kvindex
+             "--reap-interval", "0.5", *extra], url + "/readyz", env=self.env, log_path=log))
+        started = Proc(url, proc, log)
+        self.kvindex = self.kvindex or started
+        return started
 
     def start_worker(self, name: str, role: str = "both", disk: bool = True) -> Proc:
         port, mem = free_port(), free_port_run(2)

@@ -101,6 +101,7 @@ def create_app(settings: KvindexSettings, index: Index | None = None,
         try:
             await st.index.ping()
             await st.sessions.ping()
+            await st.feed.ping()
         except BackendUnavailable as exc:
             raise ApiError(503, f"store unavailable: {exc}", type="service_unavailable") from exc
         return {"status": "ready", "store": store_kind}

@@ -47,6 +47,10 @@ class ChangeFeed(Protocol):
         wait up to ``wait_s`` for one. ``ValueError``: not a cursor of this kind of feed."""
         ...
 
+    async def ping(self) -> None:
+        """Raise ``BackendUnavailable`` when the feed's store cannot be reached."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -96,6 +100,9 @@ class MemoryChangeFeed:
         start = n - first
         out = [self._tail[i] for i in range(start, min(start + limit, len(self._tail)))]
         return out, self._cursor(n + len(out))
+
+    async def ping(self) -> None:
+        return None
 
     async def close(self) -> None:
         return None

@@ -5,20 +5,16 @@ acknowledged (``--redis-min-acks 1``: each write WAITs for a replica) is still t
 
 from __future__ import annotations
 
-import contextlib
-import shutil
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
 from fastapi.testclient import TestClient
 
 from agentserving.core.hashing import ChunkHasher
-from agentserving.core.testing import free_port, wait_for_port
+from agentserving.core.testing import redis_sentinel_set, wait_until
 from agentserving.kvindex.app import create_app
 from agentserving.kvindex.index.redis import sentinel_parts
 from agentserving.kvindex.settings import KvindexSettings
@@ -26,60 +22,11 @@ from agentserving.kvindex.settings import KvindexSettings
 CHAIN = ChunkHasher(chunk_size=4).hashes(list(range(400)))  # 100 chained hashes
 
 
-@contextlib.contextmanager
-def redis_process(port: int, workdir: Path, *args: str) -> Iterator[subprocess.Popen]:
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail("redis-server not found: run `make setup` (installs Debian's)")
-    proc = subprocess.Popen([binary, *args, "--bind", "127.0.0.1", "--port", str(port),
-                             "--dir", str(workdir), "--save", "", "--appendonly", "no",
-                             "--repl-diskless-sync-delay", "0"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_port(port)
-        yield proc
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-def wait_until(check, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(redis.RedisError):
-            if value := check():
-                return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.fixture
 def sentinel_set() -> Iterator[tuple[str, subprocess.Popen, int]]:
     """(store URL, the master's process, the sentinel's port)."""
-    root = Path(tempfile.mkdtemp(prefix="agentserving-sentinel-"))
-    ports = [free_port() for _ in range(4)]
-    master, replicas, sentinel = ports[0], ports[1:3], ports[3]
-    for name in ("m", "r0", "r1", "s"):
-        (root / name).mkdir()
-    conf = root / "s" / "sentinel.conf"
-    conf.write_text(f"sentinel monitor kv 127.0.0.1 {master} 1\n"
-                    "sentinel down-after-milliseconds kv 1000\n"
-                    "sentinel failover-timeout kv 3000\n")
-    with contextlib.ExitStack() as stack:
-        m = stack.enter_context(redis_process(master, root / "m"))
-        for i, port in enumerate(replicas):
-            stack.enter_context(redis_process(port, root / f"r{i}", "--replicaof", "127.0.0.1",
-                                              str(master)))
-        stack.enter_context(redis_process(sentinel, root / "s", str(conf), "--sentinel"))
-        primary = redis.Redis(port=master)
-        wait_until(lambda: [primary.info("replication").get(f"slave{i}", {}).get("state")
-                            for i in range(2)] == ["online", "online"], 20,
-                   "both replicas to sync")
-        watcher = redis.Redis(port=sentinel)
-        wait_until(lambda: len(watcher.sentinel_slaves("kv")) == 2, 20,
-                   "the sentinel to find both replicas")
-        yield f"redis+sentinel://127.0.0.1:{sentinel}/kv/0", m, sentinel
-    shutil.rmtree(root, ignore_errors=True)
+    with redis_sentinel_set() as made:
+        yield made
 
 
 def test_sentinel_urls():

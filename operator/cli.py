@@ -29,7 +29,9 @@ setting = settings_option(OperatorSettings)
 @setting("--vllm-ascend-image",
          help="Worker image for engine vllm-ascend when spec.engine.image is empty.")
 @setting("--redis-image",
-         help="Image of the in-cluster Redis (spec.kvindex.redis.inCluster).")
+         help="Image of the in-cluster Redis (spec.kvindex.redis.inCluster); with "
+              "redis.replicas 2+ it runs the sentinels too (redis-server --sentinel, sh, "
+              "redis-cli).")
 @setting("--kvindex-url-template",
          help="How the finalizer reaches a resource's kvindex to forget its pods; {name} and "
               "{namespace} are the resource's.")

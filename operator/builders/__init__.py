@@ -25,6 +25,7 @@ from .config import build_config, wants_config
 from .credentials import derive_token, internal_secret_name, with_internal_token
 from .engines import ENGINES, WorkerContext, validate_engine
 from .pools import build_pool, build_pool_service, validate_pool
+from .redis_ha import wants_sentinel
 from .services import (
     build_kvindex,
     build_kvserver,
@@ -68,8 +69,9 @@ def workloads(inst: Instance) -> dict[str, tuple[str, str]]:
     out = {role: ("StatefulSet", inst.child_name(role)) for role in POOLS}
     out["proxy"] = ("Deployment", inst.child_name("proxy"))
     out["kvindex"] = ("Deployment", inst.child_name("kvindex"))
-    if wants_redis(inst):
-        out["redis"] = ("Deployment", inst.child_name("redis"))
+    if wants_redis(inst):  # with Sentinel (2+ members) a StatefulSet of the same name
+        out["redis"] = ("StatefulSet" if wants_sentinel(inst) else "Deployment",
+                        inst.child_name("redis"))
     if wants_kvserver(inst):
         out["kvserver"] = ("Deployment", inst.child_name("kvserver"))
     return out

@@ -1,4 +1,5 @@
-"""The proxy, the kvindex and (when asked) an in-cluster Redis: a Deployment and a Service each.
+"""The proxy, the kvindex and (when asked) an in-cluster Redis: a Deployment and a Service each
+(a Redis of 2+ members is a StatefulSet with Sentinel: ``redis_ha``).
 
 The proxy's and the kvindex's command lines are rendered from their own settings objects
 through their own click commands (``core.argv``), as the workers' are.
@@ -30,6 +31,7 @@ from .common import (
     selector_labels,
 )
 from .config import uses_lmcache_controller
+from .redis_ha import build_redis_sentinel, redis_replicas, sentinel_store_url
 
 
 def kvindex_store(inst: Instance) -> str:
@@ -38,9 +40,12 @@ def kvindex_store(inst: Instance) -> str:
     redis = kvi.get("redis") or {}
     if redis.get("url") and redis.get("inCluster"):
         raise SpecError("spec.kvindex.redis", "set either url or inCluster, not both")
+    members = redis_replicas(inst)
     if redis.get("url"):
         return redis["url"]
     if redis.get("inCluster"):
+        if members > 1:
+            return sentinel_store_url(inst)
         return f"redis://{inst.service_host('redis')}:{REDIS_PORT}/0"
     if kvi["replicas"] > 1:
         raise SpecError("spec.kvindex.replicas",
@@ -94,10 +99,26 @@ def _argv(subcommand: str, command: Any, settings_cls: type[BaseModel], where: s
         raise SpecError(where, f"the {subcommand} refuses it: {exc.errors()[0]['msg']}") from exc
 
 
+def kvindex_min_acks(inst: Instance) -> int:
+    """Replicas that must hold each write (Redis WAIT): ``redis.minAcks``, else 1 with the
+    in-cluster Redis with Sentinel (a failover then loses nothing acknowledged), else 0."""
+    redis = inst.spec["kvindex"].get("redis") or {}
+    members = redis_replicas(inst)
+    min_acks = redis.get("minAcks")
+    if members > 1:
+        if min_acks is None:
+            return 1
+        if min_acks > members - 1:
+            raise SpecError("spec.kvindex.redis.minAcks",
+                            f"at most {members - 1} (redis.replicas - 1) replicas can "
+                            f"acknowledge a write, not {min_acks}")
+    return min_acks or 0
+
+
 def kvindex_argv(inst: Instance) -> list[str]:
     values: dict[str, Any] = {"host": "0.0.0.0", "port": KVINDEX_PORT,
                               "store": kvindex_store(inst)}
-    min_acks = (inst.spec["kvindex"].get("redis") or {}).get("minAcks")
+    min_acks = kvindex_min_acks(inst)
     if min_acks:
         values["redis_min_acks"] = min_acks
     if uses_lmcache_controller(inst):
@@ -163,6 +184,8 @@ def build_proxy(inst: Instance, image: str, kvindex_url: str) -> list[dict[str, 
 
 def build_redis(inst: Instance, image: str) -> list[dict[str, Any]]:
     redis = inst.spec["kvindex"].get("redis") or {}
+    if redis_replicas(inst) > 1:
+        return build_redis_sentinel(inst, redis.get("image") or image)
     container = {
         "name": "redis",
         "image": redis.get("image") or image,

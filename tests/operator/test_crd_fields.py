@@ -47,6 +47,8 @@ UNUSED_WHEN = {
         "a cpu pool requests no accelerators"),
     "kvindex.redis.image": (lambda spec, _: not spec["kvindex"]["redis"].get("inCluster"),
                             "no in-cluster Redis runs"),
+    "kvindex.redis.replicas": (lambda spec, _: not spec["kvindex"]["redis"].get("inCluster"),
+                               "no in-cluster Redis runs (2+ members are refused)"),
     "kvCache.diskVolume.medium": (
         lambda spec, _: bool(spec["kvCache"]["diskVolume"].get("storageClassName")),
         "a PersistentVolumeClaim holds the disk tier, not an emptyDir"),

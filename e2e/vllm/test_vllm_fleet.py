@@ -390,3 +390,52 @@ def _up(url: str) -> bool:
     except httpx.HTTPError:
         return False
     return True
+
+
+def test_tenants_through_the_proxy_neither_share_nor_probe_on_vllm(
+        vllm_fleet: VllmFleet, tmp_path: Path) -> None:
+    """Issue 18 on the vLLM engine: two tenants' API keys on a proxy in front of a vLLM pod.
+    B's turn on A's prompt reuses nothing (not vLLM's cache, not LMCache's tiers); a caller
+    reaching the pod itself finds A's prefix only with the salt the proxy derives for A from
+    its secret, not with a guessable one; the pod counts each tenant's prompt tokens by name."""
+    from agentserving.core.testing import free_port, service_process
+    from agentserving.proxy.auth import ApiKeys
+
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"key": "sk-vllm-tenant-a", "tenant": "a"},
+                                         {"key": "sk-vllm-tenant-b", "tenant": "b"}]}))
+    worker = vllm_fleet.url("worker-0")
+    port = free_port()
+    proxy = f"http://127.0.0.1:{port}"
+    prompt = prompt_ids(43, 1300)
+    with service_process([*agentserving_argv(), "proxy", "--port", str(port), "--prefill",
+                          worker, "--chunk-size", str(CHUNK), "--api-keys", str(keys),
+                          "--salt-secret", "a-secret-of-this-deployment"], proxy + "/readyz",
+                         log_path=tmp_path / "proxy.log"):
+        def as_tenant(key: str) -> dict:
+            r = httpx.post(proxy + "/v1/completions", timeout=120, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0},
+                headers={"authorization": f"Bearer {key}", "x-session-id": "same-id"})
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        a = as_tenant("sk-vllm-tenant-a")
+        before = vllm_metrics(worker)
+        b = as_tenant("sk-vllm-tenant-b")
+        after = vllm_metrics(worker)
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert delta(before, after, EXTERNAL) == 0 and delta(before, after, COMPUTED) == len(prompt)
+    assert not set(b["kv_transfer_params"]["chunk_hashes"]) & set(
+        a["kv_transfer_params"]["chunk_hashes"])
+    # probing the pod directly: a guessed salt finds nothing, the derived one finds A's KV
+    guessed = completion(worker, prompt, cache_salt="tenant:a")
+    assert guessed["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    salt = ApiKeys.load(keys, "a-secret-of-this-deployment").authenticate(
+        "Bearer sk-vllm-tenant-a").cache_salt
+    assert completion(worker, prompt, cache_salt=salt)["usage"]["prompt_tokens_details"][
+        "cached_tokens"] >= full_chunks(len(prompt))
+    # the pod's reuse metrics carry the tenants the proxy named (x-agentserving-tenant)
+    metrics = httpx.get(vllm_fleet.memory_url("worker-0") + "/metrics", timeout=10).text
+    for tenant in ("a", "b"):
+        assert f'agentserving_worker_prompt_tokens_total{{tenant="{tenant}"}} {len(prompt)}.0' \
+            in metrics, tenant

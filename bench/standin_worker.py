@@ -52,8 +52,10 @@ _encode = msgspec.json.Encoder()
 class StandIn:
     """The pod's state: what it holds (one tier, device) and what it has served."""
 
-    def __init__(self, pod: str, chunk_size: int, max_output_tokens: int) -> None:
+    def __init__(self, pod: str, chunk_size: int, max_output_tokens: int,
+                 us_per_computed_token: float = 0.0) -> None:
         self.pod = pod
+        self.us_per_computed_token = us_per_computed_token
         self.chunk_size = chunk_size
         self.max_output_tokens = max_output_tokens
         self.hasher = ChunkHasher(HashScheme.BLAKE3, chunk_size)
@@ -123,6 +125,8 @@ def make_app(state: StandIn) -> web.Application:
                 return _bad_request("prompt: this stand-in takes token-id prompts", "prompt")
         salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
         hashes, cached = state.serve(tokens, salt)
+        if state.us_per_computed_token:  # prefill's cost: the tokens not held already
+            await asyncio.sleep((len(tokens) - cached) * state.us_per_computed_token / 1e6)
         n_out = state.output_tokens(body)
         usage = _usage(len(tokens), n_out, cached)
         params = {"chunk_hashes": hashes}
@@ -219,6 +223,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"tokens per KV chunk (default {DEFAULT_CHUNK_SIZE})")
     parser.add_argument("--max-output-tokens", type=int, default=16,
                         help="most output tokens an answer carries (default 16)")
+    parser.add_argument("--us-per-computed-token", type=float, default=0.0,
+                        help="microseconds an answer waits per prompt token not already held, "
+                             "as prefill would take (default 0: answer at once); the proxy "
+                             "then sees turns in flight and balances by them")
     parser.add_argument("--heartbeat-interval", type=float, default=2.0,
                         help="seconds between kvindex lease renewals (default 2)")
     parser.add_argument("--flush-interval", type=float, default=0.05,
@@ -227,7 +235,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    state = StandIn(args.pod_name, args.chunk_size, args.max_output_tokens)
+    state = StandIn(args.pod_name, args.chunk_size, args.max_output_tokens,
+                    args.us_per_computed_token)
     base = f"http://{args.host}:{args.port}"
     if args.kvindex:
         registration = PodRegistration(

@@ -6,16 +6,19 @@ Kept in the package (not under tests/) because every unit's tests and the benche
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import random
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import httpx
 
@@ -131,16 +134,20 @@ def redis_process(port: int, workdir: Path, *args: str) -> Iterator[subprocess.P
         proc.wait()
 
 
-def wait_until(check, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
-    """Poll ``check`` until it returns something true (Redis errors count as not yet)."""
-    import redis
+def wait_until(check, timeout_s: float = 15.0, what: str = "condition",  # type: ignore[no-untyped-def]
+               ignoring: tuple[type[Exception], ...] | None = None, interval_s: float = 0.05):
+    """Poll ``check`` until it returns something true, and return that; ``ignoring``: errors
+    that mean "not yet" (default: Redis's, as a store comes back after a failover)."""
+    if ignoring is None:
+        import redis
 
+        ignoring = (redis.RedisError,)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        with contextlib.suppress(redis.RedisError):
+        with contextlib.suppress(*ignoring):
             if value := check():
                 return value
-        time.sleep(0.1)
+        time.sleep(interval_s)
     raise AssertionError(f"timed out waiting for {what}")
 
 
@@ -175,6 +182,18 @@ def redis_sentinel_set(service: str = "kv") -> Iterator[tuple[str, subprocess.Po
             yield f"redis+sentinel://127.0.0.1:{sentinel}/{service}/0", m, sentinel
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def import_bench(module: str) -> ModuleType:
+    """``bench.<module>`` from this checkout (the benches are not packaged), for its tests.
+    The repository root goes at the end of ``sys.path``: first, its operator/ folder would
+    shadow the standard library's ``operator``."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "bench" / "__init__.py").exists():
+        raise RuntimeError(f"no bench/ beside {root / 'core'}: run from a checkout")
+    if str(root) not in sys.path:
+        sys.path.append(str(root))
+    return importlib.import_module(f"bench.{module}")
 
 
 def _tail(path: Path | None, lines: int = 40) -> str:

@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from agentserving.core.schemas import TENANT_HEADER
+from agentserving.core.testing import wait_until as wait_for
 from agentserving.proxy.auth import ApiKeys
 
 TURN_TOKENS = 300
@@ -22,16 +23,6 @@ TURN_TOKENS = 300
 
 def prompt_for(seed: int, n: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 30000 + 10 for i in range(n)]
-
-
-def wait_for(check, timeout_s: float = 15.0, what: str = "condition"):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")

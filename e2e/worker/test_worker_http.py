@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from agentserving.core.hashing import ChunkHasher
-from agentserving.core.testing import free_port, service_process
+from agentserving.core.testing import free_port, service_process, wait_until
 from agentserving.engine.testing import metric_sum, metric_value, prompt, worker_process
 
 AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
@@ -70,15 +70,6 @@ def steps_logged(w) -> list[dict]:
             for line in f.read_text().splitlines()]
 
 
-def wait_for(pred, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_help_explains_every_flag():
     out = subprocess.run([AGENTSERVING, "worker", "--help"], capture_output=True, text=True,
                          check=True).stdout
@@ -124,7 +115,7 @@ def test_second_turn_reuses_kv_with_identical_output(stack):
     # decode of their 4 later tokens read the prompt and the tokens before it
     def contexts() -> set[int]:
         return {s["decode_context"] for s in steps_logged(w) if s["decode_tokens"] == 1}
-    wait_for(lambda: {701, 702, 703, 704} <= contexts(), what="the decodes' step records")
+    wait_until(lambda: {701, 702, 703, 704} <= contexts(), what="the decodes' step records")
     steps = steps_logged(w)
     chunks = [tuple(c) for s in steps for c in s["chunks"]]
     # ... and the text turn's 601 tokens in two chunks
@@ -138,7 +129,7 @@ def test_reuse_from_disk_via_memory_api_is_identical(stack):
     body = {"prompt": ids, "max_tokens": 4, "logprobs": 1}
     cold = w.complete(**body)
     hashes = cold["kv_transfer_params"]["chunk_hashes"]
-    wait_for(lambda: len(httpx.get(w.memory_url + "/memory/chunks").json()["chunks"]
+    wait_until(lambda: len(httpx.get(w.memory_url + "/memory/chunks").json()["chunks"]
                          .get("disk", [])) >= 3 and all(
         h in httpx.get(w.memory_url + "/memory/chunks").json()["chunks"]["disk"]
         for h in hashes), what="disk writes")
@@ -158,7 +149,7 @@ def test_prefetch_is_async_and_lands_in_dram(stack):
     w, _ = stack
     ids = prompt(800, seed=102)
     hashes = w.complete(prompt=ids, max_tokens=2)["kv_transfer_params"]["chunk_hashes"]
-    wait_for(lambda: set(hashes) <= set(httpx.get(w.memory_url + "/memory/chunks").json()
+    wait_until(lambda: set(hashes) <= set(httpx.get(w.memory_url + "/memory/chunks").json()
                                         ["chunks"].get("disk", [])), what="disk writes")
     assert httpx.post(w.memory_url + "/memory/evict",
                       json={"chunk_hashes": hashes, "locations": ["cpu"]}).json()[
@@ -170,7 +161,7 @@ def test_prefetch_is_async_and_lands_in_dram(stack):
     body = r.json()
     assert body["status"] == "prefetch_started" and body["lookup_id"] == "turn-7"
     assert body["num_chunks"] == 4 and body["num_to_load"] == 3 and body["num_missing"] == 1
-    wait_for(lambda: httpx.get(w.memory_url + "/memory/prefetch/turn-7").json()["state"]
+    wait_until(lambda: httpx.get(w.memory_url + "/memory/prefetch/turn-7").json()["state"]
              == "done", what="prefetch")
     status = httpx.get(w.memory_url + "/memory/prefetch/turn-7").json()
     assert status["loaded"] == 3 and status["corrupt"] == 0
@@ -265,13 +256,13 @@ def test_kvindex_tracks_residency_through_an_outage(stack):
     w, kv = stack
     ids = prompt(600, seed=105)
     hashes = w.complete(prompt=ids, max_tokens=2)["kv_transfer_params"]["chunk_hashes"]
-    wait_for(lambda: kv.locations(hashes[0]) == {("w-http", "cpu"), ("w-http", "disk")},
+    wait_until(lambda: kv.locations(hashes[0]) == {("w-http", "cpu"), ("w-http", "disk")},
              what="residency in the kvindex")
     pod = httpx.get(f"{kv.url}/v1/pods/w-http").json()
     assert pod["role"] == "both" and pod["memory_api_url"] == w.memory_url
     assert pod["capacity_bytes"]["cpu"] == 2 * int(0.25 * 1024**3)
     httpx.post(w.memory_url + "/memory/evict", json={"chunk_hashes": hashes[:1]})
-    wait_for(lambda: kv.locations(hashes[0]) == set(), what="eviction in the kvindex")
+    wait_until(lambda: kv.locations(hashes[0]) == set(), what="eviction in the kvindex")
     assert kv.locations(hashes[1]) == {("w-http", "cpu"), ("w-http", "disk")}
     kv.stop()  # the kvindex goes away: the worker keeps serving
     ids2 = prompt(600, seed=106)
@@ -279,7 +270,7 @@ def test_kvindex_tracks_residency_through_an_outage(stack):
     again = w.complete(prompt=ids2, max_tokens=2)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 512
     kv.start()  # back, empty: the worker re-registers and sends a snapshot
-    wait_for(lambda: ("w-http", "cpu") in kv.locations(during[0]), timeout=15,
+    wait_until(lambda: ("w-http", "cpu") in kv.locations(during[0]), timeout_s=15,
              what="resync after the outage")
     assert kv.locations(hashes[1]) == {("w-http", "cpu"), ("w-http", "disk")}
     assert kv.locations(hashes[0]) == set()
@@ -323,9 +314,9 @@ def test_client_disconnect_aborts_the_engine_request(stack):
             "stream": True}) as resp:
         lines = resp.iter_lines()
         assert next(lines).startswith("data: ")
-        wait_for(lambda: metric_value(w.metrics(), "agentserving_worker_queue_length",
+        wait_until(lambda: metric_value(w.metrics(), "agentserving_worker_queue_length",
                                       'state="running"') == 1, what="the request running")
     # the client hung up after one token: the engine drops the request instead of decoding on
-    wait_for(lambda: metric_value(w.metrics(), "agentserving_worker_queue_length",
-                                  'state="running"') == 0, timeout=10, what="the abort")
+    wait_until(lambda: metric_value(w.metrics(), "agentserving_worker_queue_length",
+                                  'state="running"') == 0, timeout_s=10, what="the abort")
     assert metric_value(w.metrics(), "agentserving_worker_completion_tokens_total") < 5000

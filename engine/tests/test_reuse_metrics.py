@@ -5,12 +5,11 @@ evict, each counted under the tenant that sent the turn and no other."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
 from agentserving.core.schemas import TENANT_HEADER
+from agentserving.core.testing import wait_until
 from agentserving.engine.metrics import (
     NO_TENANT,
     OTHER_TENANT,
@@ -51,15 +50,6 @@ def _text(registry) -> str:
     from prometheus_client import generate_latest
 
     return generate_latest(registry).decode()
-
-
-def _wait(pred, timeout=30.0, what="condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +93,8 @@ def test_reuse_by_tier_and_tenant_on_a_real_worker(worker) -> None:
 
     # to disk only: wait for LMCache's disk writes, drop the DRAM copies, the same turn again
     hashes = cold["kv_transfer_params"]["chunk_hashes"]
-    _wait(lambda: set(hashes) <= set(httpx.get(w.memory_url + "/memory/chunks").json()
-                                     ["chunks"].get("disk", [])), what="disk writes")
+    wait_until(lambda: set(hashes) <= set(httpx.get(w.memory_url + "/memory/chunks").json()
+                                     ["chunks"].get("disk", [])), timeout_s=30, what="disk writes")
     r = httpx.post(w.memory_url + "/memory/evict",
                    json={"chunk_hashes": hashes, "locations": ["cpu"]})
     assert r.json()["num_evicted"] == 3

@@ -26,7 +26,7 @@ import redis
 
 from agentserving.core.hashing import ChunkHasher
 from agentserving.core.schemas import EventBatch, PodRegistration
-from agentserving.core.testing import free_port, wait_for_port
+from agentserving.core.testing import free_port, wait_for_port, wait_until
 from agentserving.kvindex.index.base import BackendUnavailable
 from agentserving.kvindex.index.factory import new_index
 from agentserving.operator.builders.redis_ha import (
@@ -96,16 +96,6 @@ class Member:
         return subprocess.run(["sh", str(self.conf / "start.sh"), "master"], env=self.env,
                               capture_output=True, text=True, timeout=20,
                               check=True).stdout.strip()
-
-
-def wait_until(check, timeout_s: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(redis.RedisError):
-            if value := check():
-                return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def logs_of(members: list[Member]) -> str:

@@ -3,14 +3,9 @@ they are unpinned, within the pin cap (what the bench's survival and consumption
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
+from agentserving.core.testing import import_bench
 
-ROOT = Path(__file__).resolve().parents[3]  # the repository root, where ``bench/`` lives
-if str(ROOT) not in sys.path:  # (pytest's importlib mode does not add it)
-    sys.path.append(str(ROOT))
-bench = importlib.import_module("bench.prefill_sched_bench")
+bench = import_bench("prefill_sched_bench")
 
 
 def test_pinned_prefetch_survives_lru_pressure_until_unpinned():

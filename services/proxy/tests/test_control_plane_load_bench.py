@@ -5,18 +5,15 @@ timings against a target: the machine is shared."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]  # the repository root, where ``bench/`` lives
-if str(ROOT) not in sys.path:  # (pytest's importlib mode does not add it)
-    sys.path.append(str(ROOT))
-bench = importlib.import_module("bench.control_plane_load_bench")
+from agentserving.core.testing import import_bench
+
+bench = import_bench("control_plane_load_bench")
 
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None,
                                 reason="needs redis-server (make setup installs Debian's)")

@@ -5,20 +5,17 @@ target: the machine is shared."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]  # the repository root, where ``bench/`` lives
-if str(ROOT) not in sys.path:  # (pytest's importlib mode does not add it)
-    sys.path.append(str(ROOT))
-plan = importlib.import_module("bench.fault_plan")
-bench = importlib.import_module("bench.faults_bench")
-injection = importlib.import_module("bench.fault_injection")
+from agentserving.core.testing import import_bench
+
+plan = import_bench("fault_plan")
+bench = import_bench("faults_bench")
+injection = import_bench("fault_injection")
 
 Attempt, TurnResult = plan.Attempt, plan.TurnResult
 

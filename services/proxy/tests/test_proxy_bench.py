@@ -4,15 +4,11 @@ the one-pod path looks nothing up."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]  # the repository root, where ``bench/`` lives
-if str(ROOT) not in sys.path:  # (pytest's importlib mode does not add it)
-    sys.path.append(str(ROOT))
-proxy_bench = importlib.import_module("bench.proxy_bench")
+from agentserving.core.testing import import_bench
+
+proxy_bench = import_bench("proxy_bench")
 
 
 def test_the_proxy_bench_compares_every_path(tmp_path) -> None:  # type: ignore[no-untyped-def]

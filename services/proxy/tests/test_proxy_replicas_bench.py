@@ -4,15 +4,11 @@ keep them on their KV."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]  # the repository root, where ``bench/`` lives
-if str(ROOT) not in sys.path:  # (pytest's importlib mode does not add it)
-    sys.path.append(str(ROOT))
-bench = importlib.import_module("bench.proxy_replicas_bench")
+from agentserving.core.testing import import_bench
+
+bench = import_bench("proxy_replicas_bench")
 
 
 def test_shared_state_and_prompt_hashes_keep_sessions_on_their_kv(tmp_path) -> None:  # type: ignore[no-untyped-def]

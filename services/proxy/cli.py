@@ -83,6 +83,13 @@ setting = settings_option(ProxySettings)
 @setting("--replica-resync", "replica_resync_s", type=click.FloatRange(min=0.01),
          help="Seconds between the replica's full listings of the kvindex's residency (they "
               "repair a change the kvindex applied but could not publish).")
+@setting("--max-sessions", type=click.IntRange(min=1),
+         help="Sessions whose routing state the proxy keeps at most (least recently used go "
+              "first).")
+@setting("--session-idle-ttl", "session_idle_ttl_s", type=click.FloatRange(min=0),
+         help="Seconds after a session's last turn that the proxy forgets its routing state "
+              "(match the kvindex's --session-idle-ttl); a turn with agent_memory."
+              "close_session forgets it at once. 0: only --max-sessions bounds them.")
 @setting("--prefetch-lead", "prefetch_lead_s", type=click.FloatRange(min=0),
          help="Seconds before a tool call's predicted return to prefetch the session's KV.")
 @setting("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),

@@ -141,7 +141,7 @@ class Orchestrator:
         self.policy = policy
         self.http = http
         self.metrics = metrics
-        self.sessions = SessionTable(settings.max_sessions)
+        self.sessions = SessionTable(settings.max_sessions, settings.session_idle_ttl_s)
         self.tool_gaps = ToolGapPredictor()
         self._decode_policy = LeastLoaded(settings.load_penalty_tokens)
         self._prefetch_tasks: dict[str, asyncio.Task] = {}
@@ -532,6 +532,8 @@ class Orchestrator:
                                                     outcome.chunk_hashes, self._record_hook))
             if state.pending_tool is not None or outcome.finish_reason == "tool_calls":
                 self._schedule_tool_prefetch(turn, state)
+        if turn.memory and turn.memory.close_session and turn.session_key:
+            self.sessions.forget(turn.session_key)  # its last turn: the kvindex closes it too
 
     def _schedule_tool_prefetch(self, turn: Turn, state: SessionState) -> None:
         """Warm the session's chunks in DRAM shortly before the tool's predicted return."""
@@ -554,10 +556,14 @@ class Orchestrator:
             except (ServiceUnavailable, RequestRejected):
                 self._record_hook("tool_prefetch", False)
 
-        old = self._prefetch_tasks.pop(turn.session_key, None)
+        key = turn.session_key
+        old = self._prefetch_tasks.pop(key, None)
         if old is not None:
             old.cancel()
-        self._prefetch_tasks[turn.session_key] = self._spawn(fire())
+        task = self._prefetch_tasks[key] = self._spawn(fire())
+        # a session that never comes back must not keep its entry: it goes with its task
+        task.add_done_callback(lambda t: self._prefetch_tasks.pop(key, None)
+                               if self._prefetch_tasks.get(key) is t else None)
 
     def _on_arrival(self, turn: Turn, state: SessionState) -> None:
         """Score the tool-gap prediction of the previous turn against this arrival."""

@@ -1,12 +1,17 @@
 """What the proxy remembers of each session between turns: the chunk hashes the engine
 returned for the previous turn (to route the next one), where it ran, and tool-gap timing.
 
-A bounded LRU; keys include the tenant, so one tenant cannot steer by another's session.
+A bounded LRU whose entries also lapse idle (``idle_ttl_s`` after their last turn, as the
+kvindex's sessions do) and go when their session closes; keys include the tenant, so one
+tenant cannot steer by another's session. Without the lapse a long-running proxy kept every
+session it ever saw, up to ``max_sessions`` (``bench/soak_bench.py``).
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agentserving.core.schemas import SessionRoute
@@ -39,22 +44,48 @@ class SessionState:
 
 
 class SessionTable:
-    def __init__(self, max_sessions: int) -> None:
+    def __init__(self, max_sessions: int, idle_ttl_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._max = max_sessions
+        self._idle_ttl_s = idle_ttl_s or None
+        self._clock = clock
         self._items: OrderedDict[str, SessionState] = OrderedDict()
+        self._used: dict[str, float] = {}  # key -> when it was last got, in LRU order too
 
     def get(self, key: str) -> SessionState:
+        now = self._clock()
+        self._lapse(now)
         state = self._items.get(key)
         if state is None:
             state = self._items[key] = SessionState()
             while len(self._items) > self._max:
-                self._items.popitem(last=False)
+                self._drop(next(iter(self._items)))
         else:
             self._items.move_to_end(key)
+        self._used[key] = now
         return state
 
     def peek(self, key: str) -> SessionState | None:
         return self._items.get(key)
+
+    def forget(self, key: str) -> None:
+        """The session closed: nothing of it is worth keeping."""
+        self._drop(key)
+
+    def _lapse(self, now: float) -> None:
+        """Drop the least recently used sessions idle for longer than the TTL (the front of
+        the LRU order: amortized O(1) per call)."""
+        if self._idle_ttl_s is None:
+            return
+        while self._items:
+            oldest = next(iter(self._items))
+            if now - self._used.get(oldest, now) <= self._idle_ttl_s:
+                return
+            self._drop(oldest)
+
+    def _drop(self, key: str) -> None:
+        self._items.pop(key, None)
+        self._used.pop(key, None)
 
     def __len__(self) -> int:
         return len(self._items)

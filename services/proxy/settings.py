@@ -68,5 +68,8 @@ class ProxySettings(BaseModel):
         default=60.0, gt=0, description="Seconds between the replica's full listings.")
     prefetch_lead_s: float = Field(default=0.5, ge=0)
     max_sessions: int = Field(default=100_000, gt=0)
+    session_idle_ttl_s: float = Field(
+        default=3600.0, ge=0, description="Forget a session's routing state this long after "
+        "its last turn (as the kvindex's --session-idle-ttl expires its session); 0: never.")
     log_level: str = "info"
     log_json: bool = True

@@ -18,9 +18,14 @@ class _Ewma:
 
 
 class ToolGapPredictor:
-    def __init__(self, alpha: float = 0.3, default_gap_s: float = 2.0) -> None:
+    """``max_tools`` bounds the per-tool table: tool names come from callers and models, so
+    past it a new name is predicted (and learnt) by the overall mean only."""
+
+    def __init__(self, alpha: float = 0.3, default_gap_s: float = 2.0, max_tools: int = 512
+                 ) -> None:
         self.alpha = alpha
         self.default_gap_s = default_gap_s
+        self.max_tools = max_tools
         self._per_tool: dict[str, _Ewma] = {}
         self._overall: _Ewma | None = None
 
@@ -33,7 +38,7 @@ class ToolGapPredictor:
 
     def observe(self, tool: str | None, gap_s: float) -> None:
         gap_s = max(0.0, gap_s)
-        if tool is not None:
+        if tool is not None and (tool in self._per_tool or len(self._per_tool) < self.max_tools):
             self._per_tool[tool] = self._update(self._per_tool.get(tool), gap_s)
         self._overall = self._update(self._overall, gap_s)
 

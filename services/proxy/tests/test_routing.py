@@ -100,6 +100,18 @@ def test_tool_gap_predictor_learns_per_tool():
     assert pred.prefetch_delay("search", lead_s=3.0) == 0.0
 
 
+def test_tool_gap_predictor_keeps_a_bounded_table_of_tools():
+    pred = ToolGapPredictor(alpha=0.5, default_gap_s=2.0, max_tools=2)
+    for i, gap in enumerate((4.0, 6.0, 30.0)):
+        pred.observe(f"tool-{i}", gap)
+    assert pred.predict("tool-0") == 4.0 and pred.predict("tool-1") == 6.0
+    # a third name is learnt by the overall mean only, and predicted by it
+    assert pred.predict("tool-2") == pytest.approx(pred._overall.value)
+    assert len(pred._per_tool) == 2
+    pred.observe("tool-0", 8.0)  # a known tool still learns
+    assert pred.predict("tool-0") == pytest.approx(6.0)
+
+
 def test_api_keys(tmp_path):
     path = tmp_path / "keys.json"
     path.write_text(json.dumps({"keys": [{"key": "sk-acme-123456", "tenant": "acme"},

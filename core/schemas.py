@@ -301,6 +301,12 @@ class ResidencyChange(BaseModel):
     snapshot: ChunkSnapshot | None = None
 
 
+# A feed's cursor: ``<epoch>:<n>`` from an in-process kvindex, ``<ms>-<seq>`` (a stream id) from
+# one on Redis. A cursor of the right form that this kvindex never issued, or no longer keeps,
+# is answered 410 (state no schema can carry), one of neither form 400.
+CURSOR_PATTERN = r"^(?:[0-9a-f]{8}:|[0-9]{1,20}-)[0-9]{1,20}$"
+
+
 class ResidencyChanges(BaseModel):
     cursor: str = Field(description="Pass as ``after`` to get the changes that follow these.")
     changes: list[ResidencyChange]

@@ -172,8 +172,9 @@ def test_kvindex_fuzz(kvindex: tuple[str, str], fuzz) -> None:  # type: ignore[n
     url, store = kvindex
     with httpx.Client(base_url=url, timeout=10) as c:
         _seed(c)
+        # a well-formed feed cursor this kvindex never issued is a 410 (st_hooks)
         run = fuzz(url, f"kvindex-{'memory' if store == 'memory' else 'redis'}",
-                   max_examples=MAX_EXAMPLES)
+                   max_examples=MAX_EXAMPLES, runtime_limit_codes=("cursor_expired",))
         run.assert_clean()
         sent = run.strings_sent()
         pods = _check_pods_consistent(c)

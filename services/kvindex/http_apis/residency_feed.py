@@ -6,6 +6,7 @@ from fastapi import APIRouter, Depends, Query
 
 from agentserving.core.residency import TIER_BITS
 from agentserving.core.schemas import (
+    CURSOR_PATTERN,
     TIERS_FASTEST_FIRST,
     PodResidency,
     ResidencyChanges,
@@ -41,7 +42,8 @@ async def listing(st: KvindexState = Depends(state)) -> ResidencyListing:
             responses=error_responses(400, 410),
             summary="The residency changes after a cursor, waiting up to wait_s for one "
                     "(410: the cursor is too old or unknown; list again).")
-async def changes(after: str = Query(description="A cursor from the listing or the last "
+async def changes(after: str = Query(pattern=CURSOR_PATTERN,
+                                     description="A cursor from the listing or the last "
                                                  "answer."),
                   wait_s: float = Query(default=0.0, ge=0, le=30,
                                         description="Seconds to wait when nothing is new."),
@@ -50,8 +52,6 @@ async def changes(after: str = Query(description="A cursor from the listing or t
                   st: KvindexState = Depends(state)) -> ResidencyChanges:
     try:
         got, cursor = await guarded(st, st.feed.read(after, limit, wait_s))
-    except ValueError as exc:
-        raise ApiError(400, str(exc), param="after") from exc
     except CursorExpired as exc:
         raise ApiError(410, f"after: {exc}; list GET /v1/residency again", param="after",
                        type="gone_error", code="cursor_expired") from exc

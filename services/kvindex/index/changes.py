@@ -44,7 +44,8 @@ class ChangeFeed(Protocol):
     async def read(self, after: str, limit: int, wait_s: float
                    ) -> tuple[list[ResidencyChange], str]:
         """Up to ``limit`` changes after ``after`` and the cursor after them; with none yet,
-        wait up to ``wait_s`` for one. ``ValueError``: not a cursor of this kind of feed."""
+        wait up to ``wait_s`` for one. ``CursorExpired``: a cursor this feed did not issue
+        (another kind of feed's too) or no longer keeps."""
         ...
 
     async def ping(self) -> None:
@@ -80,11 +81,8 @@ class MemoryChangeFeed:
     async def read(self, after: str, limit: int, wait_s: float
                    ) -> tuple[list[ResidencyChange], str]:
         epoch, sep, number = after.partition(":")
-        if not sep or not number.isdigit():
-            raise ValueError(f"after: '{after}' is not a cursor of this kvindex "
-                             f"(expected <epoch>:<n>)")
-        n = int(number)
-        if epoch != self._epoch or n > self._last:
+        n = int(number) if sep and number.isdigit() else -1
+        if epoch != self._epoch or not 0 <= n <= self._last:
             raise CursorExpired(f"cursor '{after}' was not issued by this kvindex process")
         if n == self._last and wait_s > 0:
             if self._appended is None:
@@ -111,8 +109,8 @@ class MemoryChangeFeed:
 def _stream_id(value: str) -> tuple[int, int]:
     ms, sep, seq = value.partition("-")
     if not sep or not ms.isdigit() or not seq.isdigit():
-        raise ValueError(f"after: '{value}' is not a cursor of this kvindex (expected a Redis "
-                         f"stream id, <ms>-<seq>)")
+        raise CursorExpired(f"cursor '{value}' is not a stream id of this kvindex's feed "
+                            f"(<ms>-<seq>)")
     return int(ms), int(seq)
 
 

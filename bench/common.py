@@ -80,6 +80,9 @@ def progress(enabled: bool) -> Iterator[Any]:
             def advance(self, *_a: Any, **_k: Any) -> None:
                 return None
 
+            def update(self, *_a: Any, **_k: Any) -> None:
+                return None
+
         yield Silent()
         return
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

@@ -40,7 +40,9 @@ def _parse_pairs(values: tuple[str, ...], flag: str, form: str) -> dict[str, str
          "that expired idle.")
 @setting("--change-feed-max", type=click.IntRange(min=1),
          help="Residency changes kept for followers (GET /v1/residency/changes: the proxies' "
-              "in-process replicas); a follower further behind gets 410 and lists again.")
+              "in-process replicas); a follower further behind gets 410 and lists again. Each "
+              "change holds its chunk hashes (~70 bytes each), in the kvindex's memory or, on "
+              "Redis, in a stream beside the index.")
 @setting("--max-batch-chunks", type=click.IntRange(min=1),
          help="Most chunk hashes one request may carry (more: 413).")
 @setting("--fanout-timeout", "fanout_timeout_s", type=click.FloatRange(min=0.01),

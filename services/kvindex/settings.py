@@ -16,7 +16,7 @@ class KvindexSettings(BaseModel):
     lease_ttl_s: float = Field(default=15.0, gt=0)
     reap_interval_s: float = Field(default=1.0, gt=0)
     change_feed_max: int = Field(
-        default=100_000, gt=0, description="Residency changes the feed keeps for followers "
+        default=10_000, gt=0, description="Residency changes the feed keeps for followers "
         "(the proxies' replicas); one that falls further behind lists again.")
     max_batch_chunks: int = Field(default=65536, gt=0)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)

@@ -59,7 +59,7 @@ class MemoryChangeFeed:
     """The feed of one in-process kvindex. Cursors are ``<epoch>:<n>``; the epoch is new each
     process, so a follower of a restarted kvindex (its residency gone) lists again."""
 
-    def __init__(self, max_changes: int = 100_000) -> None:
+    def __init__(self, max_changes: int = 10_000) -> None:
         self._epoch = secrets.token_hex(4)
         self._tail: collections.deque[ResidencyChange] = collections.deque(maxlen=max_changes)
         self._last = 0  # number of the newest change; the tail holds (last - len, last]
@@ -123,7 +123,7 @@ class RedisChangeFeed(_RedisBackend):
     before the oldest entry of a stream that was trimmed, or beyond the stream's newest id (a
     stream lost with a Redis that kept no copy of it)."""
 
-    def __init__(self, url: str, *, max_changes: int = 100_000, **options: Any) -> None:
+    def __init__(self, url: str, *, max_changes: int = 10_000, **options: Any) -> None:
         super().__init__(url, **options)
         self._key = self._prefix + "residency"
         self._max_changes = max_changes

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import random
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,7 @@ import psutil
 from agentserving.core.testing import redis_server
 from agentserving.replay.fleet.supervisor import Fleet
 from agentserving.replay.fleet.topology import FleetSpec, build
+from bench.agent_load import AgentLoad
 from bench.common import progress, write_result
 
 # absolute slack per kind of series, so noise on small numbers is not called growth
@@ -79,69 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         with Fleet(build(spec, work), work, log_dir=work / "logs") as fleet:
             pids = {mp.spec.name: mp.pid for mp in fleet.procs if mp.pid is not None}
             pids["redis"] = redis.proc.pid
-            load = Load(fleet.url("proxy") or "", args)
+            load = AgentLoad(fleet.url("proxy") or "", args.agents, args.turns,
+                             args.first_tokens, args.append_tokens)
             samples = sample_while(load, fleet, pids, redis.port, args)
     result = verdicts(samples, load, args)
     plot(samples, args.out.with_suffix(".png"))
     print_summary(result)
     write_result(args.out, result)
     return 0
-
-
-class Load:
-    """``--agents`` threads, each running sessions back to back through the proxy."""
-
-    def __init__(self, proxy: str, args: argparse.Namespace) -> None:
-        self.proxy, self.args = proxy, args
-        self.stop = threading.Event()
-        self.turns = self.sessions = self.failed = 0
-        self.errors: dict[str, int] = {}
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._agent, args=(i,), daemon=True)
-                         for i in range(args.agents)]
-
-    def start(self) -> None:
-        for t in self._threads:
-            t.start()
-
-    def join(self) -> None:
-        self.stop.set()
-        for t in self._threads:
-            t.join(timeout=120)
-
-    def _agent(self, i: int) -> None:
-        rng = random.Random(i)
-        with httpx.Client(timeout=120) as http:
-            n = 0
-            while not self.stop.is_set():
-                self._session(http, rng, f"soak-{i}-{n}")
-                n += 1
-
-    def _session(self, http: httpx.Client, rng: random.Random, sid: str) -> None:
-        context = [rng.randrange(10, 30000) for _ in range(self.args.first_tokens)]
-        for k in range(self.args.turns):
-            last = k == self.args.turns - 1
-            body: dict[str, Any] = {"model": "tiny", "prompt": context, "max_tokens": 8}
-            if last:
-                body["agent_memory"] = {"close_session": True}
-            try:
-                r = http.post(self.proxy + "/v1/completions", json=body,
-                              headers={"x-session-id": sid})
-                ok = r.status_code == 200
-                why = f"HTTP {r.status_code}"
-            except httpx.HTTPError as exc:
-                ok, why = False, type(exc).__name__
-            with self._lock:
-                self.turns += 1
-                if not ok:
-                    self.failed += 1
-                    self.errors[why] = self.errors.get(why, 0) + 1
-                if last:
-                    self.sessions += 1
-            if not ok or self.stop.is_set():
-                return
-            context = context + [rng.randrange(10, 30000)
-                                 for _ in range(self.args.append_tokens)]
 
 
 def process_sample(pid: int) -> tuple[float, int]:
@@ -184,7 +128,7 @@ def _gauge(text: str, name: str) -> float:
     return 0.0
 
 
-def sample_while(load: Load, fleet: Fleet, pids: dict[str, int], redis_port: int,
+def sample_while(load: AgentLoad, fleet: Fleet, pids: dict[str, int], redis_port: int,
                  args: argparse.Namespace) -> list[dict[str, Any]]:
     samples: list[dict[str, Any]] = []
     start = time.monotonic()
@@ -211,7 +155,7 @@ def kind(series: str) -> str:
     return series.rsplit(" ", 1)[-1]
 
 
-def verdicts(samples: list[dict[str, Any]], load: Load, args: argparse.Namespace
+def verdicts(samples: list[dict[str, Any]], load: AgentLoad, args: argparse.Namespace
              ) -> dict[str, Any]:
     n = len(samples)
     middle, last = samples[n // 3: 2 * n // 3], samples[2 * n // 3:]

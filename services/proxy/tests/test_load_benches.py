@@ -1,6 +1,7 @@
-"""The soak bench's judgement (``bench.soak_bench``), on hand-made samples: a series that
-levels off is flat, one still climbing in the last third is growing, and noise on small
-numbers is not growth; and what it samples of a process is real."""
+"""The load benches' judgements on hand-made figures: the soak's (``bench.soak_bench``: a
+series that levels off is flat, one still climbing in the last third is growing, noise on
+small numbers is not growth; what it samples of a process is real) and the concurrency
+bench's knee (``bench.concurrency_bench``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 from agentserving.core.testing import import_bench
 
 soak = import_bench("soak_bench")
+concurrency = import_bench("concurrency_bench")
 
 
 class Load:
@@ -38,3 +40,19 @@ def test_a_process_is_sampled_with_its_children() -> None:
     rss, fds = soak.process_sample(os.getpid())
     assert rss > 10 and fds >= 3
     assert soak.process_sample(2**22 + 12345) == (0.0, 0)  # gone: nothing, no error
+
+
+def level(agents: int, turns_per_s: float, p95_ms: float) -> dict:
+    return {"agents": agents, "turns": 100, "turns_per_s": turns_per_s, "p95_ms": p95_ms}
+
+
+def test_the_knee_is_the_last_level_before_more_agents_only_queue() -> None:
+    args = argparse.Namespace(min_gain=0.10, max_p95_rise=0.25)
+    rows = [level(1, 5.0, 300), level(2, 9.0, 330), level(4, 12.0, 420), level(8, 12.5, 900),
+            level(16, 12.6, 1900)]
+    found = concurrency.knee(rows, args)
+    assert found["agents"] == 4 and found["reached"] and "8 agents" in found["why"]
+    # still scaling at the top: the knee is not reached, the highest level is reported
+    growing = concurrency.knee(rows[:3], args)
+    assert growing == {"agents": 4, "reached": False,
+                       "why": "throughput still grew at the highest level run"}

@@ -14,8 +14,10 @@ Every ``--sample-s`` seconds, per process (with its children: a worker's engine 
 resident memory and open file descriptors; and the tables that could grow: the proxy's
 sessions, the kvindex's chunk residencies, Redis's keys and memory, each worker's KV chunks
 by tier. A series is flat when the highest value of the run's last third is within
-``--growth-tolerance`` (plus a small absolute slack) of the highest value of its middle third:
-what is needed has been allocated by then, so a leak shows as a later maximum. Writes the JSON
+``--growth-tolerance`` (plus a small absolute slack) of the highest value of its middle third
+(what is needed has been allocated by then, so a leak shows as a later maximum), and its
+least-squares slope over the second half would add no more than that over a run as long
+again (a slow leak hidden in noise). Writes the JSON
 and a PNG of every series over time.
 """
 
@@ -39,7 +41,7 @@ from bench.agent_load import AgentLoad
 from bench.common import progress, write_result
 
 # absolute slack per kind of series, so noise on small numbers is not called growth
-SLACK = {"rss_mib": 8.0, "fds": 4.0, "table": 16.0}
+SLACK = {"rss_mib": 8.0, "fds": 4.0, "table": 16.0, "MiB table": 8.0}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -114,6 +116,8 @@ def table_sample(fleet: Fleet, redis_port: int, http: httpx.Client) -> dict[str,
     client = redis_lib.Redis(port=redis_port)
     out["redis keys"] = client.dbsize()
     out["redis used MiB"] = client.info("memory")["used_memory"] / 2**20
+    # the kvindex's residency change feed: a stream trimmed to --change-feed-max entries
+    out["redis feed entries"] = client.xlen("as:residency")
     for mp in fleet.workers():
         held = http.get(f"{mp.spec.memory_url}/memory/chunks").json()["chunks"]
         for tier, chunks in held.items():
@@ -152,12 +156,24 @@ def sample_while(load: AgentLoad, fleet: Fleet, pids: dict[str, int], redis_port
 
 
 def kind(series: str) -> str:
-    return series.rsplit(" ", 1)[-1]
+    return "MiB table" if series.endswith(" MiB table") else series.rsplit(" ", 1)[-1]
+
+
+def slope_per_s(rows: list[dict[str, Any]], name: str) -> float:
+    """Least-squares slope of a series over ``rows`` (0 for fewer than two samples)."""
+    xs = [r["t"] for r in rows if name in r]
+    ys = [r[name] for r in rows if name in r]
+    if len(xs) < 2:
+        return 0.0
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else 0.0
 
 
 def verdicts(samples: list[dict[str, Any]], load: AgentLoad, args: argparse.Namespace
              ) -> dict[str, Any]:
     n = len(samples)
+    duration = samples[-1]["t"] if samples else 0.0
     middle, last = samples[n // 3: 2 * n // 3], samples[2 * n // 3:]
     series = sorted({k for row in samples for k in row
                      if k.endswith((" rss_mib", " fds", " table"))})
@@ -166,10 +182,14 @@ def verdicts(samples: list[dict[str, Any]], load: AgentLoad, args: argparse.Name
         mid = max((r.get(name, 0.0) for r in middle), default=0.0)
         end = max((r.get(name, 0.0) for r in last), default=0.0)
         first = samples[0].get(name, 0.0)
-        allowed = mid * (1 + args.growth_tolerance) + SLACK[kind(name)]
+        slack = SLACK[kind(name)]
+        # still climbing over the second half, at a rate that would add more than the
+        # tolerance over a run as long again: a slow leak the thirds' maxima hide in noise
+        rise = slope_per_s(samples[n // 2:], name) * duration
         flat[name] = {"first": first, "middle_max": mid, "last_max": end,
-                      "flat": end <= allowed}
-    duration = samples[-1]["t"] if samples else 0.0
+                      "second_half_rise_per_run": rise,
+                      "flat": end <= mid * (1 + args.growth_tolerance) + slack
+                      and rise <= mid * args.growth_tolerance + slack}
     return {"duration_s": duration, "agents": args.agents, "turns": load.turns,
             "sessions_closed": load.sessions, "failed_turns": load.failed,
             "errors": load.errors, "turns_per_s": load.turns / duration if duration else 0.0,

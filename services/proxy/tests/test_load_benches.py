@@ -36,6 +36,15 @@ def test_levelling_off_is_flat_and_climbing_is_growing() -> None:
     assert result["turns_per_s"] == 300 / 80
 
 
+def test_a_slow_climb_hidden_in_noise_is_growing() -> None:
+    """Thirds' maxima within 10 %, but rising steadily through the second half."""
+    noisy_climb = [1000, 1200, 1150, 1250, 1180, 1230, 1260, 1300, 1330]
+    result = run({"decode-0 rss_mib": noisy_climb,
+                  "redis used MiB table": [1.4, 3, 5, 7, 8.0, 8.1, 8.0, 8.1, 8.0]})
+    assert result["growing"] == ["decode-0 rss_mib"]
+    assert result["series"]["decode-0 rss_mib"]["second_half_rise_per_run"] > 100
+
+
 def test_a_process_is_sampled_with_its_children() -> None:
     rss, fds = soak.process_sample(os.getpid())
     assert rss > 10 and fds >= 3

@@ -5,6 +5,7 @@ concurrency benches; each turn's latency and outcome is kept."""
 
 from __future__ import annotations
 
+import argparse
 import random
 import threading
 import time
@@ -13,7 +14,21 @@ from typing import Any
 import httpx
 
 
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The agents' session shape, as every bench running them takes it."""
+    parser.add_argument("--turns", type=int, default=5, help="Turns per session.")
+    parser.add_argument("--first-tokens", type=int, default=1000,
+                        help="Prompt tokens of a session's first turn.")
+    parser.add_argument("--append-tokens", type=int, default=200,
+                        help="Tokens each later turn appends.")
+
+
 class AgentLoad:
+    @classmethod
+    def from_args(cls, proxy: str, agents: int, args: argparse.Namespace) -> AgentLoad:
+        """``agents`` agents running sessions of the shape ``add_workload_args`` parsed."""
+        return cls(proxy, agents, args.turns, args.first_tokens, args.append_tokens)
+
     def __init__(self, proxy: str, agents: int, turns: int, first_tokens: int,
                  append_tokens: int, max_tokens: int = 8) -> None:
         self.proxy = proxy

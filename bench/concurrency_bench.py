@@ -28,7 +28,7 @@ from typing import Any
 from agentserving.core.testing import redis_server
 from agentserving.replay.fleet.supervisor import Fleet
 from agentserving.replay.fleet.topology import FleetSpec, build
-from bench.agent_load import AgentLoad
+from bench.agent_load import AgentLoad, add_workload_args
 from bench.common import percentile, progress, write_result
 
 
@@ -38,11 +38,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--levels", default="1,2,4,8,16",
                         help="Agent counts to run, comma-separated, rising.")
     parser.add_argument("--step-s", type=float, default=60.0, help="Seconds per level.")
-    parser.add_argument("--turns", type=int, default=5, help="Turns per session.")
-    parser.add_argument("--first-tokens", type=int, default=1000,
-                        help="Prompt tokens of a session's first turn.")
-    parser.add_argument("--append-tokens", type=int, default=200,
-                        help="Tokens each later turn appends.")
+    add_workload_args(parser)
     parser.add_argument("--min-gain", type=float, default=0.10,
                         help="Throughput gain below which a level adds nothing (0.10: 10 %%).")
     parser.add_argument("--max-p95-rise", type=float, default=0.25,
@@ -90,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_level(proxy: str, agents: int, args: argparse.Namespace) -> dict[str, Any]:
-    load = AgentLoad(proxy, agents, args.turns, args.first_tokens, args.append_tokens)
+    load = AgentLoad.from_args(proxy, agents, args)
     start = time.perf_counter()
     load.start()
     time.sleep(args.step_s)

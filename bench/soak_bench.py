@@ -37,7 +37,7 @@ import psutil
 from agentserving.core.testing import redis_server
 from agentserving.replay.fleet.supervisor import Fleet
 from agentserving.replay.fleet.topology import FleetSpec, build
-from bench.agent_load import AgentLoad
+from bench.agent_load import AgentLoad, add_workload_args
 from bench.common import progress, write_result
 
 # absolute slack per kind of series, so noise on small numbers is not called growth
@@ -50,15 +50,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--duration-s", type=float, default=1800.0,
                         help="Seconds of load after the fleet is up.")
     parser.add_argument("--agents", type=int, default=3, help="Agents looping concurrently.")
-    parser.add_argument("--turns", type=int, default=5, help="Turns per session.")
-    parser.add_argument("--first-tokens", type=int, default=1000,
-                        help="Prompt tokens of a session's first turn.")
-    parser.add_argument("--append-tokens", type=int, default=200,
-                        help="Tokens each later turn appends.")
+    add_workload_args(parser)
     parser.add_argument("--sample-s", type=float, default=10.0, help="Seconds between samples.")
     parser.add_argument("--growth-tolerance", type=float, default=0.10,
                         help="Allowed rise of the last third's maximum over the middle "
-                             "third's (0.10: 10 %%).")
+                             "third's, and of the second half's trend over a run as long "
+                             "(0.10: 10 %%).")
     parser.add_argument("--quick", action="store_true", help="Smoke sizes (CI): 40 s.")
     parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
     parser.add_argument("--out", type=Path, default=Path("bench/results/soak.json"),
@@ -80,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         with Fleet(build(spec, work), work, log_dir=work / "logs") as fleet:
             pids = {mp.spec.name: mp.pid for mp in fleet.procs if mp.pid is not None}
             pids["redis"] = redis.proc.pid
-            load = AgentLoad(fleet.url("proxy") or "", args.agents, args.turns,
-                             args.first_tokens, args.append_tokens)
+            load = AgentLoad.from_args(fleet.url("proxy") or "", args.agents, args)
             samples = sample_while(load, fleet, pids, redis.port, args)
     result = verdicts(samples, load, args)
     plot(samples, args.out.with_suffix(".png"))

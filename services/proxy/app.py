@@ -166,11 +166,10 @@ def _replica(settings: ProxySettings, metrics: ReplicaMetrics) -> ResidencyRepli
     if (not settings.residency_replica or settings.kvindex_url is None
             or settings.routing != RoutingName.KV_AWARE):
         return None
-    wait_s = 2.0
-    client = AioKvindexClient(settings.kvindex_url, wait_s + settings.kvindex_timeout_s + 1.0,
+    client = AioKvindexClient(settings.kvindex_url,
+                              ResidencyReplica.WAIT_S + settings.kvindex_timeout_s + 1.0,
                               max_connections=1, token=settings.internal_token)
-    return ResidencyReplica(client, metrics, wait_s=wait_s,
-                            max_lag_s=settings.replica_max_lag_s,
+    return ResidencyReplica(client, metrics, max_lag_s=settings.replica_max_lag_s,
                             resync_s=settings.replica_resync_s)
 
 

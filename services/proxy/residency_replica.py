@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -141,7 +141,10 @@ class ReplicaMetrics:
 
 
 class ResidencyReplica:
-    def __init__(self, client: KvindexClient, metrics: ReplicaMetrics, *, wait_s: float = 2.0,
+    WAIT_S = 2.0  # each long poll's wait: the replica hears from the kvindex at least this often
+
+    def __init__(self, client: KvindexClient, metrics: ReplicaMetrics, *,
+                 wait_s: float = WAIT_S,
                  max_lag_s: float = 5.0, resync_s: float = 60.0, retry_s: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.view = ResidencyView()
@@ -189,7 +192,7 @@ class ResidencyReplica:
         listed_at, cursor = self._clock(), listing.cursor
         while self._clock() - listed_at < self._resync_s:
             got = await self.client.residency_changes(cursor, self._wait_s)
-            if not _apply_all(self.view, got.changes):
+            if not all(self.view.apply(change) for change in got.changes):
                 return "unknown-pod"
             self._metrics.changes.inc(len(got.changes))
             cursor = got.cursor
@@ -201,10 +204,6 @@ class ResidencyReplica:
         if reason is not None:
             self._metrics.lists.labels(reason).inc()
         self._metrics.chunks.set(self.view.num_chunks())
-
-
-def _apply_all(view: ResidencyView, changes: Iterable[ResidencyChange]) -> bool:
-    return all(view.apply(change) for change in changes)
 
 
 @contextlib.asynccontextmanager

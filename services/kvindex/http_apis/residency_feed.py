@@ -14,6 +14,7 @@ from agentserving.core.schemas import (
 )
 from agentserving.core.service import ApiError, error_responses
 from agentserving.kvindex.http_apis.deps import KvindexState, guarded, state
+from agentserving.kvindex.index.base import UnknownPod
 from agentserving.kvindex.index.changes import CursorExpired
 
 router = APIRouter(prefix="/v1/residency", tags=["residency feed"],
@@ -24,14 +25,17 @@ router = APIRouter(prefix="/v1/residency", tags=["residency feed"],
             summary="Every live pod with every chunk it holds, and the cursor to watch from.")
 async def listing(st: KvindexState = Depends(state)) -> ResidencyListing:
     cursor = await guarded(st, st.feed.head())  # before the reads: replaying from it converges
+    async def chunks_of(pod: str) -> dict[str, int] | None:
+        try:
+            return await st.index.pod_chunks(pod)
+        except UnknownPod:  # its lease lapsed since the list: it is gone
+            return None
+
     pods = []
     for info in await guarded(st, st.index.list_pods()):
-        try:
-            chunks = await guarded(st, st.index.pod_chunks(info.pod))
-        except ApiError as exc:
-            if exc.status_code == 404:  # its lease lapsed since the list: it is gone
-                continue
-            raise
+        chunks = await guarded(st, chunks_of(info.pod))
+        if chunks is None:
+            continue
         by_tier = {t: [c for c, mask in chunks.items() if mask & TIER_BITS[t]]
                    for t in TIERS_FASTEST_FIRST}
         pods.append(PodResidency(info=info, chunks={t: c for t, c in by_tier.items() if c}))

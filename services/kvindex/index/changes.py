@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from agentserving.core.schemas import ResidencyChange
 from agentserving.kvindex.index.base import KvIndexError
-from agentserving.kvindex.index.redis import _RedisBackend
+from agentserving.kvindex.index.redis import RedisBackend
 
 
 class CursorExpired(KvIndexError):
@@ -114,7 +114,7 @@ def _stream_id(value: str) -> tuple[int, int]:
     return int(ms), int(seq)
 
 
-class RedisChangeFeed(_RedisBackend):
+class RedisChangeFeed(RedisBackend):
     """The feed as one Redis stream (``<prefix>residency``), trimmed to about ``max_changes``.
 
     The stream is appended after the index's own write, not inside its script: a change whose

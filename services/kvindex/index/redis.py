@@ -667,7 +667,7 @@ return gone
 # ---------------------------------------------------------------------------------------------
 
 
-class _RedisBackend:
+class RedisBackend:
     """A redis.asyncio client with the scripts registered and a circuit breaker in front."""
 
     _SCRIPTS: dict[str, str] = {}
@@ -834,7 +834,7 @@ def _ttl_ms(ttl_s: float) -> int:
     return max(1, round(ttl_s * 1000))
 
 
-class RedisIndex(_RedisBackend):
+class RedisIndex(RedisBackend):
     """``Index`` on Redis; see the module docstring for the layout and failure contract."""
 
     _SCRIPTS = {"register": _REGISTER, "heartbeat": _HEARTBEAT, "deregister": _DEREGISTER,
@@ -948,7 +948,7 @@ def _lease(pod: str, got: list[Any]) -> LeaseInfo:
     return LeaseInfo(pod=pod, lease_expires_at=float(exp), seq=int(seq), needs_resync=rs == "1")
 
 
-class RedisSessionStore(_RedisBackend):
+class RedisSessionStore(RedisBackend):
     """``SessionStore`` on Redis, with per-session and global chunk reference counts."""
 
     _SCRIPTS = {"put_intent": _PUT_INTENT, "get_intent": _GET_INTENT,

@@ -18,7 +18,7 @@ system-deps:
 	@bash scripts/install-system-deps.sh
 
 # Re-installs only when the package definition changes.
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml setup.py testkit/pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade "pip==25.3"
 	# the CPU torch wheel lies on disk; an unpinned torch would pull a multi-GB CUDA build
@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml setup.py
 	# lmcache's wheel requires CUDA-only packages; its CPU runtime deps are in the worker extra
 	$(PIP) install -q --no-deps "lmcache==$(LMCACHE_VERSION)"
 	$(PIP) install -q -e ".[all]"
+	# the tests' and benches' support, a distribution of its own: no wheel or image carries it
+	$(PIP) install -q --no-deps -e ./testkit
 	@touch $(STAMP)
 
 test: setup k8s images vllm-test-env
@@ -63,7 +65,7 @@ lint: setup
 # The main job: the local fleet (kvindex, workers, proxy as real processes) serving the bundled
 # multi-turn agent workload, baseline vs agentserving, with a report under runs/<time>/.
 run: setup
-	$(VENV)/bin/agentserving bench
+	$(VENV)/bin/agentserving compare
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentserving.core.testing import redis_server
 from agentserving.replay.fleet.supervisor import Fleet
 from agentserving.replay.fleet.topology import FleetSpec, build
 from bench.agent_load import AgentLoad, add_workload_args
 from bench.common import percentile, progress, write_result
+from testkit.servers import redis_server
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -56,9 +56,9 @@ from typing import Any
 import httpx
 
 from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
-from agentserving.core.testing import RedisServer, free_port, service_process
 from bench.common import percentile, write_result
 from bench.common import progress as common_progress
+from testkit.servers import RedisServer, free_port, service_process
 
 NAME = "control_plane_load"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / f"{NAME}.json"

@@ -281,7 +281,7 @@ def kv_counters(fleet: Fleet) -> dict[str, float]:
     """The workers' KV counters that show a fault was met (chunks refused or not written,
     prompt tokens served from each tier, hand-off pulls recomputed), summed over pods: a pod
     restarted during the run counts from its restart."""
-    from agentserving.replay.bench import scrape_metrics
+    from agentserving.replay.compare import scrape_metrics
 
     total: dict[str, float] = {}
     for mp in fleet.procs:

@@ -96,7 +96,7 @@ def load_section(args: argparse.Namespace, bundle: Any, tmp: Path) -> dict[str, 
 
 
 def _load_rows(args: argparse.Namespace, parts: Any) -> dict[str, Any]:
-    from agentserving.engine.testing import prompt, request, run
+    from testkit.worker import prompt, request, run
 
     core, store = parts.core, parts.store
     core.record_steps = True
@@ -145,7 +145,7 @@ def _queued_rows(args: argparse.Namespace, parts: Any, sessions: list[list[int]]
     """A busy prefill pod: every session's next turn queued at once, one running at a time.
     The queue head's load starts a step early (``EngineCore._prepare_head``); exposed and
     forward time over every step of the run."""
-    from agentserving.engine.testing import prompt, request
+    from testkit.worker import prompt, request
 
     core = parts.core
     core.max_running = 1
@@ -227,7 +227,7 @@ def _queued_disk_run(args: argparse.Namespace, parts: Any, sessions: list[list[i
                      mode: str, round_: int) -> dict[str, Any]:
     """Queue every session's next turn at once (disk-only prefixes), step until done."""
     from agentserving.engine.scheduler.policy import make_policy
-    from agentserving.engine.testing import prompt, request
+    from testkit.worker import prompt, request
 
     core, store = parts.core, parts.store
     core.policy = make_policy(QUEUED_DISK_MODES[mode], 512)
@@ -281,7 +281,7 @@ def _queued_disk_run(args: argparse.Namespace, parts: Any, sessions: list[list[i
 def decode_section(args: argparse.Namespace, bundle: Any) -> dict[str, Any]:
     from agentserving.engine.kv.paged import KVBlockPool
     from agentserving.engine.model.runner import ModelRunner
-    from agentserving.engine.testing import prompt
+    from testkit.worker import prompt
 
     runner = ModelRunner(bundle)
     out: dict[str, Any] = {}
@@ -319,7 +319,7 @@ def pull_prefix_section(args: argparse.Namespace, bundle: Any, tmp: Path) -> dic
 
 
 def _pull_rows(args: argparse.Namespace, parts: Any) -> dict[str, Any]:
-    from agentserving.engine.testing import prompt, request, run
+    from testkit.worker import prompt, request, run
 
     core, store = parts.core, parts.store
     ids = prompt(args.prefix, seed=77)

@@ -325,7 +325,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     server = None
     url = args.redis_url
     if url is None:
-        from agentserving.core.testing import RedisServer
+        from testkit.servers import RedisServer
 
         server = RedisServer()
         url = server.url

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import httpx
 
-from agentserving.core.testing import free_port, free_port_run, service_process
 from bench.common import percentile, progress, write_result
+from testkit.servers import free_port, free_port_run, service_process
 
 AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 WORKERS = ("w0", "w1", "w2", "w3")

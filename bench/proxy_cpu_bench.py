@@ -26,8 +26,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from agentserving.core.testing import free_port, service_process
 from bench.common import percentile, write_result
+from testkit.servers import free_port, service_process
 
 AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 

@@ -38,8 +38,8 @@ from pathlib import Path
 
 import httpx
 
-from agentserving.core.testing import free_port, service_process
 from bench.common import percentile, progress, write_result
+from testkit.servers import free_port, service_process
 
 AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 STANDIN = str(Path(__file__).with_name("standin_worker.py"))

@@ -18,7 +18,6 @@ import os
 import time
 from pathlib import Path
 
-from agentserving.core.testing import ThreadedServer
 from agentserving.replay.client import Replayer, ReplayOptions
 from agentserving.replay.fake_server import FakeState, make_fake_app
 from agentserving.replay.ideal import ideal_hit
@@ -26,6 +25,7 @@ from agentserving.replay.mooncake import MooncakeOptions, read_mooncake
 from agentserving.replay.synthetic import generate_preset
 from agentserving.replay.trace import Session, Trace, resolve_all
 from bench.common import write_result
+from testkit.servers import ThreadedServer
 
 ROOT = Path(__file__).resolve().parents[1]
 MOONCAKE = ROOT.parent / "shared/data/mooncake/conversation_trace.jsonl"

@@ -34,11 +34,11 @@ from typing import Any
 import httpx
 import psutil
 
-from agentserving.core.testing import redis_server
 from agentserving.replay.fleet.supervisor import Fleet
 from agentserving.replay.fleet.topology import FleetSpec, build
 from bench.agent_load import AgentLoad, add_workload_args
 from bench.common import progress, write_result
+from testkit.servers import redis_server
 
 # absolute slack per kind of series, so noise on small numbers is not called growth
 SLACK = {"rss_mib": 8.0, "fds": 4.0, "table": 16.0, "MiB table": 8.0}

@@ -102,8 +102,8 @@ def _post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_ttft(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    from agentserving.engine.testing import prompt
     from agentserving.replay.fleet.topology import FleetSpec
+    from testkit.worker import prompt
 
     gib = max(0.5, args.context * 8192 * 3 / 1024**3)
     spec = FleetSpec(engine="vllm", prefill=1, decode=0, proxy=False, cpu_cache_gib=gib,
@@ -171,8 +171,8 @@ def _retrieves(log: Path) -> list[tuple[int, float, float]]:
 
 
 def run_pd(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    from agentserving.engine.testing import prompt
     from agentserving.replay.fleet.topology import FleetSpec
+    from testkit.worker import prompt
 
     gib = max(0.5, args.context * 8192 * 2 / 1024**3)
     spec = FleetSpec(engine="vllm", prefill=1, decode=1, proxy=False, cpu_cache_gib=gib,

@@ -71,7 +71,7 @@ def _ttft(url: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 
 
 def run_ttft(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    from agentserving.engine.testing import prompt, worker_process
+    from testkit.worker import prompt, worker_process
 
     samples: dict[str, list[float]] = {"dram": [], "disk": [], "recompute": []}
     cached: dict[str, list[int]] = {k: [] for k in samples}
@@ -126,7 +126,7 @@ def run_ttft(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 
 def run_pd(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    from agentserving.engine.testing import prompt, worker_process
+    from testkit.worker import prompt, worker_process
 
     ids = prompt(args.context, seed=7)
     body = {"prompt": ids, "max_tokens": 8, "return_token_ids": True}

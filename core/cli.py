@@ -28,7 +28,7 @@ SUBCOMMANDS: dict[str, str] = {
     "report": "agentserving.replay.report_cli:command",
     "trace": "agentserving.replay.trace_cli:command",
     "up": "agentserving.replay.fleet.cli:command",
-    "bench": "agentserving.replay.bench:command",
+    "compare": "agentserving.replay.compare:command",
     "sim": "agentserving.sim.cli:command",
 }
 

@@ -1,5 +1,5 @@
 """Trajectory replay: agent-session traces, the teacher-forced replay client, the local fleet,
-the main job (``agentserving bench``) and its report. The full guide is docs/replay.md.
+the main job (``agentserving compare``) and its report. The full guide is docs/replay.md.
 
 Modules:
 
@@ -13,5 +13,5 @@ Modules:
 - ``client`` — the asynchronous replay client (``agentserving replay``); ``metrics`` — the run
   metrics; ``report`` — report.json, the side-by-side table and plots (``agentserving report``);
 - ``fleet`` — kvindex, workers and proxy as supervised processes (``agentserving up``);
-- ``bench`` — baseline vs agentserving on one workload (``agentserving bench``, ``make run``).
+- ``compare`` — baseline vs agentserving on one workload (``agentserving compare``, ``make run``).
 """

@@ -1,4 +1,4 @@
-"""The configurations `agentserving bench` compares: what each one deploys, on which engine.
+"""The configurations `agentserving compare` compares: what each one deploys, on which engine.
 
 Pure: a ``BenchConfig`` names a system users run (or agentserving, or agentserving with one
 part taken out) and ``fleet_spec`` turns it, with the run's sizes, into the ``FleetSpec`` of a

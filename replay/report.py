@@ -1,6 +1,6 @@
 """A run's report: report.json, the seed-003 table side by side, and PNG plots.
 
-Layout of a run folder (``agentserving bench`` writes it; ``agentserving report DIR`` redraws
+Layout of a run folder (``agentserving compare`` writes it; ``agentserving report DIR`` redraws
 the plots from it)::
 
     DIR/report.json              {"configs": {"vllm-rr": M, ..., "agentserving": M},

@@ -12,7 +12,7 @@ import click
 def command(run_dir: Path) -> None:
     """Redraw RUN_DIR's PNG plots (latency CDFs, throughput, hit rate over time, ratios).
 
-    RUN_DIR is a folder written by `agentserving bench` (report.json plus one sub-folder of
+    RUN_DIR is a folder written by `agentserving compare` (report.json plus one sub-folder of
     turn records per configuration) or by `agentserving replay --out` (turns.jsonl and
     summary.json).
     """

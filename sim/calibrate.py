@@ -45,8 +45,8 @@ def measure(model_name: str = "tiny", quick: bool = True) -> dict[str, Any]:
     import torch
 
     from agentserving.engine.builder import build_engine
+    from agentserving.engine.model.tokenizer import synthetic_ids as prompt
     from agentserving.engine.settings import WorkerSettings
-    from agentserving.engine.testing import prompt
 
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="sim-calibrate-"))
@@ -220,13 +220,13 @@ def build_profile(m: dict[str, Any], run: dict[str, float] | None = None,
                    "4 GiB is an assumed bound (not reached by the bundled workload)",
                    "device_cache_fraction 0: the reference engine reuses KV through LMCache's "
                    "CPU tier only (no device prefix cache)",
-                   "dram 2 GiB, ssd 4 GiB: agentserving bench's default tier sizes",
+                   "dram 2 GiB, ssd 4 GiB: agentserving compare's default tier sizes",
                    f"host_cores {cores}: every pod of a local fleet is a process on this "
                    "machine; busy engine loops share its cores (the proxy, kvindex, API "
                    "processes and the client are not charged)",
                    "pod_to_pod: the hand-off wire's encode + decode CPU throughput (loopback "
                    "socket not included)",
-                   "engine: the worker's default scheduler flags (what agentserving bench runs)"]
+                   "engine: the worker's default scheduler flags (what agentserving compare runs)"]
     measured: dict[str, Any] = {"runner": m}
     if run:
         measured["from_run"] = run

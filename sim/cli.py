@@ -59,7 +59,7 @@ def run_pair(trace_spec: str, profile_spec: str, topology: str, policy: str, sha
 @option("--sweep-topologies", default="1P3D", help="Topologies for --sweep.")
 @option("--engine-scheduler/--pure-policies", default=False,
         help="Every pod runs the profile's engine scheduler (the reference engine's own FCFS, "
-             "as `agentserving bench` runs it) instead of the prefill policies.")
+             "as `agentserving compare` runs it) instead of the prefill policies.")
 @option("--validate", "validate_path", type=click.Path(exists=True, path_type=Path),
         default=None, help="A real bench report.json of the same workload: simulate its fleet "
              "(engine scheduler, its topology and rate, the host load measured from its "

@@ -1,6 +1,6 @@
 """Pods that share one host's CPU cores: processor sharing of their engine loops.
 
-On the reference setup every pod is a process on the same machine (``agentserving bench`` on
+On the reference setup every pod is a process on the same machine (``agentserving compare`` on
 2 cores runs 3 workers, the proxy, the kvindex and the client there). A worker's engine loop
 spins while it has work, so ``n`` busy pods on ``cores`` cores each progress at
 ``min(1, cores / n)`` of their standalone speed: a step measured alone (``sim calibrate``)

@@ -1,4 +1,4 @@
-"""What a simulation writes: report.json in `agentserving bench`'s shape (built with
+"""What a simulation writes: report.json in `agentserving compare`'s shape (built with
 ``agentserving.replay.report.build_report``), turn records, the tier time series, and plots
 (the bench's own plots, plus occupancy and transfer volume over time, plus sweep curves)."""
 

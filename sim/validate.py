@@ -1,4 +1,4 @@
-"""The simulator against a real `agentserving bench` run of the same workload.
+"""The simulator against a real `agentserving compare` run of the same workload.
 
 The fleet the bench starts is what the simulator runs with ``engine_scheduler`` (every worker's
 own FCFS scheduler, 512-token chunks, at most 16 running) on the calibrated ``reference-cpu``

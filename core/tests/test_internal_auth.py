@@ -17,10 +17,10 @@ from agentserving.core.service import (
     install_health_route,
     install_internal_auth,
 )
-from agentserving.core.testing import ThreadedServer
 from agentserving.kvindex.app import create_app as kvindex_app
 from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStore
 from agentserving.kvindex.settings import KvindexSettings
+from testkit.servers import ThreadedServer
 
 TOKEN = "t0ken-of-this-deployment"
 

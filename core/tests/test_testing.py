@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from agentserving.core.testing import free_port, service_process
+from testkit.servers import free_port, service_process
 
 
 def test_a_service_that_dies_on_start_puts_its_log_tail_in_the_error(tmp_path):

@@ -26,7 +26,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentserving.core.testing import free_port
+from testkit.servers import free_port
 
 from .polling import Fatal, wait_for
 

@@ -22,7 +22,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from agentserving.core.testing import free_port
+from testkit.servers import free_port
 
 from .cluster_dns import ClusterDNS
 from .node_network import NetworkPlan, NodeNetwork, cni_conflist, teardown_network

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from agentserving.core.hashing import chunk_hashes
-from agentserving.core.testing import free_port, redis_server, service_process
+from testkit.servers import free_port, redis_server, service_process
 
 AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 CHAIN = chunk_hashes(list(range(64)), chunk_size=8)

@@ -23,9 +23,9 @@ import openai
 import pytest
 
 from agentserving.core.internal_auth import auth_headers
-from agentserving.core.testing import free_port
 from agentserving.operator.builders import internal_secret_name
 from agentserving.operator.builders.common import KVINDEX_PORT, PROXY_PORT
+from testkit.servers import free_port
 
 from ..k8s.cluster import REPO, Binaries, Cluster, cache_dir
 from ..k8s.polling import Fatal, wait_for

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from agentserving.core.internal_auth import TOKEN_ENV, auth_headers
-from agentserving.core.testing import free_port, free_port_run, service_process
+from testkit.servers import free_port, free_port_run, service_process
 
 AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 

@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from agentserving.core.schemas import TENANT_HEADER
-from agentserving.core.testing import wait_until as wait_for
 from agentserving.proxy.auth import ApiKeys
+from testkit.servers import wait_until as wait_for
 
 TURN_TOKENS = 300
 
@@ -382,7 +382,7 @@ def test_kvindex_stopped_turns_still_answer_degraded(fleet):
 def test_a_prefill_pool_that_is_down_costs_the_speed_up_not_the_turn(fleet):
     """Every prefill pod unreachable (a rolling or restarting pool): after the P/D attempts,
     the decode pod computes the whole turn, with the answer one pod gives."""
-    from agentserving.core.testing import free_port
+    from testkit.servers import free_port
 
     dead = f"http://127.0.0.1:{free_port()}"
     proxy = fleet.start_proxy("--prefill", dead, "--decode", fleet.workers["d0"].url,

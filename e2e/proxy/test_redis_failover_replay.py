@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from agentserving.core.testing import redis_sentinel_set
+from testkit.servers import redis_sentinel_set
 
 from .test_proxy_e2e import client, metric, prompt_for, turn, wait_for
 

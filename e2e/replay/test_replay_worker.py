@@ -6,10 +6,10 @@ import asyncio
 
 import pytest
 
-from agentserving.core.testing import free_port, free_port_run, service_process
 from agentserving.replay.client import Replayer, ReplayOptions
 from agentserving.replay.testing import AGENTSERVING, has_subcommand
 from agentserving.replay.trace import sessions_from
+from testkit.servers import free_port, free_port_run, service_process
 
 pytestmark = pytest.mark.skipif(not has_subcommand("worker"),
                                 reason="`agentserving worker` is not available yet")

@@ -398,8 +398,8 @@ def test_tenants_through_the_proxy_neither_share_nor_probe_on_vllm(
     B's turn on A's prompt reuses nothing (not vLLM's cache, not LMCache's tiers); a caller
     reaching the pod itself finds A's prefix only with the salt the proxy derives for A from
     its secret, not with a guessable one; the pod counts each tenant's prompt tokens by name."""
-    from agentserving.core.testing import free_port, service_process
     from agentserving.proxy.auth import ApiKeys
+    from testkit.servers import free_port, service_process
 
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"keys": [{"key": "sk-vllm-tenant-a", "tenant": "a"},

@@ -9,7 +9,7 @@ import concurrent.futures
 
 import httpx
 
-from agentserving.engine.testing import prompt, worker_process
+from testkit.worker import prompt, worker_process
 
 
 def test_small_blocks_small_pool_sync_load_reuse_is_identical(tmp_path):

@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from agentserving.engine.testing import metric_value, prompt, worker_process
+from testkit.worker import metric_value, prompt, worker_process
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import httpx
 import pytest
 
 from agentserving.core.hashing import ChunkHasher
-from agentserving.core.testing import free_port, service_process, wait_until
-from agentserving.engine.testing import metric_sum, metric_value, prompt, worker_process
+from testkit.servers import free_port, service_process, wait_until
+from testkit.worker import metric_sum, metric_value, prompt, worker_process
 
 AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 MAX_LEN = 2048

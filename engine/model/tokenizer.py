@@ -45,6 +45,15 @@ class IncrementalDecoder(Protocol):
     def flush(self) -> str: ...
 
 
+def synthetic_ids(n: int, seed: int = 0) -> list[int]:
+    """``n`` pseudo-random token ids in the tiny model's word range (no EOS, no specials): the
+    deterministic prompts of the simulator's calibration, the benches and the tests."""
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(300, 31000) for _ in range(n)]
+
+
 def word_piece(token_id: int) -> str:
     """The pseudo-word of an id past the specials: unique per id, so an exported vocabulary
     (``engine.model.folder``) can list every one of them."""

@@ -12,7 +12,7 @@ import torch
 
 from agentserving.core.hashing import ChunkHasher
 from agentserving.engine.scheduler.policy import FcfsPolicy, make_policy
-from agentserving.engine.testing import prompt, request, run
+from testkit.worker import prompt, request, run
 
 N = 1100  # 4 full chunks + 76 tokens
 

@@ -18,7 +18,7 @@ from agentserving.core.schemas import Tier
 from agentserving.engine.kv import layerwise
 from agentserving.engine.kv.paged import KVBlockPool
 from agentserving.engine.model.runner import ModelRunner
-from agentserving.engine.testing import prompt, request, run
+from testkit.worker import prompt, request, run
 
 
 def fake_chunks(tiny, n: int, seed: int) -> list:  # type: ignore[no-untyped-def]

@@ -13,7 +13,7 @@ from agentserving.core.hashing import ChunkHasher, HashScheme
 from agentserving.core.schemas import Tier
 from agentserving.engine.kv.keys import ChunkKeys
 from agentserving.engine.model.runner import ModelRunner
-from agentserving.engine.testing import prompt
+from testkit.worker import prompt
 
 
 @pytest.fixture

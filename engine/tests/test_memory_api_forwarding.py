@@ -10,8 +10,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from agentserving.core.schemas import MemoryPrefetchStatus
-from agentserving.core.testing import ThreadedServer
 from agentserving.engine.memory_api import EngineFanout, forwarding_memory_app
+from testkit.servers import ThreadedServer
 
 
 def test_a_lookup_id_any_string_is_forwarded_intact():

@@ -14,7 +14,7 @@ import torch
 from agentserving.engine.kv import layerwise
 from agentserving.engine.kv.paged import BlockAllocator, KVBlockPool, PoolExhausted
 from agentserving.engine.model.runner import ModelRunner
-from agentserving.engine.testing import prompt, request, run
+from testkit.worker import prompt, request, run
 
 
 def _pool(tiny, blocks: int = 64, block_size: int = 64) -> KVBlockPool:

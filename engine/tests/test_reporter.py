@@ -14,8 +14,8 @@ import pytest
 from agentserving.core.clients import KvindexClient
 from agentserving.core.hashing import ChunkHasher
 from agentserving.core.schemas import EventOp, PodRegistration, Tier
-from agentserving.core.testing import free_port, service_process
 from agentserving.engine.reporter import KvindexReporter, ResidencyBook, group_events
+from testkit.servers import free_port, service_process
 
 H = ChunkHasher("blake3", 4).hashes(list(range(40)))  # 10 chained hashes
 

@@ -18,8 +18,8 @@ import httpx
 from agentserving.core.clients import KvindexClient
 from agentserving.core.hashing import ChunkHasher
 from agentserving.core.schemas import EventBatch, EventBatchResult, PodRegistration
-from agentserving.core.testing import free_port, service_process
 from agentserving.engine.reporter import KvindexReporter, ResidencyBook
+from testkit.servers import free_port, service_process
 
 H = ChunkHasher("blake3", 4).hashes(list(range(40)))  # 10 chained hashes
 

@@ -9,7 +9,6 @@ import httpx
 import pytest
 
 from agentserving.core.schemas import TENANT_HEADER
-from agentserving.core.testing import wait_until
 from agentserving.engine.metrics import (
     NO_TENANT,
     OTHER_TENANT,
@@ -18,7 +17,8 @@ from agentserving.engine.metrics import (
     WorkerMetrics,
     tenant_name,
 )
-from agentserving.engine.testing import metric_sum, prompt, worker_process
+from testkit.servers import wait_until
+from testkit.worker import metric_sum, prompt, worker_process
 
 CACHED = "agentserving_worker_cached_tokens_total"
 PROMPT = "agentserving_worker_prompt_tokens_total"

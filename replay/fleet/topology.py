@@ -211,7 +211,7 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
 def proxy_spec(spec: FleetSpec, port: int, kv_url: str, prefill_urls: list[str],
                decode_urls: list[str]) -> ProcessSpec:
     """The proxy of ``spec`` in front of workers already running (``build``'s, or those of a
-    fleet another configuration started: ``agentserving bench`` swaps only the proxy between
+    fleet another configuration started: ``agentserving compare`` swaps only the proxy between
     configurations that deploy the same pods)."""
     argv = [*agentserving_argv(), "proxy", *settings_argv(proxy_command, ProxySettings, {
         "host": LOOPBACK, "port": port, "kvindex_url": kv_url, "routing": spec.routing,

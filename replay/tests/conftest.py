@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from agentserving.core.testing import ThreadedServer
 from agentserving.replay.fake_server import FakeState, make_fake_app
 from agentserving.replay.synthetic import LogNormal, SyntheticConfig, ToolSpec, generate
+from testkit.servers import ThreadedServer
 
 
 @pytest.fixture

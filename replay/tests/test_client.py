@@ -130,7 +130,7 @@ def test_failed_turn_ends_its_session(fake_server, small_trace):
 
 
 def test_unreachable_target_fails_every_session(tmp_path, small_trace):
-    from agentserving.core.testing import free_port
+    from testkit.servers import free_port
 
     trace = small_trace(sessions=2)
     opts = ReplayOptions(target=f"http://127.0.0.1:{free_port()}", progress=False,

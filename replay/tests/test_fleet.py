@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agentserving.core.testing import free_port
 from agentserving.replay.fleet.process import FleetError, ProcessSpec
 from agentserving.replay.fleet.supervisor import Fleet
 from agentserving.replay.fleet.topology import FleetSpec, PortAllocator, build
 from agentserving.replay.testing import pid_alive
+from testkit.servers import free_port
 
 
 def parsed(spec: ProcessSpec) -> dict:
@@ -102,7 +102,7 @@ def test_fleet_starts_in_order_and_stops_every_process_group(tmp_path):
 
 
 def test_a_running_fleet_swaps_one_process_for_another(tmp_path):
-    """``agentserving bench`` serves configurations that differ in their proxy alone from one
+    """``agentserving compare`` serves configurations that differ in their proxy alone from one
     fleet: the old proxy's whole group is gone, the new one is healthy, the workers untouched."""
     specs = [server_spec(tmp_path, "kv", role="kvindex"), server_spec(tmp_path, "w0"),
              server_spec(tmp_path, "proxy", role="proxy")]
@@ -244,7 +244,7 @@ def test_up_exits_when_a_process_dies(tmp_path):
 
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server not installed")
 def test_up_with_a_redis_kvindex(tmp_path):
-    from agentserving.core.testing import redis_server
+    from testkit.servers import redis_server
 
     with redis_server() as redis:
         run_dir = tmp_path / "up"

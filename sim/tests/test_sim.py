@@ -16,8 +16,8 @@ from agentserving.replay.trace import sessions_from
 from agentserving.sim import SimConfig, load_profile, simulate
 from agentserving.sim.cluster import Cluster, parse_topology, weighted_percentile
 from agentserving.sim.events import EventLoop
-from agentserving.sim.testing import toy_profile
 from agentserving.sim.workload import compile_trace
+from testkit.sim import toy_profile
 
 
 def test_event_order_time_then_fifo_and_cancel():

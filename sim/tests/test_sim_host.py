@@ -12,9 +12,9 @@ from agentserving.sim.calibrate import build_profile
 from agentserving.sim.events import EventLoop
 from agentserving.sim.host import Host
 from agentserving.sim.profile import Profile
-from agentserving.sim.testing import toy_profile
 from agentserving.sim.validate import fit_environment, real_forward_s, validate
 from agentserving.sim.workload import compile_trace
+from testkit.sim import toy_profile
 
 
 def toy(**kw) -> Profile:

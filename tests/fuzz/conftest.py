@@ -29,8 +29,8 @@ from typing import Any
 
 import pytest
 
-from agentserving.core.testing import free_port, service_process
-from agentserving.engine.testing import Worker, worker_process
+from testkit.servers import free_port, service_process
+from testkit.worker import Worker, worker_process
 
 HERE = Path(__file__).parent
 SCHEMATHESIS = str(Path(sys.executable).parent / "schemathesis")

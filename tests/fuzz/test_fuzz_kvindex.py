@@ -26,7 +26,7 @@ import pytest
 import redis
 
 from agentserving.core.hashing import ChunkHasher, is_chunk_hash
-from agentserving.core.testing import free_port, redis_server, service_process
+from testkit.servers import free_port, redis_server, service_process
 
 AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 MAX_EXAMPLES = 40

@@ -16,7 +16,7 @@ import urllib.parse
 import httpx
 
 from agentserving.core.hashing import is_chunk_hash
-from agentserving.engine.testing import prompt
+from testkit.worker import prompt
 
 SESSION = "fuzz-agent-session"
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from agentserving.core.hashing import is_chunk_hash
-from agentserving.engine.testing import Worker, prompt
+from testkit.worker import Worker, prompt
 
 
 def _greedy(w: Worker) -> list[int]:

@@ -26,7 +26,6 @@ import redis
 
 from agentserving.core.hashing import ChunkHasher
 from agentserving.core.schemas import EventBatch, PodRegistration
-from agentserving.core.testing import free_port, wait_for_port, wait_until
 from agentserving.kvindex.index.base import BackendUnavailable
 from agentserving.kvindex.index.factory import new_index
 from agentserving.operator.builders.redis_ha import (
@@ -37,6 +36,7 @@ from agentserving.operator.builders.redis_ha import (
     redis_conf,
     sentinel_conf,
 )
+from testkit.servers import free_port, wait_for_port, wait_until
 
 CHAIN = ChunkHasher(chunk_size=4).hashes(list(range(400)))  # 100 chained hashes
 HOST = "127.0.0.1"

@@ -14,7 +14,7 @@ import textwrap
 import pytest
 
 from agentserving.core.hashing import ChunkHasher
-from agentserving.engine.vllm.testing import vllm_env_dir
+from testkit.vllm_env import vllm_env_dir
 
 ENV_DIR = vllm_env_dir()
 pytestmark = pytest.mark.skipif(ENV_DIR is None, reason="vLLM test env not installed (run "
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(ENV_DIR is None, reason="vLLM test env not insta
 
 CHILD = textwrap.dedent("""
     import json, sys
-    from agentserving.engine.vllm.testing import enter_vllm_env
+    from testkit.vllm_env import enter_vllm_env
     enter_vllm_env(sys.argv[1])
     from vllm.utils.hashing import sha256
     from vllm.v1.core import kv_cache_utils as k

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from agentserving.core.testing import free_port_run
-from agentserving.engine.vllm.testing import vllm_env_dir
+from testkit.servers import free_port_run
+from testkit.vllm_env import vllm_env_dir
 
 from .test_memory_api_lmcache import kvindex
 
@@ -121,7 +121,7 @@ def test_worker_glue_serves_memory_api_on_lmcache_engine(report):
 
 
 def test_reuse_metrics_in_the_scheduler_and_rank_0(report):
-    from agentserving.engine.testing import metric_sum
+    from testkit.worker import metric_sum
 
     sched, worker = report["scheduler_metrics"], report["worker"]["worker_metrics"]
     # every request's prompt once (53 + 40 + 53 tokens; r2 was never looked up), no tenant

@@ -17,7 +17,6 @@ import torch
 
 from agentserving.core.hashing import ChunkHasher
 from agentserving.core.schemas import PodRole, Tier
-from agentserving.core.testing import free_port, free_port_run, service_process, wait_for_http
 from agentserving.engine.vllm.hashes import wire_hash
 from agentserving.engine.vllm.services import (
     SchedulerServices,
@@ -26,6 +25,7 @@ from agentserving.engine.vllm.services import (
 )
 from agentserving.engine.vllm.settings import ConnectorSettings
 from agentserving.engine.vllm.storage import LMCacheStorageBackend
+from testkit.servers import free_port, free_port_run, service_process, wait_for_http
 
 from .conftest import CHUNK, random_kv, until
 

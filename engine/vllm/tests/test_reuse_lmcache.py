@@ -10,13 +10,13 @@ import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from agentserving.core.schemas import TENANT_HEADER, Tier
-from agentserving.core.testing import free_port_run, wait_for_http
 from agentserving.engine.metrics import ReuseMetrics, tenant_name
-from agentserving.engine.testing import metric_sum
 from agentserving.engine.vllm import reuse, salting
 from agentserving.engine.vllm.services import SchedulerServices
 from agentserving.engine.vllm.settings import ConnectorSettings, parse_settings
 from agentserving.engine.vllm.storage import LMCacheStorageBackend
+from testkit.servers import free_port_run, wait_for_http
+from testkit.worker import metric_sum
 
 from .conftest import CHUNK, random_kv, until
 

@@ -17,7 +17,7 @@ from pathlib import Path
 def main() -> None:
     import faulthandler
 
-    from agentserving.engine.vllm.testing import enter_vllm_env, write_tiny_llama
+    from testkit.vllm_env import enter_vllm_env, write_tiny_llama
 
     faulthandler.dump_traceback_later(150, exit=True)  # a hang shows where, then exits
     env_dir, work, port_start, kvindex = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), \

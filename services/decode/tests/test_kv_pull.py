@@ -11,12 +11,12 @@ import uvicorn
 from fastapi import FastAPI
 
 from agentserving.core.service import install_error_handlers
-from agentserving.core.testing import free_port
 from agentserving.decode.kv_pull import RemoteKV, TransferError, layerwise_cache
 from agentserving.engine.kv import handoff_wire
 from agentserving.engine.model.loader import load_model
 from agentserving.engine.model.runner import ModelRunner
 from agentserving.prefill.handoff import HandoffRegistry, handoff_router
+from testkit.servers import free_port
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import pytest
 import redis
 
-from agentserving.core.testing import MemoryApiPeer, RedisServer
-from agentserving.core.testing import redis_server as running_redis
 from agentserving.kvindex.index.base import Index, SessionStore
 from agentserving.kvindex.index.factory import new_index
+from testkit.servers import MemoryApiPeer, RedisServer
+from testkit.servers import redis_server as running_redis
 
 
 @pytest.fixture(scope="session")

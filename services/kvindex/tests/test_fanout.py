@@ -7,12 +7,12 @@ from fastapi.testclient import TestClient
 
 from agentserving.core.hashing import ChunkHasher
 from agentserving.core.schemas import Tier
-from agentserving.core.testing import free_port
 from agentserving.kvindex.app import create_app
 from agentserving.kvindex.controllers.fanout import plan, tiers_for_locations
 from agentserving.kvindex.index.base import TIER_BITS
 from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStore
 from agentserving.kvindex.settings import KvindexSettings
+from testkit.servers import free_port
 
 CHAIN = ChunkHasher(chunk_size=2).hashes(list(range(20)))
 

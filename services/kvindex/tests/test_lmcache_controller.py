@@ -18,7 +18,6 @@ from fastapi.testclient import TestClient  # noqa: E402
 
 from agentserving.core.hashing import HashScheme  # noqa: E402
 from agentserving.core.schemas import Tier  # noqa: E402
-from agentserving.core.testing import free_port_run  # noqa: E402
 from agentserving.kvindex.app import create_app  # noqa: E402
 from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStore  # noqa: E402
 from agentserving.kvindex.ingest.lmcache_controller import (  # noqa: E402
@@ -31,6 +30,7 @@ from agentserving.kvindex.ingest.lmcache_controller import (  # noqa: E402
     translate,
 )
 from agentserving.kvindex.settings import KvindexSettings  # noqa: E402
+from testkit.servers import free_port_run  # noqa: E402
 
 m = pytest.importorskip("lmcache.v1.cache_controller.message")
 

@@ -14,10 +14,10 @@ import redis
 from fastapi.testclient import TestClient
 
 from agentserving.core.hashing import ChunkHasher
-from agentserving.core.testing import redis_sentinel_set, wait_until
 from agentserving.kvindex.app import create_app
 from agentserving.kvindex.index.redis import sentinel_parts
 from agentserving.kvindex.settings import KvindexSettings
+from testkit.servers import redis_sentinel_set, wait_until
 
 CHAIN = ChunkHasher(chunk_size=4).hashes(list(range(400)))  # 100 chained hashes
 

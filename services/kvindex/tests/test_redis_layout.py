@@ -16,8 +16,8 @@ from agentserving.core.schemas import (
     ResidencyEvent,
     Tier,
 )
-from agentserving.core.testing import RedisServer
 from agentserving.kvindex.index.redis import RedisIndex, RedisSessionStore
+from testkit.servers import RedisServer
 
 pytestmark = pytest.mark.anyio
 

@@ -18,10 +18,10 @@ from agentserving.core.schemas import (
     ResidencyEvent,
     Tier,
 )
-from agentserving.core.testing import RedisServer
 from agentserving.kvindex.index.base import UnknownPod, eviction_priority, protected_chunks
 from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStore
 from agentserving.kvindex.index.redis import RedisIndex, RedisSessionStore
+from testkit.servers import RedisServer
 
 POOL = [f"{i:02x}" * 4 for i in range(6)]  # six chunk hashes, the chain in this order
 PODS = ["p0", "p1"]

@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import pytest
 
 from agentserving.core.schemas import EventBatch, PodRegistration, ResidencyEvent
-from agentserving.core.testing import RedisServer, free_port
-from agentserving.core.testing import redis_server as running_redis
 from agentserving.kvindex.index.base import BackendUnavailable
 from agentserving.kvindex.index.redis import RedisIndex, RedisSessionStore
+from testkit.servers import RedisServer, free_port
+from testkit.servers import redis_server as running_redis
 
 pytestmark = pytest.mark.anyio
 

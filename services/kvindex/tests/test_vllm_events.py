@@ -9,11 +9,11 @@ import pytest
 import zmq
 from fastapi.testclient import TestClient
 
-from agentserving.core.testing import free_port
 from agentserving.kvindex.app import create_app
 from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStore
 from agentserving.kvindex.ingest.vllm_events import VllmEventError, decode_message, translate
 from agentserving.kvindex.settings import KvindexSettings
+from testkit.servers import free_port
 
 
 def frames(seq: int, events: list, as_map_payload: bool = False) -> list[bytes]:

@@ -17,7 +17,7 @@ from agentserving.core.schemas import Tier  # noqa: E402
 from agentserving.engine.builder import build_engine  # noqa: E402
 from agentserving.engine.model.loader import load_model  # noqa: E402
 from agentserving.engine.settings import WorkerSettings  # noqa: E402
-from agentserving.engine.testing import prompt, request  # noqa: E402
+from testkit.worker import prompt, request  # noqa: E402
 
 torch.set_num_threads(1)
 

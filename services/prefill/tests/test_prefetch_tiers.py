@@ -3,7 +3,7 @@ they are unpinned, within the pin cap (what the bench's survival and consumption
 
 from __future__ import annotations
 
-from agentserving.core.testing import import_bench
+from testkit.servers import import_bench
 
 bench = import_bench("prefill_sched_bench")
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from agentserving.engine.vllm.testing import vllm_env_dir
 from agentserving.prefill import vllm_plugin
 from agentserving.prefill.policies import LongcapDynamic, ReqView, SchedState
+from testkit.vllm_env import vllm_env_dir
 
 
 @dataclasses.dataclass(eq=False)

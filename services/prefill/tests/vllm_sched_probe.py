@@ -23,7 +23,7 @@ BLOCKS, BLOCK = 4096, 16
 
 
 def main() -> None:
-    from agentserving.engine.vllm.testing import enter_vllm_env, write_tiny_llama
+    from testkit.vllm_env import enter_vllm_env, write_tiny_llama
 
     env_dir, work = sys.argv[1], Path(sys.argv[2])
     enter_vllm_env(env_dir)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agentserving.core.testing import import_bench
+from testkit.servers import import_bench
 
 bench = import_bench("control_plane_load_bench")
 

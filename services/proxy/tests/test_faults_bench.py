@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agentserving.core.testing import import_bench
+from testkit.servers import import_bench
 
 plan = import_bench("fault_plan")
 bench = import_bench("faults_bench")

@@ -27,8 +27,8 @@ from agentserving.core.schemas import (
     PrefetchRequest,
     ResidencyEvent,
 )
-from agentserving.core.testing import free_port, service_process
 from agentserving.proxy.kvindex_http import AioKvindexClient
+from testkit.servers import free_port, service_process
 
 AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 H = ChunkHasher("blake3", 4).hashes(list(range(40)))  # 10 chained hashes

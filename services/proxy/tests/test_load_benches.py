@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from agentserving.core.testing import import_bench
+from testkit.servers import import_bench
 
 soak = import_bench("soak_bench")
 concurrency = import_bench("concurrency_bench")

@@ -15,7 +15,6 @@ from pydantic import ValidationError
 from agentserving.core.clients import NotFound
 from agentserving.core.hashing import ChunkHasher
 from agentserving.core.schemas import EventBatch, EvictRequest, PodRegistration, ResidencyEvent
-from agentserving.core.testing import MemoryApiPeer, ThreadedServer, free_port
 from agentserving.kvindex.app import create_app as create_kvindex
 from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStore
 from agentserving.kvindex.settings import KvindexSettings
@@ -23,6 +22,7 @@ from agentserving.proxy.app import create_app as create_proxy
 from agentserving.proxy.kvindex_http import AioKvindexClient
 from agentserving.proxy.memory_hooks import AgentMemory, after_turn
 from agentserving.proxy.settings import ProxySettings
+from testkit.servers import MemoryApiPeer, ThreadedServer, free_port
 
 H = ChunkHasher("blake3", 4).hashes(list(range(40)))  # 10 chained hashes
 

@@ -10,7 +10,6 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from agentserving.core.schemas import LookupResponse, PodPrefix, SessionRoute
-from agentserving.core.testing import ThreadedServer, free_port
 from agentserving.kvindex.app import create_app as create_kvindex
 from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStore
 from agentserving.kvindex.settings import KvindexSettings
@@ -22,6 +21,7 @@ from agentserving.proxy.pods import PodPool
 from agentserving.proxy.routing import make_policy
 from agentserving.proxy.sessions import SessionState
 from agentserving.proxy.settings import ProxySettings
+from testkit.servers import ThreadedServer, free_port
 
 
 class CountingKvindex:
@@ -110,8 +110,8 @@ def test_stream_lines_survive_any_chunking_and_crlf():
 
 
 def test_a_dead_upstream_is_a_retryable_failure():
-    from agentserving.core.testing import free_port
     from agentserving.proxy.upstream import UpstreamFailed, post_json
+    from testkit.servers import free_port
 
     async def go() -> None:
         async with aiohttp.ClientSession() as http:
@@ -138,8 +138,8 @@ def test_a_turn_moved_off_a_dead_pod_names_it_in_a_header(stream):
     from aiohttp import web
     from aiohttp.test_utils import TestServer
 
-    from agentserving.core.testing import free_port
     from agentserving.proxy.orchestrator import H_RETRIED
+    from testkit.servers import free_port
 
     async def completions(request: web.Request) -> web.StreamResponse:
         body = await request.json()

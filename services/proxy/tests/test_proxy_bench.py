@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from agentserving.core.testing import import_bench
+from testkit.servers import import_bench
 
 proxy_bench = import_bench("proxy_bench")
 

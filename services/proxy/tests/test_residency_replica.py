@@ -21,9 +21,9 @@ from agentserving.core.schemas import (
     PodRole,
     ResidencyEvent,
 )
-from agentserving.core.testing import free_port, service_process
 from agentserving.proxy.kvindex_http import AioKvindexClient
 from agentserving.proxy.residency_replica import ReplicaMetrics, ResidencyReplica, following
+from testkit.servers import free_port, service_process
 
 AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 CHAIN = ChunkHasher("blake3", 4).hashes(list(range(64)))  # 16 chained hashes

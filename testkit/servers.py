@@ -1,7 +1,5 @@
-"""Helpers for tests and benchmarks that start real servers on loopback.
-
-Kept in the package (not under tests/) because every unit's tests and the benches share them.
-"""
+"""Starting real servers on loopback for tests and benchmarks: free ports, service processes,
+Redis (plain, with a replica, under Sentinel), waiting for a condition, importing a bench."""
 
 from __future__ import annotations
 
@@ -190,7 +188,7 @@ def import_bench(module: str) -> ModuleType:
     shadow the standard library's ``operator``."""
     root = Path(__file__).resolve().parents[1]
     if not (root / "bench" / "__init__.py").exists():
-        raise RuntimeError(f"no bench/ beside {root / 'core'}: run from a checkout")
+        raise RuntimeError(f"no bench/ in {root}: run from a checkout")
     if str(root) not in sys.path:
         sys.path.append(str(root))
     return importlib.import_module(f"bench.{module}")

@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--agents", type=int, default=3, help="Agents looping concurrently.")
     add_workload_args(parser)
     parser.add_argument("--sample-s", type=float, default=10.0, help="Seconds between samples.")
+    parser.add_argument("--change-feed-max", type=int, default=None,
+                        help="The kvindex's residency change-stream cap (its own default when "
+                             "unset); a small cap shows Redis levelling off within a short soak.")
     parser.add_argument("--growth-tolerance", type=float, default=0.10,
                         help="Allowed rise of the last third's maximum over the middle "
                              "third's, and of the second half's trend over a run as long "
@@ -73,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         spec = FleetSpec(prefill=1, decode=1, kvindex=redis.url, engine="reference",
                          model="tiny", cpu_cache_gib=0.05, disk_cache_gib=0.1,
                          disk_cache_root=work / "disk", worker_args=["--torch-threads", "1"],
-                         proxy_args=["--session-idle-ttl", "60"], startup_timeout_s=180.0)
+                         proxy_args=["--session-idle-ttl", "60"], startup_timeout_s=180.0,
+                         env=kvindex_env(args))
         with Fleet(build(spec, work), work, log_dir=work / "logs") as fleet:
             pids = {mp.spec.name: mp.pid for mp in fleet.procs if mp.pid is not None}
             pids["redis"] = redis.proc.pid
@@ -84,6 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(result)
     write_result(args.out, result)
     return 0
+
+
+def kvindex_env(args: argparse.Namespace) -> dict[str, str]:
+    """The kvindex's settings the soak overrides, as the environment its CLI reads."""
+    if args.change_feed_max is None:
+        return {}
+    return {"AGENTSERVING_KVINDEX_CHANGE_FEED_MAX": str(args.change_feed_max)}
 
 
 def process_sample(pid: int) -> tuple[float, int]:

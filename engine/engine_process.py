@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(settings_json: str, index: int, in_addr: str, out_addr: str, parent_pid: int) -> int:
+    from agentserving.engine.allocator import bound_malloc_growth
+
+    malloc = bound_malloc_growth()  # before any thread: see engine/allocator.py
     from agentserving.engine.settings import WorkerSettings
 
     settings = WorkerSettings.model_validate_json(settings_json)
@@ -69,6 +72,7 @@ def run(settings_json: str, index: int, in_addr: str, out_addr: str, parent_pid:
 
     configure_logging(settings.log_level, settings.log_json)
     log = get_logger("agentserving.engine.process").bind(engine=index)
+    log.info("engine_malloc", **malloc)
     zctx = zmq.Context()
     out = zctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 2000)
@@ -243,7 +247,9 @@ def _residency_loop(parts, index, settings, zctx, out_addr, stop) -> None:  # no
         while not stop.wait(settings.residency_interval_s):
             try:
                 now = store.residency()
-                store.forget_digests(set().union(*now.values()) if now else set())
+                resident = set().union(*now.values()) if now else set()
+                store.forget_digests(resident)
+                store.trim_lmcache_bookkeeping(resident)
                 stored = {t.value: [wire(v) for v in vals - last.get(t, set())]
                           for t, vals in now.items()}
                 removed = {t.value: [wire(v) for v in last.get(t, set()) - vals]

@@ -631,6 +631,25 @@ class KVStore:
                 del self._digests[value]
             self._absent_once = absent
 
+    def trim_lmcache_bookkeeping(self, resident: set[int]) -> None:
+        """Drop what LMCache remembers, for statistics only, of chunks and requests gone.
+
+        LMCache keeps a first-seen time for every chunk hash it ever stored (up to 12.5 M per
+        tier: its chunk-lifespan statistic) and every store and retrieve request's stats until
+        a stats logger drains them. This engine runs no such logger (its metrics are its own),
+        so over a soak both grew with every turn. First-seen times are kept for resident chunks
+        only; the request stats are drained."""
+        from lmcache.observability import LMCStatsMonitor
+
+        LMCStatsMonitor.GetOrCreate().get_stats_and_clear()
+        for backend in (self.cpu, self.disk):
+            seen = getattr(getattr(backend, "cache_policy", None),
+                           "chunk_hash_to_init_timestamp", None)
+            if isinstance(seen, dict):
+                for value in list(seen):  # a C-level copy: LMCache's threads may insert
+                    if value not in resident:
+                        seen.pop(value, None)
+
     def capacity_bytes(self) -> dict[Tier, int]:
         out = {Tier.CPU: int(self.config.cpu_gib * 1024**3)}
         if self.disk is not None:

@@ -281,3 +281,28 @@ def test_a_full_disk_fails_the_write_cleanly_and_the_chunk_is_written_once_there
     i = wire.index(missing)
     res = store.load_prefix(ints[i:i + 1])
     assert res.num_tokens == 256 and not res.corrupt
+
+
+def test_lmcache_statistics_bookkeeping_keeps_resident_chunks_only(filled):
+    """LMCache's chunk first-seen times and request stats grew with every turn (a soak's
+    decode worker); trimming keeps first-seen times of resident chunks and drains the rest."""
+    from lmcache.observability import LMCStatsMonitor
+
+    parts, ids, layers, ints, wire = filled
+    store = parts.store
+    policies = [b.cache_policy for b in (store.cpu, store.disk)]
+    assert all(set(ints) <= set(p.chunk_hash_to_init_timestamp) for p in policies)
+    monitor = LMCStatsMonitor.GetOrCreate()
+    assert monitor.store_requests  # the store above left its request stats behind
+    gone = max(ints) + 1
+    for p in policies:
+        p.chunk_hash_to_init_timestamp[gone] = 0.0  # a chunk evicted long ago
+    resident = set().union(*store.residency().values())
+    store.trim_lmcache_bookkeeping(resident)
+    assert all(set(p.chunk_hash_to_init_timestamp) == set(ints) for p in policies)
+    assert not monitor.store_requests
+    assert store.lookup(ints) == [Tier.CPU] * 3  # statistics only: the chunks stay
+    _evict_cpu(parts, wire)
+    store.trim_lmcache_bookkeeping(set().union(*store.residency().values()))
+    assert set(store.cpu.cache_policy.chunk_hash_to_init_timestamp) <= set(ints)
+    assert set(store.disk.cache_policy.chunk_hash_to_init_timestamp) == set(ints)

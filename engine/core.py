@@ -350,18 +350,14 @@ class EngineCore:
                 release()
             kv.release()
 
-        load = LayerLoad(self.runner.bundle.num_layers, copy_layer, on_exit=on_exit)
-        self._loads = [x for x in self._loads if not x.done()] + [load]
-        orig_wait = load.wait
-
-        def wait(layer: int) -> float:
-            waited = orig_wait(layer)
+        def on_wait(load: LayerLoad, layer: int, waited: float) -> None:
             self._step_exposed += waited
             if layer == load.num_layers - 1:
                 stats.kv_load_seconds += load.seconds
-            return waited
 
-        load.wait = wait  # type: ignore[method-assign]
+        load = LayerLoad(self.runner.bundle.num_layers, copy_layer, on_exit=on_exit,
+                         on_wait=on_wait)
+        self._loads = [x for x in self._loads if not x.done()] + [load]
         return load
 
     def _drop_cache(self, req: EngineRequest) -> None:

@@ -47,12 +47,17 @@ class LayerLoad:
     (or, for a ``helpable`` copy the thread has not claimed yet, copies layer i itself)."""
 
     def __init__(self, num_layers: int, copy_layer: Callable[[int], None], *,
-                 on_exit: Callable[[], None] | None = None, name: str = "kv-layer-load",
-                 background: bool = True) -> None:
+                 on_exit: Callable[[], None] | None = None,
+                 on_wait: Callable[[LayerLoad, int, float], None] | None = None,
+                 name: str = "kv-layer-load", background: bool = True) -> None:
         self.num_layers = num_layers
         self._copy = copy_layer
         self._helpable = bool(getattr(copy_layer, "helpable", False))
         self._on_exit = on_exit
+        # (load, layer, seconds waited) after each successful wait; handed the load rather than
+        # closing over it, so no reference cycle keeps a finished load (and the pulled frames
+        # its copier reads) alive until a full garbage collection
+        self._on_wait = on_wait
         self._done = [threading.Event() for _ in range(num_layers)]
         self._claimed = [False] * num_layers
         self._claim_lock = threading.Lock()
@@ -118,6 +123,8 @@ class LayerLoad:
         self.waited += waited
         if self.error is not None:
             raise LoadFailed(f"layer-wise KV load failed: {self.error!r}") from self.error
+        if self._on_wait is not None:
+            self._on_wait(self, layer, waited)
         return waited
 
     def done(self) -> bool:

@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.prefill.policies import (
     FcfsChunk,
     FcfsNoChunk,
@@ -44,6 +45,7 @@ from agentserving.prefill.policies import (
     SchedState,
     advance,
 )
+from agentserving.prefill.policies.executor import pass_limit
 from agentserving.prefill.shadow import (
     SEED_003_N1,
     PrefetchScore,
@@ -53,7 +55,7 @@ from agentserving.prefill.shadow import (
 )
 from bench.common import write_result
 
-CHUNK = 256
+CHUNK = DEFAULT_CHUNK_SIZE
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -198,10 +200,10 @@ def turn_work(x: Turn, model: StepTimeModel, split_tail: bool = False) -> float:
     the trailing partial chunk is a chunk of its own (the engine rule), which re-reads the
     context once more."""
     pieces, start = [], x.cached
-    full_end = x.prompt - x.prompt % CHUNK if split_tail else x.prompt
-    if start < full_end < x.prompt:
-        pieces.append((full_end - start, start))
-        start = full_end
+    end = pass_limit(start, x.prompt, CHUNK, split_tail)
+    if end < x.prompt:
+        pieces.append((end - start, start))
+        start = end
     pieces.append((x.prompt - start, start))
     return sum(model.predict(n, s, StepTimeModel.chunk_pairs(n, s)) for n, s in pieces)
 

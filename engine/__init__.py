@@ -10,6 +10,7 @@ Two kinds of process per pod, as in vLLM v1:
   LMCache's CPU and disk tiers with checksums (``kv/``), their own memory API and the P/D
   hand-off endpoint on ``memory_port_start + 1 + k``.
 
-They talk over ZMQ (``ipc``). Role-specific glue lives in ``services/prefill`` (the
-hand-off source) and ``services/decode`` (KV pull and layer-wise load).
+They talk over ZMQ (``ipc``). The roles' own code sits below the engine, which composes it:
+``services/prefill`` (the pure prefill scheduling policies) and ``services/decode/handoff``
+(the P/D hand-off: its wire format, the prefill pod's source, the decode pod's pull).
 """

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from agentserving.decode.handoff.source import HandoffRegistry
 from agentserving.engine.core import EngineCore, HandoffSite
 from agentserving.engine.kv.keys import ChunkKeys
 from agentserving.engine.kv.paged import KVBlockPool
@@ -34,8 +35,6 @@ class EngineParts:
 
 def build_engine(settings: WorkerSettings, index: int = 0, *,
                  bundle: ModelBundle | None = None) -> EngineParts:
-    from agentserving.prefill.handoff import HandoffRegistry
-
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     bundle = bundle or load_model(settings.model, seed=settings.seed,

@@ -14,7 +14,7 @@
   ``forced_output_token_ids``), and every full chunk not reused is stored (deferred to
   ``run_deferred()``, after the first token has been sent);
 - ``do_remote_decode`` requests stop there and pin their KV in the hand-off registry;
-  ``do_remote_prefill`` requests pull it instead (``services.decode.kv_pull``): reading the
+  ``do_remote_prefill`` requests pull it instead (``services/decode/handoff``): reading the
   local prefix, the pull and the copy into paged blocks all run off the step loop, so the
   requests already decoding keep stepping; a pull joins them once its layers are all in
   its blocks (the copy runs on GIL-releasing torch ops); a failed pull is recomputed locally;
@@ -37,7 +37,8 @@ import torch
 
 from agentserving.core.logging import get_logger
 from agentserving.core.schemas import Tier
-from agentserving.engine.kv.handoff_wire import TransferError, dtype_name, tokens_digest
+from agentserving.decode.handoff.pull import RemoteKV
+from agentserving.decode.handoff.wire import TransferError, dtype_name, tokens_digest
 from agentserving.engine.kv.keys import ChunkKeys
 from agentserving.engine.kv.layerwise import LayerLoad, LoadFailed, chunk_copier, tensor_copier
 from agentserving.engine.kv.paged import KVBlockPool, PagedKV, all_materialized
@@ -45,6 +46,7 @@ from agentserving.engine.kv.store import KVStore
 from agentserving.engine.model.runner import ModelRunner, logprobs_of, sample
 from agentserving.engine.scheduler.policy import SchedulerContext, SchedulerPolicy
 from agentserving.engine.scheduler.request import EngineRequest, RequestState
+from agentserving.prefill.policies.executor import pass_end
 
 log = get_logger(__name__)
 
@@ -383,12 +385,8 @@ class EngineCore:
                 return
             if not self._admit(req, outputs):
                 return
-        size = self.chunk_size
-        total = req.num_prompt_tokens
-        full_end = total - total % size
         start = req.num_computed
-        budget = max(size, budget - budget % size)
-        end = min(start + budget, full_end) if start < full_end else total
+        end = pass_end(start, req.num_prompt_tokens, budget, self.chunk_size)
         t0 = time.perf_counter()
         try:
             logits = self.runner.forward(req.prompt_token_ids[start:end], req.cache, start)
@@ -399,7 +397,7 @@ class EngineCore:
         req.num_computed = end
         self._step_chunks.append((start, end - start))
         self.stats.prefill_tokens_computed += end - start
-        if end < total:
+        if end < req.num_prompt_tokens:
             return
         # -- the prompt is done
         self._defer_store(req)
@@ -550,8 +548,6 @@ class EngineCore:
 
     def _open_pull(self, req: EngineRequest) -> Any:
         """(worker thread) Read the local prefix, then start pulling the rest."""
-        from agentserving.decode.kv_pull import RemoteKV
-
         b = self.runner.bundle
         prefix = self._local_prefix(req)
         n_local = req.reused_tokens // self.chunk_size

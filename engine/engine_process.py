@@ -93,10 +93,10 @@ def _serve(settings, index, in_addr, out_addr, parent_pid, zctx, out, log) -> in
     import uvicorn
     import zmq
 
+    from agentserving.decode.handoff.source import handoff_router
     from agentserving.engine import ipc
     from agentserving.engine.builder import build_engine
     from agentserving.engine.memory_api import engine_memory_app
-    from agentserving.prefill.handoff import handoff_router
 
     parts = build_engine(settings, index)
     core, store = parts.core, parts.store

@@ -29,6 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.replay.tokens import DEFAULT_VOCAB_SIZE
 from agentserving.replay.trace import ParentRef, Session, Trace, TraceHeader, Turn, TurnInput
 
@@ -253,7 +254,8 @@ def bench_small_preset(sessions: int = 14, seed: int = 2) -> SyntheticConfig:
     blocks so that shared prompts are whole KV chunks.
     """
     return SyntheticConfig(
-        name="bench-small", sessions=sessions, seed=seed, block_size=256, arrival_rate=2.0,
+        name="bench-small", sessions=sessions, seed=seed, block_size=DEFAULT_CHUNK_SIZE,
+        arrival_rate=2.0,
         agents=_cpu_agents(),
         turns=LogNormal(median=7, sigma=0.3, lo=4, hi=9),
         task_tokens=LogNormal(median=200, sigma=0.4, lo=64, hi=400),
@@ -276,7 +278,8 @@ def bench_agent_preset(sessions: int = 12, seed: int = 1) -> SyntheticConfig:
     one tool result and emits a short tool call. docs/replay.md lists every number's source.
     """
     return SyntheticConfig(
-        name="bench-agent", sessions=sessions, seed=seed, block_size=256, arrival_rate=0.5,
+        name="bench-agent", sessions=sessions, seed=seed, block_size=DEFAULT_CHUNK_SIZE,
+        arrival_rate=0.5,
         agents=_cpu_agents(),
         turns=LogNormal(median=7, sigma=0.2, lo=6, hi=10),
         task_tokens=LogNormal(median=200, sigma=0.4, lo=64, hi=400),

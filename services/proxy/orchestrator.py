@@ -12,7 +12,6 @@ caller always gets an answer or an OpenAI-shaped error, never silence.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -41,8 +40,9 @@ from agentserving.core.service import ApiError
 from agentserving.proxy import memory_hooks
 from agentserving.proxy.disagg import (
     HeldContext,
+    Placement,
     local_prefill_tokens,
-    prefill_on_decode_pod,
+    plan_local_pod,
     prompt_size,
 )
 from agentserving.proxy.memory_hooks import AgentMemory
@@ -238,31 +238,24 @@ class Orchestrator:
 
     async def _local_pod(self, turn: Turn, state: SessionState, routed: Routed
                          ) -> Candidate | None:
-        """Conditional disaggregation: the decode pod this turn runs whole on, or None for P/D.
-        The session's own decode pod is chosen even when another one has fewer turns in flight:
-        moving the session would cost a pull of its whole context. A turn with no decode pod of
-        its own (a first turn) runs on the least-loaded one, when the prefill pool is
-        saturated, or whole on an idle prefill pod that hosts sessions (``_idle_host``). A
-        long append asks the kvindex how much of the context the prefill pod holds: after
-        local turns, it may lack what the decode pod computed."""
+        """Conditional disaggregation (``disagg.plan_local_pod``, which the simulator runs
+        too): the pod this turn runs whole on, or None for P/D. The plan's one question, how
+        much of the context the first-ranked prefill pod holds, is answered from routing's
+        kvindex answer when it was about the same chunks, else asked."""
         prefill_order, decode_order = routed.prefill, routed.decode
-        homes = [*decode_order, *self._hosts(prefill_order, decode_order)]
-        own = next((c for c in homes if c.name == state.last_decode_pod), None)
-        held = None if own is None else self._held(state)
+        hosts = self._hosts(prefill_order, decode_order)
+        own = next((c for c in [*decode_order, *hosts] if c.name == state.last_decode_pod), None)
         size = prompt_size(turn.endpoint, turn.body)
-        decide = functools.partial(
-            prefill_on_decode_pod, size, held, self.settings.local_prefill_tokens,
-            min((c.inflight for c in prefill_order), default=0),
-            self.settings.max_prefill_backlog)
-        local = decide()
-        if not local and held is not None and prefill_order and size.tokens is not None:
-            remote = await self._prefill_pod_lacks(state, routed, size.tokens)
-            local = remote is not None and decide(remote_tokens=remote)
-        if not local and own is None:
-            return self._idle_host(prefill_order, decode_order)
-        if not local or not decode_order:
-            return None
-        return own or decode_order[0]
+        placement = Placement(size, None if own is None else self._held(state), own,
+                              prefill_order, decode_order, hosts,
+                              self.settings.local_prefill_tokens,
+                              self.settings.max_prefill_backlog)
+        plan = plan_local_pod(placement)
+        if plan.ask is not None:
+            assert size.tokens is not None  # the planner asks only about a sized prompt
+            plan = plan_local_pod(placement, await self._prefill_pod_lacks(
+                state, routed, plan.ask, size.tokens))
+        return plan.pod
 
     def _hosts(self, prefill_order: list[Candidate], decode_order: list[Candidate]
                ) -> list[Candidate]:
@@ -270,25 +263,12 @@ class Orchestrator:
         a decode pool)."""
         return prefill_order if self.settings.prefill_hosts_sessions and decode_order else []
 
-    def _idle_host(self, prefill_order: list[Candidate], decode_order: list[Candidate]
-                   ) -> Candidate | None:
-        """A turn with no pod of its own, about to go P/D: when every decode pod is busy and
-        the first-ranked prefill pod idle, that pod runs it whole and keeps the session. P/D
-        would prefill there anyway, then hand the context to a busy decode pod whose queue
-        the session's appends would join, and the prefill pod's idle time serves no session
-        (on bench-agent the decode pods served 88 of 89 turns)."""
-        hosts = self._hosts(prefill_order, decode_order)
-        if hosts and hosts[0].inflight == 0 and all(d.inflight > 0 for d in decode_order):
-            return hosts[0]
-        return None
-
-    async def _prefill_pod_lacks(self, state: SessionState, routed: Routed, tokens: int
-                                 ) -> int | None:
-        """Prompt tokens the first-ranked prefill pod would compute for this turn, by the
-        kvindex (None: unknown); routing's own answer is used when it was about these chunks."""
+    async def _prefill_pod_lacks(self, state: SessionState, routed: Routed, pod: str,
+                                 tokens: int) -> int | None:
+        """Prompt tokens prefill pod ``pod`` would compute for this turn, by the kvindex
+        (None: unknown); routing's own answer is used when it was about these chunks."""
         if self.kvindex is None or not state.chunk_hashes:
             return None
-        pod = routed.prefill[0].name
         held = routed.held_chunks(pod, state.chunk_hashes)
         if held is None:
             try:

@@ -48,7 +48,7 @@ def flag(argv, name):
 
 
 def registrar_args(container):
-    from agentserving.engine.vllm.registrar import parse_args
+    from agentserving.engine.vllm.registrar_cli import parse_args
 
     argv = pod_argv(container)
     assert argv[:3] == ["python", "-m", "agentserving.engine.vllm.registrar"], argv
@@ -157,9 +157,7 @@ def test_worker_pods_bind_every_interface_and_register_their_pod_ip(path):
         assert ip["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         if engine == "vllm-ascend":  # vllm serve itself; the registrar registers the pod
             assert flag(pod_argv(worker), "--host") == "0.0.0.0"
-            from agentserving.engine.vllm.registrar import registration_of
-
-            reg = registration_of(registrar_args(containers[1]))
+            reg = registrar_args(containers[1]).registration()
             assert reg.api_url == f"http://{POD_IP}:8000"
             assert reg.memory_api_url == f"http://{POD_IP}:6999"
             continue

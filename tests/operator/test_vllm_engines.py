@@ -284,11 +284,11 @@ def test_ascend_pods_get_the_registrar_and_the_kvindex_the_controller(settings):
     assert flag(cmd, "--role") == "prefill" and flag(cmd, "--model") == "glm4.7"
     assert flag(cmd, "--hash-scheme") == "lmcache-builtin"
     assert reg["image"] == settings.image("worker")  # AgentServing's image, not vLLM-Ascend's
-    from agentserving.engine.vllm.registrar import parse_args, registration_of
+    from agentserving.engine.vllm.registrar_cli import parse_args
 
     args = parse_args([a.replace("$(POD_IP)", "10.0.0.5").replace("$(POD_NAME)", "demo-p-0")
                        for a in cmd[3:]])
-    assert registration_of(args).memory_api_url == "http://10.0.0.5:6999"
+    assert args.registration().memory_api_url == "http://10.0.0.5:6999"
     # the worker names itself to LMCache's controller by its pod name
     e = {x["name"]: x.get("value") for x in pod["containers"][0]["env"]}
     assert e["LMCACHE_LMCACHE_INSTANCE_ID"] == "$(POD_NAME)"

@@ -10,7 +10,8 @@ import httpx
 
 from agentserving.core.clients import KvindexClient
 from agentserving.core.schemas import ChunkSnapshot, Tier
-from agentserving.engine.vllm.registrar import Registrar, parse_args, registration_of
+from agentserving.engine.vllm.registrar import Registrar
+from agentserving.engine.vllm.registrar_cli import parse_args
 
 from .test_memory_api_lmcache import kvindex
 
@@ -22,7 +23,7 @@ H = "-6ed9a448787a198f"
 
 def test_registrar_lifecycle(tmp_path):
     with kvindex(tmp_path) as kvi:
-        reg = registration_of(parse_args(["--kvindex", kvi, *ARGS]))
+        reg = parse_args(["--kvindex", kvi, *ARGS]).registration()
 
         async def scenario() -> list[str]:
             r = Registrar(KvindexClient(kvi, timeout_s=2.0), reg, interval_s=0.05)
@@ -53,7 +54,7 @@ def test_registrar_lifecycle(tmp_path):
 
 def test_registrar_keeps_residency_it_did_not_send(tmp_path):
     with kvindex(tmp_path) as kvi:
-        reg = registration_of(parse_args(["--kvindex", kvi, *ARGS]))
+        reg = parse_args(["--kvindex", kvi, *ARGS]).registration()
 
         async def scenario() -> None:
             r = Registrar(KvindexClient(kvi, timeout_s=2.0), reg)
@@ -69,3 +70,23 @@ def test_registrar_keeps_residency_it_did_not_send(tmp_path):
         assert [(x["pod"], x["tier"]) for x in locs] == [(reg.pod, "cpu")]
         info = {p["pod"]: p for p in httpx.get(f"{kvi}/v1/pods", timeout=5).json()["pods"]}
         assert info[reg.pod]["memory_api_url"] == "http://10.0.0.5:6999"
+
+
+def test_the_rendered_command_line_parses_back_to_the_same_settings():
+    """The operator and the local fleet render the sidecar's command line from its settings
+    (``argv``); what they render is what the sidecar parses, and a value it would refuse is
+    refused while rendering, naming the field."""
+    import pydantic
+    import pytest
+
+    from agentserving.engine.vllm.registrar_cli import RegistrarSettings, argv
+
+    values = {"kvindex": "http://127.0.0.1:8300", "pod": "p-0", "memory_api_url": "http://a:1",
+              "api_url": "http://a:2", "role": "decode", "model": "m",
+              "hash_scheme": "vllm-sha256", "chunk_size": 16, "interval_s": 2,
+              "engine": "vllm", "residency": "vllm-events"}
+    line = argv(values, python="py")
+    assert line[:3] == ["py", "-m", "agentserving.engine.vllm.registrar"]
+    assert parse_args(line[3:]) == RegistrarSettings(**values)
+    with pytest.raises(pydantic.ValidationError, match="chunk_size"):
+        argv({**values, "chunk_size": 0})

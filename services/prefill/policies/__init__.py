@@ -1,8 +1,8 @@
 """Pure prefill scheduling policies (state in, decision out, no I/O).
 
 ``build_policy(name, **options)`` makes one by name; the same objects serve the reference
-engine (``agentserving.prefill.engine_adapter``), the cluster simulator and the vLLM plugin
-(``agentserving.prefill.vllm_plugin``). See docs/scheduling.md.
+engine (``agentserving.engine.scheduler.prefill_policies``), the cluster simulator and the
+vLLM plugin (``agentserving.prefill.vllm_plugin``). See docs/scheduling.md.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
+from agentserving.prefill.policies.executor import pass_limit
 from agentserving.prefill.policies.types import Decision, ReqView, SchedState, advance, evolve
 
 
@@ -46,11 +47,7 @@ def max_advance(r: ReqView, budget: int, state: SchedState, align: int) -> int:
     start, total = r.computed, r.prompt_len
     if budget <= 0 or start >= total:
         return 0
-    limit = total
-    if state.split_tail and state.quantum > 1:
-        full_end = total - total % state.quantum
-        if start < full_end:
-            limit = full_end
+    limit = pass_limit(start, total, state.quantum, state.split_tail)
     if start + budget >= limit:
         return limit - start
     u = unit(state, align)

@@ -42,6 +42,7 @@ Both keep every decision legal (``--chunk-align``) and KV-safe (see ``base``).
 from __future__ import annotations
 
 from agentserving.prefill.policies.base import Planner, free_tokens, max_advance
+from agentserving.prefill.policies.executor import pass_limit
 from agentserving.prefill.policies.fcfs import _Base
 from agentserving.prefill.policies.types import SchedState
 
@@ -115,10 +116,7 @@ class LongcapDynamic(_Base):
         attention pairs (``attention_cost``, d / b). The ``cost`` short order sorts by it."""
         start, total = r.computed, r.prompt_len
         n = total - start
-        chunks = 1
-        if state.split_tail and state.quantum > 1:
-            full_end = total - total % state.quantum
-            chunks += start < full_end < total
+        chunks = 1 + (pass_limit(start, total, state.quantum, state.split_tail) < total)
         return (n + self.context_cost * start * chunks
                 + self.attention_cost * n * (start + (n + 1) / 2))
 

@@ -1,8 +1,9 @@
 """The pure scheduling vocabulary: a snapshot of the queue in, a decision out.
 
 Nothing here imports the engine, vLLM or the simulator; each caller translates its own request
-objects into ``ReqView`` and executes the ``Decision`` its own way (``engine_adapter`` for the
-reference engine, ``vllm_plugin`` for vLLM, the cluster simulator directly).
+objects into ``ReqView`` and executes the ``Decision`` its own way
+(``engine.scheduler.prefill_policies`` for the reference engine, ``vllm_plugin`` for vLLM, the
+cluster simulator directly).
 
 Token accounting: ``computed`` counts the tokens whose KV the pod holds for a request (a
 reused cached prefix included). For a waiting request it is the number of tokens the policy

@@ -12,9 +12,13 @@ from prometheus_client import CollectorRegistry
 
 from agentserving.core.schemas import LookupResponse, PodPrefix
 from agentserving.proxy.disagg import (
+    UNASKED,
     HeldContext,
+    LocalPlan,
+    Placement,
     PromptSize,
     local_prefill_tokens,
+    plan_local_pod,
     prefill_on_decode_pod,
     prompt_size,
 )
@@ -322,3 +326,41 @@ def test_a_pd_turns_decode_pod_counts_as_taken_during_its_prefill_stage():
             assert sorted(served.values()) == ["d0", "d1"]
 
     asyncio.run(go())
+
+
+def _placement(prompt: int | None, *, own: bool = True, held: int | None = 3000,
+               prefill_inflight: int = 0, decode_inflight: int = 0,
+               host_inflight: int | None = None, max_backlog: int = 0) -> Placement:
+    d0, d1 = Candidate("d0", "d0", decode_inflight), Candidate("d1", "d1", decode_inflight)
+    hosts = [Candidate("p0", "p0", host_inflight)] if host_inflight is not None else []
+    return Placement(PromptSize(prompt, None), HeldContext(held, None, 256) if held else None,
+                     d1 if own else None, [Candidate("p0", "p0", prefill_inflight)], [d0, d1],
+                     hosts, 512, max_backlog)
+
+
+def test_the_planner_asks_once_about_a_long_append_and_decides_on_the_answer():
+    """The proxy and the simulator execute one planner: a long append needs the first-ranked
+    prefill pod's share of the context; the answer decides, and an answer of None (no index)
+    means P/D."""
+    p = _placement(3000 + 2000)
+    assert plan_local_pod(p) == LocalPlan(ask="p0")
+    # the prefill pod would compute the whole prompt (it lacks what d1 computed locally)
+    assert plan_local_pod(p, 5000).pod == p.own
+    assert plan_local_pod(p, 2100) == LocalPlan()  # it holds nearly all: P/D
+    assert plan_local_pod(p, None) == LocalPlan()
+    # a short append, an unsized prompt or no held context is decided without asking
+    assert plan_local_pod(_placement(3200)) == LocalPlan(_placement(3200).own)
+    assert plan_local_pod(_placement(None)) == LocalPlan()
+    assert plan_local_pod(_placement(5000, held=None)) == LocalPlan()
+    assert repr(UNASKED) == "UNASKED"
+
+
+def test_the_planner_places_a_first_turn_by_backlog_and_idle_hosts():
+    saturated = _placement(3000, own=False, held=None, prefill_inflight=4, max_backlog=4)
+    assert plan_local_pod(saturated).pod == saturated.decode[0]  # the first-ranked decode pod
+    idle = _placement(3000, own=False, held=None, decode_inflight=1, host_inflight=0)
+    assert plan_local_pod(idle).pod == idle.hosts[0]  # every decode pod busy, the host idle
+    busy_host = _placement(3000, own=False, held=None, decode_inflight=1, host_inflight=1)
+    assert plan_local_pod(busy_host) == LocalPlan()
+    idle_decode = _placement(3000, own=False, held=None, host_inflight=0)
+    assert plan_local_pod(idle_decode) == LocalPlan()  # a decode pod is free: P/D

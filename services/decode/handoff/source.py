@@ -4,7 +4,7 @@ After a prefill with ``kv_transfer_params: {"do_remote_decode": true}`` the engi
 the request's whole prompt KV (the trailing partial chunk included, which LMCache never
 stores) with the first sampled token, and answers with where to pull it from. A decode pod
 pulls it once with ``GET /v1/kv/{transfer_id}`` on this engine process's HTTP port (the
-stream format is ``engine.kv.handoff_wire``). A decode pod that already holds the prompt's
+stream format is ``decode.handoff.wire``). A decode pod that already holds the prompt's
 first tokens (the chunks of the session's previous turn, in its own tiers) asks only for the
 rest with ``?start=N``: the stream then carries tokens ``[N, num_tokens)`` of every layer,
 each frame still checksummed, and its header says ``start_token: N``. The entry is released
@@ -27,7 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from agentserving.core.logging import get_logger
 from agentserving.core.service import ApiError, error_responses
-from agentserving.engine.kv import handoff_wire
+from agentserving.decode.handoff import wire
 
 log = get_logger(__name__)
 
@@ -126,7 +126,7 @@ class HandoffRegistry:
             return sum(e.nbytes for e in self._entries.values())
 
     def stream(self, entry: HandoffEntry) -> Iterator[bytes]:
-        for frame in handoff_wire.encode(entry.header, entry.layers):
+        for frame in wire.encode(entry.header, entry.layers):
             with self._lock:
                 self.stats.bytes_sent += len(frame)
             yield frame

@@ -1,4 +1,6 @@
-"""The pure policies behind the reference engine's ``SchedulerPolicy`` protocol.
+"""The prefill role's pure policies (services/prefill/policies) behind the reference engine's
+``SchedulerPolicy`` protocol: the engine adapts them, the role's folder never imports the
+engine.
 
 ``EnginePolicy.schedule`` turns the engine's queue into ``ReqView``s (a waiting request's
 expected cached prefix comes from ``ctx.lookup_tiers``, which hashes and checks residency

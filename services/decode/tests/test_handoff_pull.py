@@ -11,11 +11,11 @@ import uvicorn
 from fastapi import FastAPI
 
 from agentserving.core.service import install_error_handlers
-from agentserving.decode.kv_pull import RemoteKV, TransferError, layerwise_cache
-from agentserving.engine.kv import handoff_wire
+from agentserving.decode.handoff import wire as handoff_wire
+from agentserving.decode.handoff.pull import RemoteKV, TransferError, layerwise_cache
+from agentserving.decode.handoff.source import HandoffRegistry, handoff_router
 from agentserving.engine.model.loader import load_model
 from agentserving.engine.model.runner import ModelRunner
-from agentserving.prefill.handoff import HandoffRegistry, handoff_router
 from testkit.servers import free_port
 
 

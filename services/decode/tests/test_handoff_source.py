@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from agentserving.engine.kv import handoff_wire
-from agentserving.prefill.handoff import HandoffRegistry
+from agentserving.decode.handoff import wire as handoff_wire
+from agentserving.decode.handoff.source import HandoffRegistry
 
 
 class Clock:

@@ -1,7 +1,7 @@
 """The decode side of the P/D hand-off: pull a prefill's KV and load it layer by layer.
 
 ``RemoteKV`` pulls ``GET http://remote_host:remote_port/v1/kv/{transfer_id}`` on a thread,
-verifies every frame's checksum (``engine.kv.handoff_wire``) and checks the header against
+verifies every frame's checksum (``decode.handoff.wire``) and checks the header against
 the decode request (same prompt ids, same model geometry). ``layerwise_cache`` builds a
 transformers cache whose layer ``i`` waits for layer ``i`` to arrive the first time the
 model touches it, so the first decode forward pass runs while later layers are still on the
@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import torch
 
-from agentserving.engine.kv.handoff_wire import (
+from agentserving.decode.handoff.wire import (
     Decoder,
     TransferCorrupt,
     TransferError,

@@ -24,6 +24,16 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
 
 
+def add_run_args(parser: argparse.ArgumentParser, quick: str, out: Path,
+                 plot: bool = False) -> None:
+    """The flags every fleet bench ends with: --quick (``quick`` says what it shrinks to),
+    --no-progress, --out (with ``plot``, the PNG goes beside it)."""
+    parser.add_argument("--quick", action="store_true", help=f"Smoke sizes (CI): {quick}.")
+    parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
+    parser.add_argument("--out", type=Path, default=out, help="Where the JSON results go" + (
+        " (the plot beside it, .png)." if plot else "."))
+
+
 def session_parser(prog: str, description: str, default_out: Path) -> argparse.ArgumentParser:
     """The long-session benches' flags: --out, --quick, --context, --reps (a bench adds its
     own, then calls ``finish_session_args`` on what it parsed)."""

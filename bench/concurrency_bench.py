@@ -28,7 +28,7 @@ from typing import Any
 from agentserving.replay.fleet.supervisor import Fleet
 from agentserving.replay.fleet.topology import FleetSpec, build
 from bench.agent_load import AgentLoad, add_workload_args
-from bench.common import percentile, progress, write_result
+from bench.common import add_run_args, percentile, progress, write_result
 from testkit.servers import redis_server
 
 
@@ -43,10 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="Throughput gain below which a level adds nothing (0.10: 10 %%).")
     parser.add_argument("--max-p95-rise", type=float, default=0.25,
                         help="P95 rise above which a level only queues (0.25: 25 %%).")
-    parser.add_argument("--quick", action="store_true", help="Smoke sizes (CI): 1,2 agents, 8 s.")
-    parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/concurrency.json"),
-                        help="Where the JSON results go (the plot beside it, .png).")
+    add_run_args(parser, "1,2 agents, 8 s", Path("bench/results/concurrency.json"), plot=True)
     args = parser.parse_args(argv)
     if args.quick:
         args.levels, args.step_s = "1,2", 8.0

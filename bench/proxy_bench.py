@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import percentile, progress, write_result
+from bench.common import add_run_args, percentile, progress, write_result
 from testkit.servers import free_port, free_port_run, service_process
 
 AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
@@ -57,10 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="reference: real workers (the tiny model) whose compute is part "
                              "of every path; standin: bench/standin_worker.py, answering at "
                              "once, so the proxy's own cost is not lost in the model's noise.")
-    parser.add_argument("--quick", action="store_true", help="Smoke sizes (CI): 20 turns.")
-    parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/proxy.json"),
-                        help="Where the JSON results go.")
+    add_run_args(parser, "20 turns", Path("bench/results/proxy.json"))
     args = parser.parse_args(argv)
     if args.quick:
         args.turns = 20

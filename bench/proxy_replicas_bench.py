@@ -38,7 +38,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import percentile, progress, write_result
+from bench.common import add_run_args, percentile, progress, write_result
 from testkit.servers import free_port, service_process
 
 AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
@@ -72,10 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "first turns keep a pod busy, so the proxy spreads them by load "
                              "and a session's pod is often not its rendezvous pod.")
     parser.add_argument("--seed", type=int, default=18, help="Random seed.")
-    parser.add_argument("--quick", action="store_true", help="Smoke sizes (CI): 8 sessions.")
-    parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/proxy_replicas.json"),
-                        help="Where the JSON results go.")
+    add_run_args(parser, "8 sessions", Path("bench/results/proxy_replicas.json"))
     args = parser.parse_args(argv)
     if args.quick:
         args.sessions, args.turns, args.think_s = 8, 4, 0.2

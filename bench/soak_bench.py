@@ -37,7 +37,7 @@ import psutil
 from agentserving.replay.fleet.supervisor import Fleet
 from agentserving.replay.fleet.topology import FleetSpec, build
 from bench.agent_load import AgentLoad, add_workload_args
-from bench.common import progress, write_result
+from bench.common import add_run_args, progress, write_result
 from testkit.servers import redis_server
 
 # absolute slack per kind of series, so noise on small numbers is not called growth
@@ -59,10 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="Allowed rise of the last third's maximum over the middle "
                              "third's, and of the second half's trend over a run as long "
                              "(0.10: 10 %%).")
-    parser.add_argument("--quick", action="store_true", help="Smoke sizes (CI): 40 s.")
-    parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/soak.json"),
-                        help="Where the JSON results go (the plot beside it, .png).")
+    add_run_args(parser, "40 s", Path("bench/results/soak.json"), plot=True)
     args = parser.parse_args(argv)
     if args.quick:
         args.duration_s, args.sample_s, args.agents = 40.0, 2.0, 2

@@ -237,11 +237,16 @@ def _scaled_tools(size: float, time: float, size_cap: float) -> list[ToolSpec]:
     return out
 
 
-def _cpu_agents() -> list[AgentKind]:
-    """The agent mix both main-job presets share: a coder with the larger system prompt (tool
-    schemas included) and an assistant, in whole 256-token KV chunks."""
-    return [AgentKind(name="coder", weight=0.6, system_blocks=8),
-            AgentKind(name="assistant", weight=0.4, system_blocks=6)]
+def _cpu_preset(**shape: Any) -> SyntheticConfig:
+    """What both main-job presets share: the agent mix (a coder with the larger system prompt,
+    tool schemas included, and an assistant), blocks of one KV chunk so shared prompts are
+    whole chunks, the task sizes and the branching; ``shape`` is each preset's own."""
+    return SyntheticConfig(
+        block_size=DEFAULT_CHUNK_SIZE,
+        agents=[AgentKind(name="coder", weight=0.6, system_blocks=8),
+                AgentKind(name="assistant", weight=0.4, system_blocks=6)],
+        task_tokens=LogNormal(median=200, sigma=0.4, lo=64, hi=400), branch_probability=0.15,
+        branch_turns=LogNormal(median=2, sigma=0.3, lo=1, hi=3), **shape)
 
 
 def bench_small_preset(sessions: int = 14, seed: int = 2) -> SyntheticConfig:
@@ -253,16 +258,11 @@ def bench_small_preset(sessions: int = 14, seed: int = 2) -> SyntheticConfig:
     tool results at a quarter and tool times at a fifth of the ``agent`` preset's, 256-token
     blocks so that shared prompts are whole KV chunks.
     """
-    return SyntheticConfig(
-        name="bench-small", sessions=sessions, seed=seed, block_size=DEFAULT_CHUNK_SIZE,
-        arrival_rate=2.0,
-        agents=_cpu_agents(),
+    return _cpu_preset(
+        name="bench-small", sessions=sessions, seed=seed, arrival_rate=2.0,
         turns=LogNormal(median=7, sigma=0.3, lo=4, hi=9),
-        task_tokens=LogNormal(median=200, sigma=0.4, lo=64, hi=400),
         output_tokens=LogNormal(median=10, sigma=0.3, lo=8, hi=24),
-        tools=_scaled_tools(size=0.25, time=0.2, size_cap=500), branch_probability=0.15,
-        branch_turns=LogNormal(median=2, sigma=0.3, lo=1, hi=3),
-        max_context_tokens=4096,
+        tools=_scaled_tools(size=0.25, time=0.2, size_cap=500), max_context_tokens=4096,
     )
 
 
@@ -277,21 +277,16 @@ def bench_agent_preset(sessions: int = 12, seed: int = 1) -> SyntheticConfig:
     run so far (~2.5k tokens of history, which no system has cached), every later turn appends
     one tool result and emits a short tool call. docs/replay.md lists every number's source.
     """
-    return SyntheticConfig(
-        name="bench-agent", sessions=sessions, seed=seed, block_size=DEFAULT_CHUNK_SIZE,
-        arrival_rate=0.5,
-        agents=_cpu_agents(),
+    return _cpu_preset(
+        name="bench-agent", sessions=sessions, seed=seed, arrival_rate=0.5,
         turns=LogNormal(median=7, sigma=0.2, lo=6, hi=10),
-        task_tokens=LogNormal(median=200, sigma=0.4, lo=64, hi=400),
         history_tokens=LogNormal(median=2500, sigma=0.3, lo=1200, hi=4000),
         # TraceLab's 523 output tokens per step / 40 (not / 25): on this CPU a decode token
         # costs ~100 prefill tokens' time, on a GPU fleet ~5 (docs/replay.md), so even this
         # leaves decode a larger share of a turn than in production
         output_tokens=LogNormal(median=12, sigma=0.4, lo=6, hi=32),
         # append: TraceLab 6.6k per step / 25 = 260 (tool results at 0.3x the agent preset's)
-        tools=_scaled_tools(size=0.3, time=0.2, size_cap=900), branch_probability=0.15,
-        branch_turns=LogNormal(median=2, sigma=0.3, lo=1, hi=3),
-        max_context_tokens=8192,
+        tools=_scaled_tools(size=0.3, time=0.2, size_cap=900), max_context_tokens=8192,
     )
 
 

@@ -139,20 +139,21 @@ def create_api_app(api: WorkerApi) -> FastAPI:
     install_metrics_route(app, api.metrics.registry)
     app.state.api = api
 
-    @app.get("/healthz", tags=["health"], responses=error_responses(503),
-             summary="The worker can serve: every engine process is loaded and alive.")
-    async def healthz() -> dict[str, str]:
+    def engines_serving() -> None:
         if not api.client.ready:
             raise ApiError(503, api.client.dead or "engines loading",
                            type="service_unavailable")
+
+    @app.get("/healthz", tags=["health"], responses=error_responses(503),
+             summary="The worker can serve: every engine process is loaded and alive.")
+    async def healthz() -> dict[str, str]:
+        engines_serving()
         return {"status": "ok"}
 
     @app.get("/readyz", tags=["health"], responses=error_responses(503),
              summary="Every engine process is loaded and serving.")
     async def readyz() -> dict[str, Any]:
-        if not api.client.ready:
-            raise ApiError(503, api.client.dead or "engines loading",
-                           type="service_unavailable")
+        engines_serving()
         return {"status": "ready", "engines": len(api.client.engines)}
 
     @app.get("/v1/models", tags=["openai"])

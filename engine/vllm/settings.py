@@ -60,31 +60,29 @@ def _bool(key: str, value: Any) -> bool:
     raise ConnectorConfigError(key, f"expected a boolean, got {value!r}")
 
 
-def _port(key: str, value: Any) -> int:
+def _cast(key: str, value: Any, kind: type, expected: str) -> Any:
     try:
-        port = int(value)
+        return kind(value)
     except (TypeError, ValueError):
-        raise ConnectorConfigError(key, f"expected a port number, got {value!r}") from None
+        raise ConnectorConfigError(key, f"expected {expected}, got {value!r}") from None
+
+
+def _port(key: str, value: Any) -> int:
+    port = _cast(key, value, int, "a port number")
     if not 1 <= port <= 65535:
         raise ConnectorConfigError(key, f"port {port} out of range 1..65535")
     return port
 
 
 def _positive(key: str, value: Any) -> float:
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise ConnectorConfigError(key, f"expected a number, got {value!r}") from None
+    out = _cast(key, value, float, "a number")
     if out <= 0:
         raise ConnectorConfigError(key, f"must be > 0, got {out}")
     return out
 
 
 def _count(key: str, value: Any) -> int:
-    try:
-        out = int(value)
-    except (TypeError, ValueError):
-        raise ConnectorConfigError(key, f"expected a whole number, got {value!r}") from None
+    out = _cast(key, value, int, "a whole number")
     if out < 0:
         raise ConnectorConfigError(key, f"must be >= 0, got {out}")
     return out

@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from agentserving.engine.allocator import SETTINGS, settings_to_apply
+from agentserving.engine.allocator import SETTINGS, SWITCH_ENV, settings_to_apply
 
 
 def test_every_setting_applies_unless_the_environment_makes_it():
@@ -16,13 +16,24 @@ def test_every_setting_applies_unless_the_environment_makes_it():
     assert "MALLOC_ARENA_MAX" not in left and set(left) == set(SETTINGS) - {"MALLOC_ARENA_MAX"}
 
 
-def test_glibc_takes_the_settings_in_a_fresh_process():
+def _applied(env: dict[str, str]) -> dict[str, str]:
     code = ("import json; from agentserving.engine.allocator import bound_malloc_growth; "
             "print(json.dumps(bound_malloc_growth()))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, env={"MALLOC_ARENA_MAX": "4"})
-    done = json.loads(out.stdout)
+                         check=True, env=env)
+    return json.loads(out.stdout)
+
+
+def test_glibc_takes_the_settings_in_a_fresh_process():
+    done = _applied({"MALLOC_ARENA_MAX": "4"})
     assert done["malloc"] == "glibc"  # Debian: glibc
     assert done["MALLOC_MMAP_THRESHOLD_"] == "131072"
     assert done["MALLOC_TRIM_THRESHOLD_"] == "262144"
     assert "MALLOC_ARENA_MAX" not in done  # the operator's value stands
+
+
+def test_the_tuning_can_be_switched_off():
+    """The trade is memory for speed (README, Soak): an operator who wants glibc's own
+    behaviour back says so, and nothing is set."""
+    done = _applied({SWITCH_ENV: "off"})
+    assert set(done) == {"malloc"} and "left as it is" in done["malloc"]

@@ -35,7 +35,11 @@ KILL_AFTER_ROUND = 2
 def failover_fleet(fleet_factory):
     with redis_sentinel_set() as (url, master, sentinel_port):
         f = fleet_factory
-        store = ["--store", url, "--redis-min-acks", "1"]
+        # the product's lease (15 s), not the e2e fleet's 3 s: a Sentinel failover (1 s to
+        # call the master down, then the election and the clients' reconnect) can outlast 3 s
+        # on a loaded 2-core machine, and every pod's lease would lapse while no kvindex could
+        # take a heartbeat: a lease shorter than the store's failover is a misconfiguration
+        store = ["--store", url, "--redis-min-acks", "1", "--lease-ttl", "15"]
         f.kv_a = f.start_kvindex(*store, name="kvindex-a")  # the workers report here
         f.kv_b = f.start_kvindex(*store, name="kvindex-b")  # the proxy reads here
         f.start_worker("w0", disk=False)

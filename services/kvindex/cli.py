@@ -34,7 +34,9 @@ def _parse_pairs(values: tuple[str, ...], flag: str, form: str) -> dict[str, str
               "WAIT), so a failover loses nothing acknowledged; fewer in time: 503 (callers "
               "retry). Run one more replica than this. 0: the master's word is enough.")
 @setting("--lease-ttl", "lease_ttl_s", type=click.FloatRange(min=0.01),
-         help="Seconds a pod stays registered without a heartbeat.")
+         help="Seconds a pod stays registered without a heartbeat. Keep it longer than the "
+              "store's failover (Redis Sentinel: down-after-milliseconds plus the election): "
+              "heartbeats cannot land while no master takes writes.")
 @setting("--reap-interval", "reap_interval_s", type=click.FloatRange(min=0.01),
          help="Seconds between sweeps that drop pods whose lease lapsed and sessions "
          "that expired idle.")

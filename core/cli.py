@@ -57,6 +57,33 @@ def settings_option(settings: type) -> Callable[..., Callable[[Any], Any]]:
     return setting
 
 
+LOG_LEVELS = click.Choice(["debug", "info", "warning", "error"])
+
+
+def log_options(setting: Callable[..., Callable[[Any], Any]]) -> Callable[[Any], Any]:
+    """The logging flags every service takes (``--log-level``, ``--log-json/--log-console``),
+    declared through its ``settings_option`` so the defaults are its settings'."""
+
+    def apply(command: Any) -> Any:
+        command = setting("--log-json/--log-console", help="JSON log lines, or readable ones.")(
+            command)
+        return setting("--log-level", type=LOG_LEVELS, help="Log level.")(command)
+
+    return apply
+
+
+def serve(create_app: Callable[[Any], Any], settings: Any) -> None:
+    """Logging configured from ``settings`` first (creating the app logs), then the app
+    ``create_app(settings)`` served by uvicorn on the settings' host and port (blocks)."""
+    import uvicorn
+
+    from agentserving.core.logging import configure_logging
+
+    configure_logging(settings.log_level, settings.log_json)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                log_level=settings.log_level, access_log=False)
+
+
 def field_default(settings: type, name: str) -> Any:
     """The default of field ``name`` of a pydantic model or a dataclass (KeyError: none)."""
     fields = getattr(settings, "model_fields", None)

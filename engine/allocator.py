@@ -28,6 +28,8 @@ import ctypes.util
 import os
 from collections.abc import Mapping
 
+from pydantic import TypeAdapter, ValidationError
+
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
@@ -48,9 +50,20 @@ def settings_to_apply(environ: Mapping[str, str]) -> dict[str, tuple[int, int]]:
 SWITCH_ENV = "AGENTSERVING_MALLOC_TUNING"  # "off": leave glibc's malloc as it is
 
 
+def tuning_wanted(environ: Mapping[str, str]) -> bool:
+    """The switch read as pydantic reads a boolean (on/off, true/false, yes/no, 1/0), as the
+    connector's settings are; anything else is an error that names the variable, not a
+    silent default."""
+    value = environ.get(SWITCH_ENV, "on")
+    try:
+        return TypeAdapter(bool).validate_python(value)
+    except ValidationError:
+        raise ValueError(f"{SWITCH_ENV}={value!r}: expected on or off") from None
+
+
 def bound_malloc_growth() -> dict[str, str]:
     """Applies :func:`settings_to_apply`; returns what was done, for the start-up log."""
-    if os.environ.get(SWITCH_ENV, "on").lower() in ("0", "off", "false", "no"):
+    if not tuning_wanted(os.environ):
         return {"malloc": f"left as it is ({SWITCH_ENV}=off)"}
     path = ctypes.util.find_library("c")
     try:

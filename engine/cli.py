@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from agentserving.core.cli import option, settings_option
+from agentserving.core.cli import LOG_LEVELS, log_options, option, settings_option
 from agentserving.core.hashing import CHUNK_HASH_SCHEMES
 from agentserving.core.internal_auth import TOKEN_ENV, TOKEN_HELP
 from agentserving.core.schemas import PodRole
@@ -140,10 +140,8 @@ setting = settings_option(WorkerSettings)
 @setting("--metrics-max-tenants", type=click.IntRange(min=0),
          help="Distinct tenants (x-agentserving-tenant, else a digest of the cache_salt) the "
               "reuse metrics name; later ones are counted as tenant=\"other\".")
-@setting("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
-         help="Log level.")
-@setting("--log-json/--log-console", help="JSON log lines, or readable ones.")
-@setting("--lmcache-log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+@log_options(setting)
+@setting("--lmcache-log-level", type=LOG_LEVELS,
          help="LMCache's own log level.")
 @setting("--step-log-dir", type=click.Path(file_okay=False, path_type=Path),
          help="Write every engine step as a JSON line to DIR/POD-K.jsonl (wall and CPU "

@@ -1,6 +1,6 @@
 """`agentserving sim calibrate`: fit a profile to the reference engine on this machine.
 
-Measured in-process, briefly (the same approach as bench/prefill_sched_bench.py, part 1), each
+Measured in-process, briefly (what bench/prefill_sched_bench.py's calibration repeats), each
 piece of work the engine's step loop does, on the engine's own paged KV pool (``engine.kv.paged``:
 forwards read and write its blocks, loads and stores copy between them and LMCache, as the
 worker does; a ``DynamicCache`` re-copies the whole context on every decoded token):

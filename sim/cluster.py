@@ -6,8 +6,11 @@ What runs for real (the objects the services run, called with the same inputs):
   way ``agentserving.proxy.orchestrator`` builds it: lookup of the session's previous chunk
   hashes, role prefill) and ``LeastLoaded`` for decode pods;
 - the kvindex (``InMemoryIndex``: pods register, tiers report ``EventBatch``es, lookups rank
-  with ``rank_prefixes``) and its session store (``InMemorySessionStore``: each turn's chunk
-  hashes written after the turn, read before the next);
+  with ``rank_prefixes``);
+- the proxy's memory of each session (``proxy.sessions.SessionState``: the previous turn's
+  chunk hashes, its pods and prompt size, written after the turn, read before the next; a
+  branch's first turn starts from its parent's, by ``fork_from``) and its conditional
+  disaggregation planner (``proxy.disagg.plan_local_pod``);
 - the prefill policy (``agentserving.prefill.policies.build_policy``), wrapped in the
   ``ShadowScheduler`` whose N+1 prefetch moves disk chunks to DRAM; or, with
   ``engine_scheduler``, the reference engine's own scheduler (``engine.scheduler.policy``)
@@ -41,17 +44,18 @@ from agentserving.engine.scheduler.policy import (
 from agentserving.engine.scheduler.policy import make_policy as make_engine_policy
 from agentserving.engine.scheduler.request import RequestState
 from agentserving.kvindex.index.base import rank_prefixes
-from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStore
+from agentserving.kvindex.index.memory import InMemoryIndex
 from agentserving.prefill.policies import ReqView, SchedState, build_policy
 from agentserving.prefill.policies.executor import pass_end
 from agentserving.prefill.shadow import ShadowScheduler, StepTimeModel
-from agentserving.proxy.disagg import HeldContext, Placement, PromptSize, plan_local_pod
+from agentserving.proxy.disagg import Placement, PromptSize, plan_local_pod
 from agentserving.proxy.routing import Candidate, LeastLoaded, RouteInput, make_policy
+from agentserving.proxy.sessions import SessionState
 from agentserving.replay.metrics import summarize
 from agentserving.sim.events import EventLoop, run_sync
 from agentserving.sim.host import Host
 from agentserving.sim.profile import Profile
-from agentserving.sim.tiers import PodTiers
+from agentserving.sim.tiers import DiskReads, PodTiers
 from agentserving.sim.workload import SimSession, SimTurn, with_poisson_starts
 
 CONFIGS = ("baseline", "agentserving")
@@ -173,6 +177,8 @@ class Pod:
                 Tier.CPU: int(p.memory.dram_gib * 2**30 // cb) if reuse else 0,
                 Tier.DISK: int(p.memory.ssd_gib * 2**30 // cb) if reuse else 0}
         self.tiers = PodTiers(name, caps, cb)
+        # the N+1 prefetch's reads: one disk queue, a chunk landing in DRAM as its read ends
+        self.reads = DiskReads(self.tiers, p.transfer_s(cb, p.bandwidth.disk_to_dram_gbps))
         self.policy = policy
         self.engine_policy = cluster.engine_policy   # the reference engine's own scheduler
         # the prefill queue, oldest first, kept incrementally (a saturated pod's queue holds
@@ -195,7 +201,6 @@ class Pod:
         self.run_start = 0.0         # decode-only run: when it started, step length, steps
         self.run_dt = 0.0
         self.run_k = 0
-        self.disk_free_at = 0.0
         self.extra_s = 0.0           # step-loop work owed by the next step (KV loads/stores)
         self.steps = 0
         self.busy_s = 0.0
@@ -370,11 +375,9 @@ class Pod:
         self._step()
 
     def _prefetch(self, hashes: tuple[str, ...], now: float) -> None:
-        p = self.c.profile
-        nbytes = len(hashes) * self.tiers.chunk_bytes
-        start = max(now, self.disk_free_at)
-        self.disk_free_at = start + p.transfer_s(nbytes, p.bandwidth.disk_to_dram_gbps)
-        self.c.loop.at(self.disk_free_at, self.tiers.prefetch, hashes)
+        reads = self.reads
+        reads.prefetch(hashes, now)
+        self.c.loop.at(reads.free_at, reads.settle, reads.free_at)
         self.c.stats["prefetch_chunks"] += len(hashes)
 
     def _load(self, r: Req) -> float:
@@ -576,7 +579,7 @@ class Cluster:
         self.loop = EventLoop()
         clock = lambda: self.loop.now  # noqa: E731 - the index sees simulated time
         self.index = InMemoryIndex(clock=clock)
-        self.store = InMemorySessionStore(clock=clock)
+        self.state: dict[str, SessionState] = {}   # the proxy's memory of each session
         reuse = cfg.config == "agentserving"
         if cfg.config not in CONFIGS:
             raise ValueError(f"config {cfg.config!r}: expected one of {CONFIGS}")
@@ -610,9 +613,6 @@ class Cluster:
         self.decode_pods = [p for p in self.pods.values() if p.role == PodRole.DECODE]
         self.records: list[dict[str, Any]] = []
         self.itl: list[tuple[float, int]] = []
-        self.last_pod: dict[str, str] = {}
-        self.last_decode: dict[str, str] = {}
-        self.last_prompt: dict[str, int] = {}   # the session's previous prompt, in tokens
         self.turn_end: dict[tuple[str, int], float] = {}
         self.children: dict[tuple[str, int], list[SimSession]] = {}
         self.remaining = sum(len(s.turns) for s in sessions)
@@ -684,12 +684,14 @@ class Cluster:
     def start_turn(self, s: SimSession, k: int) -> None:
         turn = s.turns[k]
         r = Req(f"{s.session_id}/{k}", turn, self.loop.now)
+        if k == 0 and s.parent is not None:   # the proxy's fork
+            self.session(s.session_id).fork_from(self.session(s.parent[0]))
         pod, prefix = self.route(s.session_id, turn)
         local = self.local_pod(s, k, pod, prefix)
         if local is not None:
             r.local = True
             r.decode_local = len(turn.chunks)  # computed here: nothing to store at the end
-            self.last_pod[s.session_id] = local.name
+            self.session(s.session_id).last_pod = local.name
             pod = local
         pod.submit_prefill(r)
 
@@ -698,19 +700,19 @@ class Cluster:
         (``plan_local_pod``) after routing: its one question, how many prompt tokens the routed
         prefill pod would compute, is answered from routing's lookup (``prefix``, that pod's
         chunks of the session's previous prompt). The simulated proxy hosts no sessions on
-        prefill pods. A branch starts from its parent's state, as the proxy's fork copies it."""
+        prefill pods. The session's memory is the proxy's ``SessionState``."""
         cfg = self.cfg
         if not (cfg.local_prefill_tokens or cfg.max_prefill_backlog) or not self.decode_pods:
             return None
-        sid = s.session_id if k or s.parent is None else s.parent[0]
-        name, prev = self.last_decode.get(sid), self.last_prompt.get(sid)
+        state = self.session(s.session_id)
+        name = state.last_decode_pod
         size = PromptSize(s.turns[k].prompt_len, None)
         own = self.pods[name].candidate() if name is not None else None
         routed = prefill.candidate()
         placement = Placement(
-            size, None if own is None or prev is None else HeldContext(prev, None, cfg.chunk),
+            size, None if own is None else state.held(cfg.chunk),
             own, [routed, *(p.candidate() for p in self.prefill_pods if p is not prefill)],
-            [own or self.least_loaded_decode(sid).candidate()], (),
+            [own or self.least_loaded_decode(s.session_id).candidate()], (),
             cfg.local_prefill_tokens, cfg.max_prefill_backlog)
         plan = plan_local_pod(placement)
         if plan.ask is not None:
@@ -719,8 +721,7 @@ class Cluster:
         if plan.pod is None:
             return None
         pod = self.pods[plan.pod.name]
-        if sid != s.session_id or name is None:
-            self.last_decode[s.session_id] = pod.name
+        state.last_decode_pod = pod.name
         return pod
 
     def route(self, session_id: str, turn: SimTurn) -> tuple[Pod, int | None]:
@@ -729,11 +730,9 @@ class Cluster:
         cands = [p.candidate() for p in self.prefill_pods]
         prefixes: dict[str, Any] = {}
         looked = False
+        state = self.session(session_id)
         if self.routing.name == "kv-aware":
-            try:
-                chunks = run_sync(self.store.get_intent(session_id, "last"))
-            except Exception:  # noqa: BLE001 - a first turn has no chunks yet
-                chunks = []
+            chunks = state.chunk_hashes
             if chunks:
                 t0 = time.perf_counter()
                 found = run_sync(self.index.lookup(chunks, pods=[c.name for c in cands],
@@ -744,15 +743,21 @@ class Cluster:
                 self.stats["lookup_chunks"] += len(chunks)
                 prefixes = {p.pod: p for p in ranked}
                 looked = True
-        order = self.routing.rank(RouteInput(session_id, cands, prefixes,
-                                             self.last_pod.get(session_id), True))
+        order = self.routing.rank(RouteInput(session_id, cands, prefixes, state.last_pod, True))
         pod = self.pods[order[0].name]
         chosen = prefixes[pod.name].prefix_chunks if pod.name in prefixes else 0
         if prefixes:
             self.stats["route_best_tokens"] += max(p.prefix_chunks for p in prefixes.values())
             self.stats["route_chosen_tokens"] += chosen
-        self.last_pod[session_id] = pod.name
+        state.last_pod = pod.name
         return pod, chosen if looked else None
+
+    def session(self, sid: str) -> SessionState:
+        """The proxy's memory of session ``sid`` (created on its first turn)."""
+        state = self.state.get(sid)
+        if state is None:
+            state = self.state[sid] = SessionState()
+        return state
 
     def least_loaded_decode(self, sid: str) -> Pod:
         """The proxy's decode choice (``LeastLoaded``: least load, then the session's last
@@ -764,7 +769,7 @@ class Cluster:
         least = min(p.n_inflight for p in self.decode_pods)
         cands = [p.candidate() for p in self.decode_pods if p.n_inflight == least]
         return self.pods[self.decode_routing.rank(RouteInput(
-            sid, cands, last_pod=self.last_decode.get(sid)))[0].name]
+            sid, cands, last_pod=self.session(sid).last_decode_pod))[0].name]
 
     def flush(self, pod: Pod) -> None:
         raw = pod.tiers.raw_events
@@ -798,7 +803,7 @@ class Cluster:
             return
         sid = r.turn.session_id
         dec = self.least_loaded_decode(sid)
-        self.last_decode[sid] = dec.name
+        self.session(sid).last_decode_pod = dec.name
         local = 0
         if dec.reuse:
             # the decode pod pulls only what it does not hold from the session's last turn
@@ -836,7 +841,9 @@ class Cluster:
         elif r.local:                  # ... for a turn it prefilled itself: from arrival
             self.stats["decode_ttft_s"] += (r.first or now) - r.send
         t = r.turn
-        self.last_prompt[t.session_id] = r.prompt
+        state = self.session(t.session_id)
+        state.prompt_tokens = r.prompt
+        state.chunk_hashes = t.stored_chunks   # what the pods return for the turn
         self.remaining -= 1
         self.records.append({
             "session_id": t.session_id, "turn": t.index, "last_turn": t.last, "ok": True,
@@ -845,8 +852,6 @@ class Cluster:
             "cached_tokens": r.cached_actual, "completion_tokens": r.out,
             "appended_tokens": t.appended, "ideal_cached_tokens": t.ideal_cached,
             "prefill_pod": r.prefill_pod, "decode_pod": r.decode_pod})
-        if self.routing.name == "kv-aware":
-            run_sync(self.store.put_intent(t.session_id, "last", t.stored_chunks))
         s_turns = self._session_turns(t.session_id)
         gap = t.tool_gap_s * self.cfg.time_scale
         if t.index + 1 < len(s_turns.turns):

@@ -3,7 +3,9 @@ chunk ids, reporting residency changes to the kvindex the way a worker does (eve
 
 Simplifications (docs/sim.md): a chunk lives in exactly one tier; eviction demotes device ->
 DRAM -> disk -> gone; a hit is promoted to the device tier. Every move is counted as
-transfer volume of its kind.
+transfer volume of its kind. A pinned chunk (a prefetch waiting for its turn's admission) stays
+in its tier, outside the LRU order, and counts against the tier's size until it is unpinned.
+``DiskReads`` times the prefetches: one disk queue, each chunk landing when its read ends.
 
 Speed: a 100k-session run makes ~10^8 residency changes, so the per-change paths (``_place``'s
 eviction cascade, ``store``, ``use``) are written as flat loops over local names, with no call
@@ -12,6 +14,7 @@ per change; ``log`` (tests) records the raw change sequence they net.
 
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 
 from agentserving.core.schemas import EventBatch, EventOp, ResidencyEvent, Tier
@@ -22,7 +25,7 @@ _MOVE_KIND = {(Tier.DEVICE, Tier.CPU): "device_to_dram", (Tier.CPU, Tier.DISK): 
               (Tier.CPU, Tier.DEVICE): "dram_to_device", (Tier.DISK, Tier.CPU): "disk_to_dram",
               (Tier.DISK, Tier.DEVICE): "disk_to_device"}
 _STORED, _REMOVED = EventOp.STORED, EventOp.REMOVED
-_DEVICE, _DISK = Tier.DEVICE, Tier.DISK
+_DEVICE, _CPU, _DISK = Tier.DEVICE, Tier.CPU, Tier.DISK
 
 
 class PodTiers:
@@ -58,6 +61,7 @@ class PodTiers:
         self._levels = {t: (self.lru[t], caps.get(t, 0), self._below[t],
                             _MOVE_KIND.get((t, self._below[t]))) for t in TIERS}
         self.top = self._land[Tier.DEVICE]     # where a new or promoted chunk lands
+        self.pinned: dict[str, Tier] = {}      # chunk -> its tier (outside that tier's LRU)
 
     # -- queries
     def prefix(self, chunks: list[str], limit: int) -> tuple[int, list[Tier]]:
@@ -93,7 +97,10 @@ class PodTiers:
     def _remove(self, h: str) -> Tier | None:
         t = self.where.pop(h, None)
         if t is not None:
-            del self.lru[t][h]
+            if h in self.pinned:
+                self._release(h, t)
+            else:
+                del self.lru[t][h]
             self._note(_REMOVED, t, h)
         return t
 
@@ -137,13 +144,13 @@ class PodTiers:
         """Newly computed KV for ``chunks`` (on the device): keep it, most recent first."""
         top = self.top
         where, lru = self.where, self.lru
-        dev = lru[_DEVICE]
         for h in chunks:
             t = where.get(h)
-            if t is _DEVICE:
-                dev.move_to_end(h)
-            elif t is not None and t is top:
-                lru[t].move_to_end(h)          # _refresh, inlined
+            if t is _DEVICE or (t is not None and t is top):
+                try:
+                    lru[t].move_to_end(h)      # _refresh, inlined
+                except KeyError:               # pinned: its place is kept until unpinned
+                    pass
             else:
                 if t is not None:
                     self._remove(h)
@@ -174,12 +181,13 @@ class PodTiers:
             if t is None:
                 continue
             src[t] = src.get(t, 0) + 1
-            if t is _DEVICE:
-                lru[t].move_to_end(h)
-                continue
-            self._count(t, _DEVICE)
-            if t is top:
-                lru[t].move_to_end(h)          # _refresh, inlined
+            if t is not _DEVICE:
+                self._count(t, _DEVICE)
+            if t is _DEVICE or t is top:
+                try:
+                    lru[t].move_to_end(h)      # _refresh, inlined
+                except KeyError:               # pinned
+                    pass
                 continue
             self._remove(h)
             self._place(h, _DEVICE)
@@ -195,6 +203,57 @@ class PodTiers:
                 self._place(h, Tier.CPU)
                 n += 1
         return n
+
+    def place(self, chunks: list[str] | tuple[str, ...], tier: Tier) -> None:
+        """Chunks held nowhere yet start in ``tier`` (a pod's starting state: contexts already
+        on disk); chunks held anywhere are left as they are."""
+        for h in chunks:
+            if h not in self.where:
+                self._place(h, tier)
+
+    def land(self, h: str) -> bool:
+        """A read of ``h`` from disk finished: it is in DRAM, most recently used (a chunk
+        already there is refreshed, a pinned one keeps its place); False if ``h`` is held
+        nowhere (nothing was read) or the pod has no DRAM."""
+        t = self.where.get(h)
+        if t is _DISK and self.caps.get(_CPU, 0) > 0:
+            self._remove(h)
+            self._count(_DISK, _CPU)
+            self._place(h, _CPU)
+            return True
+        if t is _CPU:
+            if h not in self.pinned:
+                self.lru[_CPU].move_to_end(h)
+            return True
+        return False
+
+    def pin(self, h: str) -> bool:
+        """Keep ``h`` where it is until ``unpin``: out of its tier's LRU order (never a
+        victim), still counted against the tier's size. False if ``h`` is held nowhere."""
+        t = self.where.get(h)
+        if t is None or h in self.pinned:
+            return t is not None
+        del self.lru[t][h]
+        self.pinned[h] = t
+        self._resize(t, -1)
+        return True
+
+    def unpin(self, h: str) -> None:
+        """``h`` rejoins its tier's LRU as the most recently used chunk (the tier's size is
+        unchanged, so nothing is evicted)."""
+        t = self.pinned.get(h)
+        if t is not None:
+            self._release(h, t)
+            self.lru[t][h] = None
+
+    def _release(self, h: str, t: Tier) -> None:
+        del self.pinned[h]
+        self._resize(t, +1)
+
+    def _resize(self, t: Tier, by: int) -> None:
+        """The room ``t``'s LRU has: its size less the chunks pinned in it."""
+        q, cap, lower, kind = self._levels[t]
+        self._levels[t] = (q, cap + by, lower, kind)
 
     def flush(self) -> EventBatch | None:
         """The residency changes since the last flush as one worker event batch: one event per
@@ -221,3 +280,60 @@ class PodTiers:
         events = [make(op=op, tier=tier, chunk_hashes=hs, bytes=None)
                   for (op, tier), hs in groups.items()]
         return EventBatch.model_construct(pod=self.pod, seq=self.seq, events=events)
+
+
+class DiskReads:
+    """The pod's prefetch reads from disk, timed: one queue, ``disk_s`` seconds a chunk, each
+    chunk landing in DRAM (``PodTiers.land``) when its read ends, so it can still be evicted
+    between landing and its turn's admission unless it is pinned. A pin is granted at landing
+    while fewer than ``pin_share`` of DRAM's chunks are pinned; a chunk past that joins the
+    LRU. Landings are applied lazily, in landing order, by ``settle(now)``.
+
+    What the caller's side of a prefetch rests on (the scheduling bench's survival and
+    consumption): ``landing`` says when a chunk still in flight arrives, so an admission can
+    wait for it instead of reading it from disk a second time."""
+
+    def __init__(self, tiers: PodTiers, disk_s: float, pin_share: float = 0.75) -> None:
+        self.tiers = tiers
+        self.disk_s = disk_s
+        self.pin_cap = int(tiers.caps.get(_CPU, 0) * pin_share)
+        self.free_at = 0.0                             # when the disk queue is next idle
+        self._arrive: dict[str, float] = {}            # chunk in flight -> its landing time
+        self._heap: list[tuple[float, str]] = []       # (landing time, chunk)
+        self._pin_wanted: set[str] = set()
+
+    def prefetch(self, chunks: tuple[str, ...], now: float, pin: bool = False) -> None:
+        """Queue reads of ``chunks`` behind the reads already queued; with ``pin``, each is
+        pinned when it lands (if the pin share allows) until ``unpin``. A chunk asked for
+        again lands at its new time only."""
+        start = max(now, self.free_at)
+        for i, h in enumerate(chunks):
+            land = start + (i + 1) * self.disk_s
+            self._arrive[h] = land
+            heapq.heappush(self._heap, (land, h))
+        if pin:
+            self._pin_wanted.update(chunks)
+        self.free_at = start + len(chunks) * self.disk_s
+
+    def settle(self, now: float) -> None:
+        """Land every read due by ``now``, in landing order."""
+        heap, arrive, tiers = self._heap, self._arrive, self.tiers
+        while heap and heap[0][0] <= now:
+            land, h = heapq.heappop(heap)
+            if arrive.get(h) != land:
+                continue                               # superseded by a later request
+            del arrive[h]
+            tiers.land(h)
+            if h in self._pin_wanted and len(tiers.pinned) < self.pin_cap:
+                tiers.pin(h)
+
+    def landing(self, h: str) -> float | None:
+        """When ``h``'s read lands (None: not in flight); as of the last ``settle``."""
+        return self._arrive.get(h)
+
+    def unpin(self, chunks: tuple[str, ...]) -> None:
+        """The turn these were prefetched for was admitted: they are plain LRU entries again
+        (and a read still in flight lands unpinned)."""
+        for h in chunks:
+            self._pin_wanted.discard(h)
+            self.tiers.unpin(h)

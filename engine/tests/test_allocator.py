@@ -7,7 +7,9 @@ import json
 import subprocess
 import sys
 
-from agentserving.engine.allocator import SETTINGS, SWITCH_ENV, settings_to_apply
+import pytest
+
+from agentserving.engine.allocator import SETTINGS, SWITCH_ENV, settings_to_apply, tuning_wanted
 
 
 def test_every_setting_applies_unless_the_environment_makes_it():
@@ -37,3 +39,16 @@ def test_the_tuning_can_be_switched_off():
     behaviour back says so, and nothing is set."""
     done = _applied({SWITCH_ENV: "off"})
     assert set(done) == {"malloc"} and "left as it is" in done["malloc"]
+
+
+@pytest.mark.parametrize(("value", "wanted"), [("on", True), ("1", True), ("true", True),
+                                               ("off", False), ("OFF", False), ("no", False),
+                                               ("0", False)])
+def test_the_switch_reads_booleans_as_the_connector_settings_do(value, wanted):
+    assert tuning_wanted({SWITCH_ENV: value}) is wanted
+    assert tuning_wanted({}) is True
+
+
+def test_a_mistyped_switch_is_an_error_naming_the_variable():
+    with pytest.raises(ValueError, match=SWITCH_ENV):
+        tuning_wanted({SWITCH_ENV: "of"})

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
+
 from agentserving.core.hashing import HashScheme
 from agentserving.core.internal_auth import TOKEN_ENV
 from agentserving.core.schemas import PodRole
@@ -52,12 +54,15 @@ class ConnectorSettings:
         return [f"http://{host}:{self.worker_port(k)}" for k in range(world_size)]
 
 
+_BOOL = TypeAdapter(bool)
+
+
 def _bool(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("true", "1", "yes", "false", "0", "no"):
-        return value.lower() in ("true", "1", "yes")
-    raise ConnectorConfigError(key, f"expected a boolean, got {value!r}")
+    """vLLM hands the extra config through as JSON or strings: pydantic's booleans."""
+    try:
+        return _BOOL.validate_python(value)
+    except ValidationError:
+        raise ConnectorConfigError(key, f"expected a boolean, got {value!r}") from None
 
 
 def _cast(key: str, value: Any, kind: type, expected: str) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from agentserving.core.cli import option, settings_option
+from agentserving.core.cli import log_options, option, serve, settings_option
 from agentserving.core.internal_auth import TOKEN_ENV, TOKEN_HELP
 from agentserving.kvindex.settings import KvindexSettings
 
@@ -61,20 +61,12 @@ def _parse_pairs(values: tuple[str, ...], flag: str, form: str) -> dict[str, str
 @option("--lmcache-instance", multiple=True, metavar="INSTANCE=POD",
         help="Name the pod of an LMCache instance id (default: the id itself); repeatable.")
 @setting("--internal-token", envvar=TOKEN_ENV, metavar="TOKEN", help=TOKEN_HELP)
-@setting("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
-         help="Log level.")
-@setting("--log-json/--log-console", help="JSON log lines, or readable ones.")
+@log_options(setting)
 def command(**kwargs: object) -> None:
     """Run the kvindex: the cluster's directory of where every KV chunk lives."""
-    import uvicorn
-
-    from agentserving.core.logging import configure_logging
     from agentserving.kvindex.app import create_app
 
-    settings = settings_from_params(kwargs)
-    configure_logging(settings.log_level, settings.log_json)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level=settings.log_level, access_log=False)
+    serve(create_app, settings_from_params(kwargs))
 
 
 def settings_from_params(params: dict[str, object]) -> KvindexSettings:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from agentserving.core.cli import settings_option
+from agentserving.core.cli import log_options, serve, settings_option
 from agentserving.core.hashing import HashScheme
 from agentserving.core.internal_auth import TOKEN_ENV, TOKEN_HELP
 from agentserving.proxy.settings import ProxySettings, RoutingName
@@ -92,20 +92,12 @@ setting = settings_option(ProxySettings)
               "close_session forgets it at once. 0: only --max-sessions bounds them.")
 @setting("--prefetch-lead", "prefetch_lead_s", type=click.FloatRange(min=0),
          help="Seconds before a tool call's predicted return to prefetch the session's KV.")
-@setting("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
-         help="Log level.")
-@setting("--log-json/--log-console", help="JSON log lines, or readable ones.")
+@log_options(setting)
 def command(**kwargs: object) -> None:
     """Run the proxy: OpenAI API in, each turn routed to where its KV already is."""
-    import uvicorn
-
-    from agentserving.core.logging import configure_logging
     from agentserving.proxy.app import create_app
 
-    settings = settings_from_params(kwargs)
-    configure_logging(settings.log_level, settings.log_json)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                log_level=settings.log_level, access_log=False)
+    serve(create_app, settings_from_params(kwargs))
 
 
 def settings_from_params(params: dict[str, object]) -> ProxySettings:

@@ -39,7 +39,6 @@ from agentserving.core.schemas import (
 from agentserving.core.service import ApiError
 from agentserving.proxy import memory_hooks
 from agentserving.proxy.disagg import (
-    HeldContext,
     Placement,
     local_prefill_tokens,
     plan_local_pod,
@@ -176,15 +175,10 @@ class Orchestrator:
         size = prompt_size(turn.endpoint, turn.body)
         if size.tokens is None:
             return 0
-        held = self._held(state) if pod.name == state.last_decode_pod else None
+        held = state.held(self.settings.chunk_size) \
+            if pod.name == state.last_decode_pod else None
         new = local_prefill_tokens(size, held) if held is not None else None
         return new if new is not None else size.tokens
-
-    def _held(self, state: SessionState) -> HeldContext | None:
-        """What the session's previous turn left on its own pod (None: nothing known)."""
-        if state.prompt_tokens is None:
-            return None
-        return HeldContext(state.prompt_tokens, state.prompt_chars, self.settings.chunk_size)
 
     # ------------------------------------------------------------------ routing
     async def _route(self, turn: Turn, state: SessionState) -> Routed:
@@ -246,8 +240,8 @@ class Orchestrator:
         hosts = self._hosts(prefill_order, decode_order)
         own = next((c for c in [*decode_order, *hosts] if c.name == state.last_decode_pod), None)
         size = prompt_size(turn.endpoint, turn.body)
-        placement = Placement(size, None if own is None else self._held(state), own,
-                              prefill_order, decode_order, hosts,
+        held = None if own is None else state.held(self.settings.chunk_size)
+        placement = Placement(size, held, own, prefill_order, decode_order, hosts,
                               self.settings.local_prefill_tokens,
                               self.settings.max_prefill_backlog)
         plan = plan_local_pod(placement)
@@ -562,14 +556,12 @@ class Orchestrator:
         self.tool_gaps.observe(state.pending_tool, actual)
 
     async def _fork(self, turn: Turn, state: SessionState) -> None:
-        """A branch starts where its parent is: same chunks (copy-on-write in the kvindex)."""
+        """A branch starts where its parent is (``SessionState.fork_from``, which the
+        simulator runs too), and the kvindex copies the parent's session record."""
         parent_key = session_key(turn.tenant, turn.parent_session_id)
         parent = self.sessions.peek(parent_key) if parent_key else None
         if parent is not None:
-            state.chunk_hashes = list(parent.chunk_hashes)
-            state.last_pod = parent.last_pod
-            state.last_decode_pod = parent.last_decode_pod
-            state.prompt_tokens, state.prompt_chars = parent.prompt_tokens, parent.prompt_chars
+            state.fork_from(parent)
         if self.kvindex is not None and turn.session_id:
             try:
                 await self.kvindex.for_tenant(turn.tenant).fork(turn.parent_session_id,

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from agentserving.core.schemas import SessionRoute
+from agentserving.proxy.disagg import HeldContext
 
 
 @dataclass
@@ -29,6 +30,19 @@ class SessionState:
     pending_tool: str | None = None  # the tool the previous turn called
     predicted_gap_s: float | None = None
     prefetch_fired_at: float | None = None
+
+    def held(self, chunk_size: int) -> HeldContext | None:
+        """What the session's previous turn left on its own pod (None: nothing known)."""
+        if self.prompt_tokens is None:
+            return None
+        return HeldContext(self.prompt_tokens, self.prompt_chars, chunk_size)
+
+    def fork_from(self, parent: SessionState) -> None:
+        """A branch starts where its parent is: the same chunks (copy-on-write in the
+        kvindex), pods and previous prompt, so its first turn routes as the parent's next."""
+        self.chunk_hashes = list(parent.chunk_hashes)
+        self.last_pod, self.last_decode_pod = parent.last_pod, parent.last_decode_pod
+        self.prompt_tokens, self.prompt_chars = parent.prompt_tokens, parent.prompt_chars
 
     # The routing fields above, as every proxy replica shares them (--shared-sessions); the
     # tool-gap fields stay with the replica (monotonic times, this process's predictor).

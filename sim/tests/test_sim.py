@@ -16,7 +16,7 @@ from agentserving.replay.trace import sessions_from
 from agentserving.sim import SimConfig, load_profile, simulate
 from agentserving.sim.cluster import Cluster, parse_topology, weighted_percentile
 from agentserving.sim.events import EventLoop
-from agentserving.sim.workload import compile_trace
+from agentserving.sim.workload import SimSession, compile_trace
 from testkit.sim import toy_profile
 
 
@@ -90,7 +90,7 @@ def test_routing_matches_proxy_policy_on_same_inputs():
     pods[1].tiers.store(chunks[:3])
     cluster.flush(pods[1])
     from agentserving.sim.events import run_sync
-    run_sync(cluster.store.put_intent("sX", "last", chunks))
+    cluster.session("sX").chunk_hashes = chunks   # what the proxy keeps after a turn
     chosen, prefix = cluster.route("sX", cluster.sessions[0].turns[0])
     found = run_sync(cluster.index.lookup(chunks, role=PodRole.PREFILL))
     from agentserving.kvindex.index.base import rank_prefixes
@@ -99,6 +99,25 @@ def test_routing_matches_proxy_policy_on_same_inputs():
                                        prefixes))[0].name
     assert chosen.name == expect == "prefill-1" and prefix == 3
     assert cluster.stats["lookups"] == 1
+
+
+def test_a_branch_first_turn_routes_where_its_parents_chunks_are():
+    """The proxy's fork (``SessionState.fork_from``): a branch's first turn is looked up with
+    its parent's chunks and goes to the pod holding them."""
+    cluster = Cluster(compile_trace(load_trace("bundled:bench-small")),
+                      load_profile("910b3-qwen3-4b"),
+                      SimConfig(config="agentserving", topology="3P1D"))
+    pods = cluster.prefill_pods
+    parent = cluster.sessions[0]
+    chunks = parent.turns[0].stored_chunks
+    pods[2].tiers.store(chunks[:4])
+    cluster.flush(pods[2])
+    cluster.session(parent.session_id).chunk_hashes = chunks   # after the parent's turn
+    branch = SimSession("branch", (parent.session_id, 0, 0.0), 0.0, parent.turns)
+    cluster.start_turn(branch, 0)
+    state = cluster.session("branch")
+    assert cluster.stats["lookups"] == 1 and state.chunk_hashes == chunks
+    assert state.last_pod == "prefill-2"
 
 
 def test_simulator_runs_real_policy_objects():

@@ -36,7 +36,9 @@ def _parse_pairs(values: tuple[str, ...], flag: str, form: str) -> dict[str, str
 @setting("--lease-ttl", "lease_ttl_s", type=click.FloatRange(min=0.01),
          help="Seconds a pod stays registered without a heartbeat. Keep it longer than the "
               "store's failover (Redis Sentinel: down-after-milliseconds plus the election): "
-              "heartbeats cannot land while no master takes writes.")
+              "heartbeats cannot land while no master takes writes, and a longer outage "
+              "lapses every pod's lease at once (the proxy then keeps its last-known pods for "
+              "its --empty-registry-grace, until the pods register again).")
 @setting("--reap-interval", "reap_interval_s", type=click.FloatRange(min=0.01),
          help="Seconds between sweeps that drop pods whose lease lapsed and sessions "
          "that expired idle.")

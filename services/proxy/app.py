@@ -56,7 +56,8 @@ def create_app(settings: ProxySettings) -> FastAPI:
         kvindex = (AioKvindexClient(settings.kvindex_url, settings.kvindex_timeout_s,
                                     token=settings.internal_token)
                    if settings.kvindex_url else None)
-        pool = PodPool(settings.prefill_urls, settings.decode_urls, kvindex)
+        pool = PodPool(settings.prefill_urls, settings.decode_urls, kvindex,
+                       settings.empty_registry_grace_s)
         await pool.refresh()
         policy = make_policy(settings.routing, settings.chunk_size, settings.load_penalty_tokens)
         replica = _replica(settings, replica_metrics)

@@ -37,6 +37,11 @@ setting = settings_option(ProxySettings)
 @setting("--internal-token", envvar=TOKEN_ENV, metavar="TOKEN", help=TOKEN_HELP)
 @setting("--discovery-interval", "discovery_interval_s", type=click.FloatRange(min=0.05),
          help="Seconds between kvindex pod-registry refreshes.")
+@setting("--empty-registry-grace", "empty_registry_grace_s", type=click.FloatRange(min=0),
+         help="Seconds the proxy keeps routing to the pods it knew when the kvindex registry "
+         "suddenly lists none: an outage of the kvindex's store longer than the pods' lease "
+         "lapses every lease at once, and the pods register again at their next heartbeat. "
+         "Keep it near the kvindex's --lease-ttl; 0: follow the registry at once.")
 @setting("--kvindex-timeout", "kvindex_timeout_s", type=click.FloatRange(min=0.01),
          help="Seconds to wait for the kvindex before routing without it.")
 @setting("--upstream-timeout", "upstream_timeout_s", type=click.FloatRange(min=0.1),

@@ -4,13 +4,20 @@ Keeps per-pod in-flight counts and queued prompt tokens (the load the routing po
 balance) and a short cool-down for pods that just failed, so a retry goes elsewhere. A pod
 given by URL is matched to its kvindex name through the registry's ``api_url``, so KV-aware
 routing can use its residency.
+
+A registry that suddenly lists no pod at all, where it listed some, is not taken at once: an
+outage of the kvindex's store longer than the pods' lease lapses every lease together although
+every pod is up (their heartbeats found no store to land in), and the pods register again only
+at their next heartbeat. For ``empty_registry_grace_s`` the proxy keeps routing to the pods it
+knew (a pod really gone fails its turn over to another, as any dead pod does) rather than
+refusing every turn with "no pods"; a registry that lists some pods is followed as it is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -55,10 +62,14 @@ class QueuedPrompt:
 
 class PodPool:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str],
-                 kvindex: KvindexClient | None) -> None:
+                 kvindex: KvindexClient | None, empty_registry_grace_s: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._static = bool(prefill_urls or decode_urls)
         self._kvindex = kvindex
         self._pods: dict[str, PodState] = {}
+        self._grace_s = empty_registry_grace_s
+        self._clock = clock
+        self._emptied_at: float | None = None  # when the registry last went from some to none
         for url in prefill_urls:
             self._pods[url] = PodState(url, url.rstrip("/"), PodRole.PREFILL)
         for url in decode_urls:
@@ -93,10 +104,22 @@ class PodPool:
                 state.inflight, state.failed_until = old.inflight, old.failed_until
                 state.queued_prompt_tokens = old.queued_prompt_tokens
             current[reg.pod] = state
+        if not current and self._pods and self._keep_last_known():
+            return True
+        self._emptied_at = None
         if set(current) != set(self._pods):
             log.info("pods_changed", pods=sorted(current))
         self._pods = current
         return True
+
+    def _keep_last_known(self) -> bool:
+        """The registry lists none of the pods it listed: keep them, for the grace period."""
+        now = self._clock()
+        if self._emptied_at is None:
+            self._emptied_at = now
+            log.warning("registry_lists_no_pods_keeping_last_known", pods=sorted(self._pods),
+                        grace_s=self._grace_s)
+        return now - self._emptied_at < self._grace_s
 
     async def follow(self, interval_s: float) -> None:
         while True:

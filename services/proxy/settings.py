@@ -27,6 +27,9 @@ class ProxySettings(BaseModel):
     salt_secret: str | None = Field(default=None, repr=False)
     internal_token: str | None = Field(default=None, repr=False)
     discovery_interval_s: float = Field(default=2.0, gt=0)
+    empty_registry_grace_s: float = Field(
+        default=15.0, ge=0, description="Seconds to keep routing to the last-known pods when the "
+        "kvindex registry suddenly lists none (a store outage lapses every lease at once).")
     kvindex_timeout_s: float = Field(default=0.5, gt=0)
     upstream_connect_timeout_s: float = Field(default=2.0, gt=0)
     upstream_timeout_s: float = Field(default=600.0, gt=0)

@@ -35,7 +35,9 @@ Scripts pass masks to Redis as strings: Redis formats Lua numbers with snprintf,
 Failure contract: any connection error or timeout raises ``BackendUnavailable``; after one, a
 circuit breaker fails every call at once, without touching a socket, for ``breaker_s``, then
 lets calls probe again. The client reconnects by itself once Redis answers; a stale pooled
-connection (Redis restarted) is retried once on a fresh one, transparently.
+connection (Redis restarted) is retried once on a fresh one, transparently. A pooled
+connection found on a replica (a failover moved the master under it) is unavailable too, and
+the pool is emptied, so that every call reconnects to the master the sentinels name now.
 
 High availability: a ``redis+sentinel://`` store (``sentinel_parts``) reaches whichever Redis
 the sentinels name master, so a failover costs the calls in flight and the breaker's second,
@@ -62,7 +64,7 @@ except ImportError:  # the pure-Python packer and parser still work, only slower
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import BusyLoadingError, ReadOnlyError
+from redis.exceptions import BusyLoadingError, ReadOnlyError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -715,6 +717,18 @@ class RedisBackend:
         except _UNAVAILABLE as exc:
             self._open_until = time.monotonic() + self._breaker_s
             raise self._unavailable(exc) from exc
+        except ResponseError as exc:
+            if not on_replica(exc):
+                raise
+            # A script that did not write runs on a replica, and only the WAIT after it
+            # fails: unlike a refused write (ReadOnlyError, which redis-py's sentinel client
+            # answers by reconnecting), this leaves the connection in the pool, pointing at
+            # the replica for good (seen in a Sentinel failover: the reapers failed on it
+            # for 10 s while every heartbeat met the open breaker, and the pods' leases
+            # lapsed). Drop every pooled connection: each reconnects through the sentinels.
+            await self._redis.connection_pool.disconnect()
+            self._open_until = time.monotonic() + self._breaker_s
+            raise self._unavailable(exc) from exc
         self._open_until = 0.0
         return result
 
@@ -772,6 +786,12 @@ def _hiredis_packing(cls: type) -> type:
 
 
 SENTINEL_SCHEME = "redis+sentinel://"
+
+
+def on_replica(exc: ResponseError) -> bool:
+    """Redis refused a command because the connection reached a replica: WAIT there answers
+    "WAIT cannot be used with replica instances"."""
+    return "replica instance" in str(exc)
 
 
 class NotReplicated(BackendUnavailable):

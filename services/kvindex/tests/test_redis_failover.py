@@ -73,3 +73,46 @@ def test_a_killed_master_loses_nothing_acknowledged(sentinel_set):
         wait_until(lambda: kv.get("/readyz").status_code == 200, 5, "/readyz")
     promoted = redis.Redis(port=sentinel_port).sentinel_get_master_addr_by_name("kv")
     assert promoted[1] != master.args[master.args.index("--port") + 1]  # a replica took over
+
+
+def test_a_pooled_connection_left_on_a_demoted_master_is_dropped(sentinel_set):
+    """SENTINEL FAILOVER demotes the live master to a replica under the kvindex's pooled
+    connection. A script that writes nothing still runs there and only its WAIT is refused;
+    that call is unavailable (503, not a 500) and the pool is emptied, so the next calls reach
+    the new master (before the fix, every later call failed on the replica)."""
+    import asyncio
+
+    from agentserving.kvindex.index.base import BackendUnavailable
+    from agentserving.kvindex.index.redis import RedisIndex
+
+    url, _master, sentinel_port = sentinel_set
+    watcher = redis.Redis(port=sentinel_port)
+    old = watcher.sentinel_get_master_addr_by_name("kv")
+    index = RedisIndex(url, min_acks=1)
+
+    async def go() -> list[str]:
+        seen = []
+        try:
+            await index.expire_leases()                  # a pooled connection to the master
+            # NOGOODSLAVE until the sentinel has heard from the replicas for a while
+            wait_until(lambda: watcher.execute_command("SENTINEL", "FAILOVER", "kv"), 20,
+                       "the sentinel to accept a failover", ignoring=(redis.ResponseError,),
+                       interval_s=0.5)
+            wait_until(lambda: watcher.sentinel_get_master_addr_by_name("kv") != old and
+                       redis.Redis(port=int(old[1])).role()[0] == b"slave", 20,
+                       "the old master to be a replica")
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                try:
+                    await index.expire_leases()          # writes nothing: WAIT is the test
+                    seen.append("ok")
+                    break
+                except BackendUnavailable as exc:
+                    seen.append("replica" if "replica instance" in str(exc) else "unavailable")
+                    await asyncio.sleep(0.3)
+        finally:
+            await index.close()
+        return seen
+
+    seen = asyncio.run(go())
+    assert seen[0] == "replica" and seen[-1] == "ok", seen

@@ -194,15 +194,10 @@ class PodTiers:
         return src
 
     def prefetch(self, chunks: tuple[str, ...] | list[str]) -> int:
-        """Disk -> DRAM for the chunks still on disk; returns how many moved."""
-        n = 0
-        for h in chunks:
-            if self.where.get(h) is _DISK and self.caps.get(Tier.CPU, 0) > 0:
-                self._remove(h)
-                self._count(_DISK, Tier.CPU)
-                self._place(h, Tier.CPU)
-                n += 1
-        return n
+        """Disk -> DRAM for the chunks still on disk, every read landing at once (``land``;
+        the pods time theirs with ``DiskReads``); returns how many moved."""
+        where = self.where
+        return sum(self.land(h) for h in chunks if where.get(h) is _DISK)
 
     def place(self, chunks: list[str] | tuple[str, ...], tier: Tier) -> None:
         """Chunks held nowhere yet start in ``tier`` (a pod's starting state: contexts already

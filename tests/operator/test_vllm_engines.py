@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from agentserving.engine.model.folders import MODEL_CACHE
+from agentserving.engine.vllm.serve_command import FORCING_LOGITS
 from agentserving.operator.builders import build_children
 from agentserving.operator.builders.engines import WorkerContext, engine_volumes
 
@@ -192,6 +194,16 @@ def test_examples_render_their_engine(settings):
         kv_role = json.loads(flag(cmd, "--kv-transfer-config"))["kv_role"]
         assert kv_role == ("kv_both" if engine == "vllm" else "kv_producer")
     assert seen == {"vllm", "vllm-ascend"}
+
+
+def test_the_smollm2_example_serves_its_converted_folder_with_teacher_forcing(settings):
+    path = next(p for p in EXAMPLES if p.name == "agentserving-vllm-cpu-smollm2.yaml")
+    spec = yaml.safe_load(path.read_text())["spec"]
+    for role in ("prefill", "decode"):
+        argv = vllm_serve_of(worker(children(spec, settings), role))["argv"]
+        assert argv[argv.index("serve") + 1] == str(MODEL_CACHE / "smollm2")
+        assert flag(argv, "--dtype") == "float32"
+        assert flag(argv, "--logits-processors") == FORCING_LOGITS
 
 
 def test_ascend_pods_mount_the_driver_and_accept_the_ascend_hash_scheme():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import types
 from typing import Any
 
 import pytest
@@ -13,8 +14,16 @@ from click.testing import CliRunner
 
 from agentserving.core.cli import main
 from agentserving.core.hashing import HashScheme
+from agentserving.engine.model.folders import MODEL_CACHE
 from agentserving.engine.settings import WorkerSettings
-from agentserving.engine.vllm import salting, serve_command, shm_waits, stream_hashes
+from agentserving.engine.vllm import (
+    request_body,
+    salting,
+    serve_command,
+    shm_waits,
+    stream_hashes,
+    teacher_forcing,
+)
 from agentserving.engine.vllm.hashes import external_request_id
 
 
@@ -41,8 +50,8 @@ def test_worker_settings_become_vllm_flags_and_lmcache_env(tmp_path: Any) -> Non
     assert _flag(argv, "--max-num-batched-tokens") == "1024"
     assert _flag(argv, "--max-num-seqs") == "8" and _flag(argv, "--max-model-len") == "4096"
     assert "--enforce-eager" in argv and argv[-2:] == ["--swap-space", "0"]
-    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--middleware"] == list(
-        serve_command.MIDDLEWARE)
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--middleware"] == [
+        serve_command.FORCING_MIDDLEWARE, *serve_command.MIDDLEWARE]
     ktc = json.loads(_flag(argv, "--kv-transfer-config"))
     assert ktc["kv_connector"] == "AgentServingConnectorV1" and ktc["kv_role"] == "kv_both"
     extra = ktc["kv_connector_extra_config"]
@@ -71,7 +80,9 @@ def test_the_connector_reads_what_the_command_writes() -> None:
 def test_plain_vllm_has_no_connector_and_sized_device_kv() -> None:
     cmd = _build(vllm_kv_connector="none", kv_cache_blocks=64, pod_name="p2",
                  kv_events_endpoint="tcp://127.0.0.1:5557")
-    assert "--kv-transfer-config" not in cmd.argv and "--middleware" not in cmd.argv
+    assert "--kv-transfer-config" not in cmd.argv
+    assert [cmd.argv[i + 1] for i, a in enumerate(cmd.argv) if a == "--middleware"] == [
+        serve_command.FORCING_MIDDLEWARE]  # teacher forcing alone
     assert not any(k.startswith("LMCACHE_") for k in cmd.env)
     assert "AGENTSERVING_VLLM_MEMORY_URL" not in cmd.env
     assert _flag(cmd.argv, "--num-gpu-blocks-override") == "64"
@@ -116,7 +127,6 @@ def test_the_shadow_scheduler_runs_inside_vllms_scheduler_too(policy: str,
     ({"hash_scheme": "blake3"}, "--hash-scheme"),
     ({"kv_block_size": 48, "chunk_size": 96, "prefill_chunk_tokens": 96}, "--kv-block-size"),
     ({"kv_transfer_url": "http://x:1"}, "--kv-transfer-url"),
-    ({"model": "smollm2"}, "--model"),
 ])
 def test_what_vllm_cannot_honour_is_refused_naming_the_flag(kwargs: dict, flag: str) -> None:
     with pytest.raises(serve_command.VllmConfigError, match=flag):
@@ -155,7 +165,7 @@ def test_hash_scheme_default_follows_the_engine() -> None:
 
 def test_tiny_maps_to_the_seeded_model_folder() -> None:
     argv = _build(seed=3).argv
-    assert argv[4] == str(serve_command.MODEL_CACHE / "tiny-seed3")
+    assert argv[4] == str(MODEL_CACHE / "tiny-seed3")
 
 
 def test_external_request_id_drops_vllms_random_suffix() -> None:
@@ -295,3 +305,84 @@ vllm:prompt_tokens_total{engine="0",model_name="tiny"} 9297.0
 """
     assert prompt_tokens_by_source(text) == {"local_compute": 600.0,
                                              "external_kv_transfer": 2816.0}
+
+
+def test_every_pod_honours_teacher_forcing_plain_ones_included() -> None:
+    for connector in ("agentserving", "none"):
+        argv = _build(vllm_kv_connector=connector).argv
+        assert serve_command.FORCING_MIDDLEWARE in argv
+        assert argv[argv.index("--logits-processors") + 1] == serve_command.FORCING_LOGITS
+    module, _, cls = serve_command.FORCING_LOGITS.partition(":")
+    assert module == "agentserving.engine.vllm.forced_logits" and cls == "ForcedOutputProcessor"
+
+
+def test_smollm2_maps_to_its_converted_folder_in_fp32() -> None:
+    argv = _build(model="smollm2").argv
+    assert argv[4] == str(MODEL_CACHE / "smollm2")
+    assert argv[argv.index("--dtype") + 1] == "float32"
+    assert "--dtype" not in _build(model="/models/other").argv
+
+
+def test_a_forced_output_becomes_the_logits_processors_argument() -> None:
+    body = {"prompt": [1, 2], "forced_output_token_ids": [7, 2, 9], "vllm_xargs": {"k": 1}}
+    out = teacher_forcing.forced_body(body, vocab_size=100)
+    assert "forced_output_token_ids" not in out  # vLLM would drop it with a warning
+    assert out["vllm_xargs"] == {"k": 1, "forced_output_token_ids": [7, 2, 9]}
+    assert out["ignore_eos"] is True and out["max_tokens"] == 3
+    # a P/D prefill leg asks for one token; more than the forced ids is capped at them
+    assert teacher_forcing.forced_body({**body, "max_tokens": 1}, 100)["max_tokens"] == 1
+    assert teacher_forcing.forced_body({**body, "max_tokens": 50}, 100)["max_tokens"] == 3
+    chat = teacher_forcing.forced_body({"messages": [], "forced_output_token_ids": [5],
+                                        "max_completion_tokens": 4}, None)
+    assert chat["max_completion_tokens"] == 1 and "max_tokens" not in chat
+    assert teacher_forcing.forced_body({"prompt": [1]}, 100) is None
+
+
+@pytest.mark.parametrize("forced, message", [
+    ([3, 100], r"forced_output_token_ids\[1\]: token id 100 is not below the vocabulary"),
+    ([3, -1], r"forced_output_token_ids\[1\]: not a token id"),
+    ([True], r"forced_output_token_ids\[0\]: not a token id"),
+    ([], "forced_output_token_ids: a non-empty list"),
+    ("7", "forced_output_token_ids: a non-empty list"),
+])
+def test_forced_ids_the_model_cannot_emit_are_a_400_naming_the_field(forced: Any,
+                                                                       message: str) -> None:
+    with pytest.raises(request_body.BodyRejected, match=message) as caught:
+        teacher_forcing.forced_body({"prompt": [1], "forced_output_token_ids": forced}, 100)
+    assert caught.value.param == "forced_output_token_ids"
+    sent: list[dict] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("a rejected body must not reach vLLM")
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def run() -> None:
+        raw = json.dumps({"prompt": [1], "forced_output_token_ids": forced}).encode()
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        vllm_app = types.SimpleNamespace(state=types.SimpleNamespace(
+            vllm_config=types.SimpleNamespace(model_config=types.SimpleNamespace(
+                get_vocab_size=lambda: 100))))  # what vLLM's API server holds
+        await teacher_forcing.TeacherForcingMiddleware(app)(
+            {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [],
+             "app": vllm_app}, receive, send)
+
+    asyncio.run(run())
+    assert sent[0]["status"] == 400
+    error = json.loads(sent[1]["body"])["error"]
+    assert error["param"] == "forced_output_token_ids" and error["code"] == 400
+
+
+def test_force_next_leaves_only_the_forced_id_and_never_breaks_a_row() -> None:
+    import torch
+
+    row = torch.randn(10)
+    out = teacher_forcing.force_next((4, 9), [], row.clone())
+    assert int(out.argmax()) == 4 and torch.isinf(out).sum() == 9
+    assert int(teacher_forcing.force_next((4, 9), [4], row.clone()).argmax()) == 9
+    assert torch.equal(teacher_forcing.force_next((4, 9), [4, 9], row.clone()), row)  # past
+    assert torch.equal(teacher_forcing.force_next((40,), [], row.clone()), row)  # no such id

@@ -30,6 +30,7 @@ TESTS = ["tests", "tests.*", "*.tests", "*.tests.*"]
 # package -> files (globs, relative to the package) its code opens at run time
 PACKAGE_DATA = {
     "agentserving.sim": ["profiles/*.yaml"],  # sim.profile.PROFILE_DIR
+    "agentserving.replay": ["workloads/*.jsonl"],  # replay.loader.WORKLOADS (bundled:NAME)
 }
 
 

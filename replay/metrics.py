@@ -13,6 +13,14 @@ Definitions (all over one replay run):
   (``agentserving.replay.ideal``); ``hit_vs_ideal`` is their quotient.
 - ``e2e_*_s``: request sent to last byte; ``ttft_*_s``: request sent to first token;
   ``itl_p99_s``: the 99th percentile of all gaps between consecutive tokens of all turns.
+- ``forced_mismatches``: completed turns whose output was not the forced one (by the returned
+  token ids where the server sent them, else by their count).
+- ``by_source.<source>`` (turns whose session names a ``meta.source``): ``turns``,
+  ``prefix_hit_rate``, ``ideal_hit_rate`` (the records' ``ideal_cached_tokens`` over their
+  prompt tokens), ``hit_vs_ideal``, ``e2e_p50_s``, ``e2e_p95_s``; where the trace carries
+  the provider's billed usage, ``reference_hit_rate`` (its cache-hit over prompt tokens on the
+  same turns: what a production prefix cache served on the real, unscaled prompts) and
+  ``ideal_vs_reference``, what the trace's scaling and whole-chunk caching leave of it.
 Percentiles interpolate linearly (numpy's default); a metric with no samples is ``null``.
 """
 
@@ -92,7 +100,41 @@ def summarize(records: Iterable[Mapping[str, Any]], *, sessions_planned: int,
         "forced_mismatches": sum(1 for r in ok if r.get("forced_mismatch")),
         "makespan_s": makespan,
         "errors": _error_counts(records),
+        "by_source": by_source(records),
     }
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def by_source(records: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The per-source block of the summary (see the module docstring), over completed turns."""
+    groups: dict[str, list[Mapping[str, Any]]] = {}
+    for r in records:
+        if r.get("ok") and isinstance(r.get("source"), str):
+            groups.setdefault(r["source"], []).append(r)
+    out: dict[str, dict[str, Any]] = {}
+    for source, recs in sorted(groups.items()):
+        prompt = sum(int(r.get("prompt_tokens") or 0) for r in recs)
+        hit = _ratio(sum(int(r.get("cached_tokens") or 0) for r in recs), prompt)
+        ideal = _ratio(sum(int(r.get("ideal_cached_tokens") or 0) for r in recs), prompt)
+        e2e = [r["e2e_s"] for r in recs if r.get("e2e_s") is not None]
+        entry: dict[str, Any] = {
+            "turns": len(recs), "prefix_hit_rate": hit, "ideal_hit_rate": ideal,
+            "hit_vs_ideal": hit / ideal if hit is not None and ideal else None,
+            "e2e_p50_s": percentile(e2e, 50), "e2e_p95_s": percentile(e2e, 95)}
+        refs = [r for r in recs if r.get("reference_prompt_tokens")]
+        if refs:
+            reference = _ratio(sum(int(r.get("reference_cached_tokens") or 0) for r in refs),
+                               sum(int(r["reference_prompt_tokens"]) for r in refs))
+            ideal_there = _ratio(sum(int(r.get("ideal_cached_tokens") or 0) for r in refs),
+                                 sum(int(r.get("prompt_tokens") or 0) for r in refs))
+            entry["reference_hit_rate"] = reference
+            entry["ideal_vs_reference"] = ideal_there / reference \
+                if ideal_there is not None and reference else None
+        out[source] = entry
+    return out
 
 
 def _error_counts(records: list[Mapping[str, Any]]) -> dict[str, int]:

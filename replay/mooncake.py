@@ -28,6 +28,8 @@ while keeping which requests share which prefix (the last, partial block is scal
 way to replay the trace on hardware that cannot prefill 12k-token prompts quickly. Keep it a
 multiple of the engine's chunk size so that shared blocks stay whole chunks.
 
+Every session's ``meta.source`` is ``"mooncake"``.
+
 **Time.** A turn's ``timestamp_s`` is the request's timestamp; the session's ``start_s`` is
 its first turn's. Tool gaps are zero: the replay honours the timestamps (scaled with
 ``--time-scale``) and never starts a turn before the previous one in its session finished.
@@ -52,6 +54,7 @@ from agentserving.replay.trace import (
 )
 
 MOONCAKE_BLOCK = 512
+SOURCE = "mooncake"  # every session's meta.source
 
 
 @dataclass(frozen=True)
@@ -178,7 +181,8 @@ def group_sessions(requests: list[MooncakeRequest], opts: MooncakeOptions) -> Tr
                                     "min_shared_blocks": opts.min_shared_blocks})
     return Trace(header=header, sessions=[
         Session(session_id=s["session_id"], parent=s.get("parent"), start_s=s["start_s"],
-                turns=[Turn(**t) for t in s["turns"]]) for s in sessions])
+                turns=[Turn(**t) for t in s["turns"]], meta={"source": SOURCE})
+        for s in sessions])
 
 
 def read_mooncake(path: str | Path, opts: MooncakeOptions | None = None) -> Trace:

@@ -184,6 +184,46 @@ def config_rows(report: Mapping[str, Any], candidate: str = CANDIDATE) -> list[l
     return rows
 
 
+SOURCE_COLUMNS = (("turns", "turns"), ("prefix_hit_rate", "prefix hit"),
+                  ("ideal_hit_rate", "ideal"), ("hit_vs_ideal", "hit / ideal"),
+                  ("e2e_p50_s", "E2E P50 s"), ("e2e_p95_s", "E2E P95 s"),
+                  ("reference_hit_rate", "reference hit"),
+                  ("ideal_vs_reference", "ideal / reference"))
+
+
+def source_rows(report: Mapping[str, Any]) -> list[list[str]]:
+    """[config, source, metrics...] for every configuration's ``by_source`` block."""
+    rows = []
+    for name, m in report["configs"].items():
+        for source, entry in (m.get("by_source") or {}).items():
+            rows.append([name, source, *(_source_cell(k, entry.get(k))
+                                         for k, _ in SOURCE_COLUMNS)])
+    return rows
+
+
+def _source_cell(key: str, value: Any) -> str:
+    if key == "turns" or value is None:
+        return "-" if value is None else str(value)
+    return _fmt(key if key.endswith("_s") else "prefix_hit_rate", value)  # else a rate: %
+
+
+def print_sources(report: Mapping[str, Any]) -> str:
+    """The small per-source table (nothing when no turn named its source)."""
+    rows = source_rows(report)
+    if not rows:
+        return ""
+    from rich.table import Table
+
+    table = Table(title="per source (reference: what the trace's provider cached on the real "
+                        "prompts)")
+    for col in ("config", "source", *(label for _, label in SOURCE_COLUMNS)):
+        table.add_column(col, justify="left" if col in ("config", "source") else "right")
+    for row in rows:
+        table.add_row(*row)
+    _console().print(table)
+    return _plain(table)
+
+
 def print_report(report: Mapping[str, Any], title: str) -> str:
     """The seed's table against the first baseline, every configuration in a row, and every
     target check (printed with rich; returned as plain text)."""
@@ -199,6 +239,8 @@ def print_report(report: Mapping[str, Any], title: str) -> str:
         table.add_row(*row)
     console = _console()
     console.print(table)
+    text += _plain(table)
+    text += print_sources(report)
     lines = []
     for base, comp in (report.get("comparisons") or {}).items():
         lines += _print_checks(console, comp["checks"], f"vs {base}: ")
@@ -213,7 +255,7 @@ def print_report(report: Mapping[str, Any], title: str) -> str:
         console.print("N+1 window in vLLM's scheduler, live (seed 003's in brackets):")
         for line in shadow:
             console.print(f"  {line}")
-    return (text + _plain(table) + "\n".join(lines) + f"\ntargets met: {met} of {len(lines)}\n"
+    return (text + "\n".join(lines) + f"\ntargets met: {met} of {len(lines)}\n"
             + "".join(f"N+1 window {ln}\n" for ln in shadow))
 
 
@@ -259,6 +301,7 @@ def print_table(report: Mapping[str, Any], title: str = "baseline vs agentservin
     console.print(table)
     if with_checks:
         _print_checks(console, report.get("checks") or {})
+        return _plain(table) + print_sources(report)
     return _plain(table)
 
 

@@ -27,18 +27,27 @@ come earlier in the file); ``turns``; ``meta`` (free-form).
 Turn: ``input`` — what the turn appends to the context: either ``{"token_ids": [...]}``, or
 ``{"length": n, "block_ids": [...]}``: the named shared blocks in order (each ``block_size``
 tokens, the last one trimmed to fit ``length``), then new tokens that belong to this turn
-alone up to ``length``. ``output_tokens`` (how many tokens the model emits) or
+alone up to ``length``; or ``{"parts": [...]}``, a list of inputs of those two forms whose
+tokens follow each other in order. Parts let shared text come *after* a turn's own text (a
+task between a shared system prompt and shared instructions): every session gets the same
+tokens there, yet a prefix cache cannot reuse them, since what comes before differs.
+``output_tokens`` (how many tokens the model emits) or
 ``output_token_ids`` (exactly which). ``tool`` and ``tool_gap_s``: the tool this turn's output
 calls and how long it runs, i.e. the pause between this turn's end and the next turn's start.
 ``timestamp_s``: the turn's planned start (seconds after the trace starts; with
 ``--timestamps`` it never starts earlier, and never before its previous turn ended plus the
 gap). ``context``: ``"append"`` (default; the prompt is the previous prompt, plus the
 previous turn's output, plus this input) or ``"replace"`` (the prompt is this input alone —
-for traces such as Mooncake's that record whole prompts).
+for traces such as Mooncake's that record whole prompts). ``meta``: free-form (importers
+keep a turn's reference figures there, e.g. the provider's billed prompt and cache-hit tokens).
+
+Session ``meta.source`` names where a session comes from (``mini-swe-agent``, ``mtrag``,
+``mooncake``): the replay reports its results per source.
 
 Resolution. Every token of a trace is fixed by the file alone (``agentserving.replay.tokens``):
-blocks expand by their id, a turn's new input by ``(session, turn)``, and an output given as
-a length by ``(session, turn)`` too. So a turn's prompt is
+blocks expand by their id, a turn's new input by ``(session, turn)`` (part ``j`` of a
+``parts`` input by ``(session, turn, j)``), and an output given as a length by ``(session,
+turn)`` too. So a turn's prompt is
 
     prompt[k+1] = prompt[k] + output[k] + input[k+1]          (context "append")
 
@@ -78,25 +87,45 @@ class TraceHeader(_Model):
     generator: dict[str, Any] = Field(default_factory=dict)
 
 
-class TurnInput(_Model):
-    """What a turn appends: explicit token ids, or a length made of shared blocks + new tokens."""
+class InputPart(_Model):
+    """Explicit token ids, or a length made of shared blocks + new tokens."""
 
     token_ids: list[int] | None = None
     length: int | None = Field(default=None, ge=0)
     block_ids: list[int | str] = Field(default_factory=list)
 
     @model_validator(mode="after")
-    def _one_form(self) -> TurnInput:
-        if (self.token_ids is None) == (self.length is None):
-            raise ValueError("give exactly one of token_ids or length")
-        if self.token_ids is not None and self.block_ids:
-            raise ValueError("block_ids go with length, not with token_ids")
+    def _one_form(self) -> InputPart:
+        forms = (self.token_ids is not None) + (self.length is not None) + \
+            (getattr(self, "parts", None) is not None)
+        if forms != 1:
+            raise ValueError("give exactly one of token_ids or length"
+                             + (" or parts" if isinstance(self, TurnInput) else ""))
+        if self.length is None and self.block_ids:
+            raise ValueError("block_ids go with length")
         if self.token_ids is not None and any(t < 0 for t in self.token_ids):
             raise ValueError("token ids must be non-negative")
         return self
 
     def num_tokens(self) -> int:
         return len(self.token_ids) if self.token_ids is not None else int(self.length or 0)
+
+
+class TurnInput(InputPart):
+    """What a turn appends: one input form, or ``parts`` (several, concatenated in order)."""
+
+    parts: list[InputPart] | None = Field(default=None, min_length=1)
+
+    def num_tokens(self) -> int:
+        if self.parts is not None:
+            return sum(p.num_tokens() for p in self.parts)
+        return super().num_tokens()
+
+    def forms(self) -> list[tuple[str, InputPart]]:
+        """(key suffix, form) per part: ``""`` for a single form, ``"/j"`` for part j."""
+        if self.parts is None:
+            return [("", self)]
+        return [(f"/{j}", part) for j, part in enumerate(self.parts)]
 
 
 class Turn(_Model):
@@ -107,6 +136,7 @@ class Turn(_Model):
     tool: str | None = Field(default=None, description="Tool called after this turn.")
     tool_gap_s: float = Field(default=0.0, ge=0, description="Pause before the next turn.")
     timestamp_s: float | None = Field(default=None, ge=0)
+    meta: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _one_output(self) -> Turn:
@@ -156,13 +186,14 @@ class Trace(_Model):
                     raise ValueError(f"sessions[{i}]: parent turn {session.parent.turn} out of "
                                      f"range ({len(parent.turns)} turns)")
             for k, turn in enumerate(session.turns):
-                inp = turn.input
-                if inp.length is not None and inp.block_ids:
-                    needed = -(-inp.length // self.header.block_size)
-                    if len(inp.block_ids) > needed:
-                        raise ValueError(
-                            f"sessions[{i}].turns[{k}].input: {len(inp.block_ids)} blocks of "
-                            f"{self.header.block_size} for {inp.length} tokens")
+                for suffix, inp in turn.input.forms():
+                    if inp.length is not None and inp.block_ids:
+                        needed = -(-inp.length // self.header.block_size)
+                        if len(inp.block_ids) > needed:
+                            where = f".parts[{suffix[1:]}]" if suffix else ""
+                            raise ValueError(
+                                f"sessions[{i}].turns[{k}].input{where}: {len(inp.block_ids)} "
+                                f"blocks of {self.header.block_size} for {inp.length} tokens")
             seen[session.session_id] = session
         return self
 
@@ -258,6 +289,15 @@ class ResolvedSession:
 
 
 def expand_input(inp: TurnInput, key: str, *, block_size: int, vocab_size: int) -> list[int]:
+    """A turn's input as token ids; ``key`` names its own tokens (``input/{sid}/{k}``; part
+    j's are ``{key}/{j}``)."""
+    if inp.parts is not None:
+        return [t for suffix, part in inp.forms()
+                for t in _expand_form(part, key + suffix, block_size, vocab_size)]
+    return _expand_form(inp, key, block_size, vocab_size)
+
+
+def _expand_form(inp: InputPart, key: str, block_size: int, vocab_size: int) -> list[int]:
     if inp.token_ids is not None:
         return list(inp.token_ids)
     length = int(inp.length or 0)

@@ -1,9 +1,11 @@
-"""`agentserving trace`: generate, convert and inspect replay traces."""
+"""`agentserving trace`: generate, import and inspect replay traces."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -11,10 +13,16 @@ from agentserving.core.cli import option
 from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.replay.mooncake import MooncakeOptions
 
+DATA = Path("../shared/data")
+MODEL_HELP = ("Serving model whose tokenizer and chat template count the tokens: 'smollm2' "
+              "(SmolLM2-135M-Instruct's BPE and ChatML), 'tiny' (bytes) or a local model "
+              "folder.")
+
 
 @click.group("trace")
 def command() -> None:
-    """Generate synthetic agent sessions, convert Mooncake traces, print trace statistics."""
+    """Generate synthetic agent sessions, import real traces (Mooncake, mini-swe-agent, MTRAG,
+    the agent mix), print trace statistics."""
 
 
 @command.command("generate")
@@ -84,3 +92,196 @@ def stats_cmd(trace_spec: str, chunk_size: int, limit: int | None,
     trace = load_trace(trace_spec, limit=limit,
                        mooncake=MooncakeOptions(block_tokens=mooncake_block_tokens))
     click.echo(json.dumps(trace_stats(trace, chunk_size=chunk_size), indent=2))
+
+
+# ------------------------------------------------------------------------ real workloads
+
+
+def _tokenizer(model: str) -> Any:
+    from agentserving.engine.model.tokenizer import ModelNotAvailable, load_tokenizer
+
+    try:
+        return load_tokenizer(model)
+    except ModelNotAvailable as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _scaling_options(token: float, output: float, time: float, time_help: str,
+                     max_gap: float | None) -> Callable[[Any], Any]:
+    """The sizing flags the importers share, with each importer's defaults."""
+    from agentserving.replay.importers.scaling import MAIN_JOB_CONTEXT
+
+    positive = click.FloatRange(min=0, min_open=True)
+    flags = [
+        option("--model", default="smollm2", help=MODEL_HELP),
+        option("--token-scale", type=positive, default=token,
+               help="Multiplies every input part's length (rounded, at least 1)."),
+        option("--output-scale", type=positive, default=output,
+               help="Multiplies every output's length (rounded, at least 1)."),
+        option("--time-scale", type=positive, default=time, help=time_help),
+        option("--max-gap", type=click.FloatRange(min=0), default=max_gap,
+               help="Cap on every scaled pause between turns, seconds (none if unset)."),
+        option("--max-context", type=click.IntRange(min=1), default=MAIN_JOB_CONTEXT,
+               help="Cut a session before its first turn whose scaled prompt + output exceeds "
+                    "this many tokens (a session whose first turn does not fit is dropped); "
+                    "the default is the main job's per-pod vLLM context."),
+        option("--max-turns", type=click.IntRange(min=1), default=None,
+               help="Keep each session's first N turns."),
+        option("--limit", type=click.IntRange(min=1), default=None,
+               help="Only the first N sessions of the source."),
+        option("--real-sizes", is_flag=True,
+               help="Real sizes and times: every scale 1, no context cap, no gap cap."),
+        option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+               help="Where to write the JSONL trace."),
+    ]
+
+    def decorate(fn: Any) -> Any:
+        for flag in reversed(flags):
+            fn = flag(fn)
+        return fn
+
+    return decorate
+
+
+def _scaling(token_scale: float, output_scale: float, time_scale: float,
+             max_gap: float | None, max_context: int, max_turns: int | None,
+             real_sizes: bool) -> Any:
+    from agentserving.replay.importers.scaling import Scaling
+
+    scaling = Scaling(token_scale=token_scale, output_scale=output_scale,
+                      time_scale=time_scale, max_context=max_context, max_turns=max_turns,
+                      max_gap_s=max_gap)
+    return scaling.real() if real_sizes else scaling
+
+
+def _import(build: Callable[[], Any], out: Path) -> None:
+    """Run an importer and write its trace; a malformed source is a clean error."""
+    from agentserving.replay.trace import TraceFormatError, write_trace
+
+    try:
+        trace = build()
+    except (TraceFormatError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    write_trace(trace, out)
+    gen = trace.header.generator
+    capped = (f" ({gen['sessions_dropped']} sessions dropped and {gen['sessions_cut']} cut by "
+              "the context)") if "sessions_dropped" in gen else ""
+    click.echo(f"{out}: {len(trace.sessions)} sessions, {trace.num_turns} turns{capped}")
+
+
+@command.command("mini-swe-agent")
+@click.argument("src", type=click.Path(exists=True, path_type=Path))
+@_scaling_options(0.25, 0.1, 0.2, "Multiplies every time (tool gaps, session starts).", None)
+def mini_swe_agent_cmd(src: Path, model: str, token_scale: float, output_scale: float,
+                       time_scale: float, max_gap: float | None, max_context: int,
+                       max_turns: int | None, limit: int | None, real_sizes: bool,
+                       out: Path) -> None:
+    """Import mini-swe-agent trajectories: SRC is a folder (its *.traj.json, recursively), one
+    .traj.json, or a .tar.gz of them (read in place). One session per run, one turn per model
+    call, counted in the serving model's tokens and chat template (docs/replay.md)."""
+    from agentserving.replay.importers.mini_swe_agent import SweOptions, read_mini_swe_agent
+
+    opts = SweOptions(model=model, limit=limit, scaling=_scaling(
+        token_scale, output_scale, time_scale, max_gap, max_context, max_turns, real_sizes))
+    tokenizer = _tokenizer(model)
+    _import(lambda: read_mini_swe_agent(src, tokenizer, opts), out)
+
+
+@command.command("mtrag")
+@click.argument("src", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@option("--passages", type=click.Choice(["with-turn", "system"]), default="with-turn",
+        help="Where the cut turn's retrieved passages go: into its user message (the history "
+             "stays append-only) or into the system message of its prompt (a 'replace' turn: "
+             "only the system prompt stays reusable).")
+@_scaling_options(1.0, 0.1, round(1 / 60, 6),
+                  "Multiplies every time: the human's pauses (minutes) and session starts; "
+                  "the default turns a minute into a second.", 60.0)
+def mtrag_cmd(src: Path, passages: str, model: str, token_scale: float, output_scale: float,
+              time_scale: float, max_gap: float | None, max_context: int,
+              max_turns: int | None, limit: int | None, real_sizes: bool, out: Path) -> None:
+    """Import MTRAG-UN generation tasks (SRC: its reference.jsonl): one session per
+    conversation, one turn per user message, the last one answered by the target."""
+    from agentserving.replay.importers.mtrag import MtragOptions, read_mtrag
+
+    opts = MtragOptions(model=model, layout=passages, limit=limit,  # type: ignore[arg-type]
+                        scaling=_scaling(token_scale, output_scale, time_scale, max_gap,
+                                         max_context, max_turns, real_sizes))
+    tokenizer = _tokenizer(model)
+    _import(lambda: read_mtrag(src, tokenizer, opts), out)
+
+
+def _command_line(ctx: click.Context) -> str:
+    """The invocation with every option spelled out: the file it wrote says how to remake it
+    even once the defaults move."""
+    words = ["agentserving", "trace", ctx.info_name or "agent-mix"]
+    for param in ctx.command.params:
+        if not isinstance(param, click.Option) or param.name is None:
+            continue
+        value = ctx.params.get(param.name)
+        if value is None:
+            continue
+        words += [param.opts[0], str(value)]
+    return " ".join(words)
+
+
+@command.command("agent-mix")
+@option("--swe", "swe_src", type=click.Path(exists=True, path_type=Path),
+        default=DATA / "mini-swe-agent/deepseek-swebench-pr814.tar.gz",
+        help="mini-swe-agent trajectories (folder, .traj.json or .tar.gz).")
+@option("--mtrag", "mtrag_src", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        default=DATA / "mtrag/mtragun-reference.jsonl", help="MTRAG-UN's reference.jsonl.")
+@option("--mooncake", "mooncake_src",
+        type=click.Path(exists=True, dir_okay=False, path_type=Path),
+        default=DATA / "mooncake/conversation_trace.jsonl",
+        help="Mooncake's conversation trace.")
+@option("--swe-sessions", type=click.IntRange(min=0), default=3,
+        help="SWE agent sessions (seed 003: 300 of 1,999 trajectories).")
+@option("--swe-turns", type=click.IntRange(min=1), default=16,
+        help="Each SWE session's first N model calls.")
+@option("--swe-token-scale", type=click.FloatRange(min=0, min_open=True), default=1.0,
+        help="Multiplies the SWE sessions' input lengths.")
+@option("--mtrag-sessions", type=click.IntRange(min=0), default=3,
+        help="MTRAG conversations, multi-turn ones only (seed 003: 300).")
+@option("--mtrag-passages", type=click.Choice(["with-turn", "system"]), default="with-turn",
+        help="Where the MTRAG cut turn's passages go (see `trace mtrag --help`).")
+@option("--mooncake-sessions", type=click.IntRange(min=0), default=14,
+        help="Mooncake chats with 2+ turns, standing in for seed 003's chat and long-document "
+             "share (LMSYS-Chat, WildChat, LongBench: 1,400).")
+@option("--mooncake-max-output", type=click.IntRange(min=1), default=32,
+        help="Cap on every Mooncake output (its blocks are 256 tokens).")
+@option("--seed", type=int, default=6, help="Seeds the selection, the order and the arrivals.")
+@option("--arrival-rate", type=click.FloatRange(min=0, min_open=True), default=0.8,
+        help="Sessions per second: one Poisson process over the whole mix.")
+@option("--chat-time-scale", type=click.FloatRange(min=0, min_open=True),
+        default=round(1 / 60, 6),
+        help="Multiplies the human pauses of MTRAG and Mooncake sessions.")
+@option("--max-gap", type=click.FloatRange(min=0), default=10.0,
+        help="Cap on every scaled human pause, seconds.")
+@option("--max-context", type=click.IntRange(min=1), default=8064,
+        help="Context cap of every session (the main job's per-pod vLLM context).")
+@option("--model", default="smollm2", help=MODEL_HELP)
+@option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+        help="Where to write the JSONL trace (the bundled one: "
+             "replay/workloads/agent-mix.jsonl).")
+@click.pass_context
+def agent_mix_cmd(ctx: click.Context, swe_src: Path, mtrag_src: Path, mooncake_src: Path,
+                  swe_sessions: int, swe_turns: int, swe_token_scale: float,
+                  mtrag_sessions: int, mtrag_passages: str, mooncake_sessions: int,
+                  mooncake_max_output: int, seed: int, arrival_rate: float,
+                  chat_time_scale: float, max_gap: float, max_context: int, model: str,
+                  out: Path) -> None:
+    """Build the agent mix: SWE agent sessions, MTRAG conversations and Mooncake chats in
+    seed 003's proportions, with seeded Poisson arrivals (the bundled `agent-mix` workload;
+    docs/replay.md)."""
+    from agentserving.replay.importers.agent_mix import MixOptions, build_mix
+
+    opts = MixOptions(swe_src=swe_src, mtrag_src=mtrag_src, mooncake_src=mooncake_src,
+                      swe_sessions=swe_sessions, swe_turns=swe_turns,
+                      swe_token_scale=swe_token_scale, mtrag_sessions=mtrag_sessions,
+                      mtrag_layout=mtrag_passages,  # type: ignore[arg-type]
+                      mooncake_sessions=mooncake_sessions,
+                      mooncake_max_output=mooncake_max_output, seed=seed,
+                      arrival_rate=arrival_rate, model=model, max_context=max_context,
+                      chat_time_scale=chat_time_scale, max_gap_s=max_gap)
+    tokenizer = _tokenizer(model)
+    _import(lambda: build_mix(tokenizer, opts, command=_command_line(ctx)), out)

@@ -19,7 +19,7 @@ import random
 from dataclasses import dataclass, field
 
 from agentserving.replay.ideal import planned_schedule
-from agentserving.replay.trace import Trace
+from agentserving.replay.trace import InputPart, Trace
 
 Span = tuple[str, int, int]  # (source key, offset in source, length)
 
@@ -96,18 +96,8 @@ def compile_trace(trace: Trace, *, chunk: int = 256) -> list[SimSession]:
             if t.context == "replace":
                 ctx = _Chain(chunk)
             n = inp.num_tokens()
-            if inp.token_ids is not None:
-                ctx.append(f"ids:{hash_ids(inp.token_ids)}", n)
-            else:
-                used = 0
-                for b in inp.block_ids:
-                    take = min(block, n - used)
-                    if take <= 0:
-                        break
-                    ctx.append(f"b:{b}", take)
-                    used += take
-                if used < n:
-                    ctx.append(f"i:{sid}/{k}", n - used)
+            for suffix, form in inp.forms():  # one form, or each part of a parts input
+                _append_form(ctx, form, f"i:{sid}/{k}{suffix}", block)
             prompt_ids, prompt_len = list(ctx.ids), ctx.length
             out_n = t.num_output_tokens()
             okey = f"oids:{hash_ids(t.output_token_ids)}" if t.output_token_ids else f"o:{sid}/{k}"
@@ -121,6 +111,22 @@ def compile_trace(trace: Trace, *, chunk: int = 256) -> list[SimSession]:
         out.append(sess)
     _ideal(out, chunk)
     return out
+
+
+def _append_form(ctx: _Chain, form: InputPart, key: str, block: int) -> None:
+    n = form.num_tokens()
+    if form.token_ids is not None:
+        ctx.append(f"ids:{hash_ids(form.token_ids)}", n)
+        return
+    used = 0
+    for b in form.block_ids:
+        take = min(block, n - used)
+        if take <= 0:
+            break
+        ctx.append(f"b:{b}", take)
+        used += take
+    if used < n:
+        ctx.append(key, n - used)
 
 
 def hash_ids(ids: list[int] | None) -> str:

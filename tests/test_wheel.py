@@ -108,6 +108,7 @@ def test_wheel_has_every_source_module_and_no_tests(installed):
     assert _source_modules() == modules
     names = zipfile.ZipFile(wheel).namelist()
     assert "agentserving/sim/profiles/reference-cpu.yaml" in names  # sim.profile reads it
+    assert "agentserving/replay/workloads/agent-mix.jsonl" in names  # bundled:agent-mix
 
 
 def test_every_module_imports_from_the_wheel(installed):

@@ -5,12 +5,21 @@ text is UTF-8 bytes (ids 3..258) after a BOS, so tokenization is prefix-stable (
 ``a + b`` start with the tokens of ``a``), which is what multi-turn KV reuse with text prompts
 needs. Ids the random model emits beyond the byte range decode to short pseudo-words, so its
 output is readable. ``HFTokenizer`` wraps a transformers tokenizer for real models.
+
+Besides serving, the trace importers (``agentserving.replay.importers``) count real
+conversations in the serving model's tokens: ``render_chat`` gives the chat template's text,
+``prompt_ids`` tokenizes such a text the way an engine tokenizes a templated prompt (the
+template's special-token strings become their ids, nothing is added), and ``PromptCounter``
+does that for thousands of prompts that share most of their text, tokenizing each piece
+between special tokens once.
 """
 
 from __future__ import annotations
 
 import codecs
+import hashlib
 import importlib.util
+import re
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -22,6 +31,8 @@ _SPECIALS = ["<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>"]
 _SPECIAL_BASE = _BYTE_BASE + 256
 _FIRST_WORD_ID = _SPECIAL_BASE + len(_SPECIALS)
 _SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
+BOS_TEXT = "<s>"  # the BOS of the tiny model's chat template (engine/model/folder.py)
+TINY_TEMPLATE_ID = "agentserving-tiny"
 
 
 class Tokenizer(Protocol):
@@ -35,6 +46,33 @@ class Tokenizer(Protocol):
     def decoder(self) -> IncrementalDecoder: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """The chat template's text for ``messages`` (what an OpenAI-compatible server
+        tokenizes for ``/v1/chat/completions``)."""
+        ...
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """The ids of a templated prompt's text: special-token strings become their ids,
+        nothing is added (the template writes BOS itself where the model wants one)."""
+        ...
+
+    @property
+    def split_tokens(self) -> tuple[str, ...]:
+        """Special-token strings that ``prompt_ids`` always cuts the text at, leaving the
+        text on either side tokenized on its own (what makes ``PromptCounter`` exact)."""
+        ...
+
+    @property
+    def end_of_turn(self) -> str:
+        """The text of the token that ends an assistant message in the chat template."""
+        ...
+
+    @property
+    def template_id(self) -> str:
+        """Names the chat template: two tokenizers with equal ids render chats alike."""
+        ...
 
 
 class IncrementalDecoder(Protocol):
@@ -87,6 +125,42 @@ class ByteTokenizer:
         ids.append(_SPECIAL_BASE + _SPECIALS.index("<|assistant|>"))
         return ids
 
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        """engine/model/folder.py's CHAT_TEMPLATE as Python: BOS, ``<|role|>content<|end|>``
+        per message (unknown roles as user; list contents joined), ``<|assistant|>`` when a
+        reply is wanted. Like that template it renders neither tools nor tool calls."""
+        out = [BOS_TEXT]
+        for msg in messages:
+            role = msg["role"] if msg["role"] in ("system", "user", "assistant", "tool") else "user"
+            out.append(f"<|{role}|>{_content_text(msg.get('content'))}<|end|>")
+        if add_generation_prompt:
+            out.append("<|assistant|>")
+        return "".join(out)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for piece in _TINY_SPLIT.split(text):
+            if piece == BOS_TEXT:
+                ids.append(BOS_ID)
+            elif piece in _SPECIALS:
+                ids.append(_SPECIAL_BASE + _SPECIALS.index(piece))
+            elif piece:
+                ids += self.encode(piece, add_bos=False)
+        return ids
+
+    @property
+    def split_tokens(self) -> tuple[str, ...]:
+        return (BOS_TEXT, *_SPECIALS)
+
+    @property
+    def end_of_turn(self) -> str:
+        return "<|end|>"
+
+    @property
+    def template_id(self) -> str:
+        return TINY_TEMPLATE_ID
+
     @staticmethod
     def piece(token_id: int) -> bytes | str:
         if _BYTE_BASE <= token_id < _SPECIAL_BASE:
@@ -103,6 +177,17 @@ class ByteTokenizer:
     def decode(self, ids: list[int]) -> str:
         dec = self.decoder()
         return "".join(dec.push(t) for t in ids) + dec.flush()
+
+
+_TINY_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in (BOS_TEXT, *_SPECIALS)) + ")")
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
+    return ""
 
 
 class _ByteDecoder:
@@ -136,6 +221,45 @@ class HFTokenizer:
             out = out["input_ids"]
         return list(out)
 
+    def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+        text = self._tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+        return str(text)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    @property
+    def split_tokens(self) -> tuple[str, ...]:
+        # transformers cuts the text at its added tokens before normalising and pre-tokenizing
+        # it; one that strips the whitespace beside it, or is normalised, would join its
+        # neighbours, so it is not cut at
+        added = getattr(self._tok, "added_tokens_decoder", {}) or {}
+        return tuple(t.content for t in added.values()
+                     if not (t.lstrip or t.rstrip or t.normalized) and t.content)
+
+    @property
+    def end_of_turn(self) -> str:
+        """The special token the template writes right after an assistant message's text
+        (ChatML's ``<|im_end|>``), else the tokenizer's EOS."""
+        probe = "\x00agentserving-probe\x00"
+        text = self.render_chat([{"role": "user", "content": "q"},
+                                 {"role": "assistant", "content": probe}],
+                                add_generation_prompt=False)
+        after = text[text.rfind(probe) + len(probe):] if probe in text else ""
+        for token in sorted(self.split_tokens, key=len, reverse=True):
+            if after.startswith(token):
+                return token
+        return str(self._tok.eos_token or "")
+
+    @property
+    def template_id(self) -> str:
+        template = getattr(self._tok, "chat_template", None)
+        if not isinstance(template, str):
+            return "none"
+        return "sha256:" + hashlib.sha256(template.encode()).hexdigest()[:16]
+
     def decoder(self) -> _HFDecoder:
         return _HFDecoder(self._tok)
 
@@ -161,6 +285,66 @@ class _HFDecoder:
         text = self._tok.decode(self._ids, skip_special_tokens=True)
         new, self._emitted = text[len(self._emitted):], text
         return new
+
+
+class PromptCounter:
+    """Token ids of templated prompts that share most of their text (the turns of one
+    conversation), tokenizing each piece between the tokenizer's ``split_tokens`` once.
+
+    The result equals ``tokenizer.prompt_ids(text)``: the tokenizer itself cuts the text at
+    those tokens first and tokenizes every piece on its own. Tokenizing every turn's whole
+    prompt costs the square of a conversation's length (11,398 calls of 20k tokens on
+    average: minutes); this costs its length. ``count_prompt`` of a text that extends the
+    previous prompt (the next call of the same conversation) cuts only the new end into
+    pieces. Keep one counter per conversation: it keeps the pieces.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        tokens = sorted(tokenizer.split_tokens, key=len, reverse=True)
+        self._split = re.compile("(" + "|".join(re.escape(t) for t in tokens) + ")") \
+            if tokens else None
+        self._longest = max((len(t) for t in tokens), default=0)
+        self._pieces: dict[str, list[int]] = {}
+        self._done, self._done_count = "", 0  # a counted prefix that ends between pieces
+
+    def pieces(self, text: str) -> list[str]:
+        if self._split is None:
+            return [text] if text else []
+        return [p for p in self._split.split(text) if p]
+
+    def ids(self, text: str) -> list[int]:
+        out: list[int] = []
+        for piece in self.pieces(text):
+            out += self._piece(piece)
+        return out
+
+    def count(self, text: str) -> int:
+        return sum(len(self._piece(p)) for p in self.pieces(text))
+
+    def count_prompt(self, text: str) -> int:
+        """``count(text)``, cutting only what is new since the previous prompt counted here
+        when ``text`` extends it."""
+        start, total = 0, 0
+        if self._done and text.startswith(self._done):
+            start, total = len(self._done), self._done_count
+        pieces = self.pieces(text[start:])
+        counts = [len(self._piece(p)) for p in pieces]
+        # keep as counted all but the last pieces: at least the longest split token's length
+        # stays uncounted, so no split token of a longer text can begin inside what is kept
+        tail, keep = 0, len(pieces)
+        while keep and (tail < max(self._longest, 1) or keep == len(pieces)):
+            keep -= 1
+            tail += len(pieces[keep])
+        self._done = text[:len(text) - tail]
+        self._done_count = total + sum(counts[:keep])
+        return total + sum(counts)
+
+    def _piece(self, piece: str) -> list[int]:
+        ids = self._pieces.get(piece)
+        if ids is None:
+            ids = self._pieces[piece] = self._tok.prompt_ids(piece)
+        return ids
 
 
 class ModelNotAvailable(RuntimeError):

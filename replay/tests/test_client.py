@@ -207,3 +207,50 @@ def test_cli_writes_records_and_summary(fake_server, tmp_path, small_trace):
 
 def test_prompt_digest_is_of_the_tokens():
     assert token_digest([1, 2, 3]) == token_digest([1, 2, 3]) != token_digest([1, 2, 4])
+
+
+def _sourced_trace():
+    usage = {"prompt_tokens": 90, "prompt_cache_hit_tokens": 60, "completion_tokens": 7}
+    return sessions_from([
+        {"session_id": "swe", "meta": {"source": "mini-swe-agent"}, "turns": [
+            {"input": {"length": 40}, "output_tokens": 4, "meta": {"usage": usage}},
+            {"input": {"length": 20}, "output_tokens": 3, "meta": {"usage": usage}}]},
+        {"session_id": "chat", "meta": {"source": "mooncake"}, "turns": [
+            {"input": {"length": 30}, "output_tokens": 2}]},
+        {"session_id": "plain", "turns": [{"input": {"length": 10}, "output_tokens": 2}]},
+    ], block_size=16)
+
+
+def test_records_and_summary_by_source(fake_server, tmp_path):
+    result = run(_sourced_trace(), fake_server, tmp_path)
+    recs = {(r.session_id, r.turn): r for r in result.records}
+    assert recs[("swe", 1)].source == "mini-swe-agent" and recs[("plain", 0)].source is None
+    assert (recs[("swe", 0)].reference_prompt_tokens,
+            recs[("swe", 0)].reference_cached_tokens) == (90, 60)
+    assert recs[("chat", 0)].reference_prompt_tokens is None
+    by_source = result.summary["by_source"]
+    assert set(by_source) == {"mini-swe-agent", "mooncake"}  # unlabelled turns stay out
+    swe = by_source["mini-swe-agent"]
+    assert swe["turns"] == 2 and swe["reference_hit_rate"] == pytest.approx(60 / 90)
+    # swe turn 1 (40 + 4 + 20 tokens) reuses the 2 whole 16-token chunks turn 0 computed
+    # (its prompt and all but its last output token: 43 tokens)
+    assert swe["ideal_hit_rate"] == pytest.approx(32 / (40 + 64))
+    assert swe["prefix_hit_rate"] == pytest.approx(swe["ideal_hit_rate"])  # unbounded cache
+    assert swe["ideal_vs_reference"] == pytest.approx(swe["ideal_hit_rate"] / (60 / 90))
+    assert "reference_hit_rate" not in by_source["mooncake"]
+    assert by_source["mooncake"]["e2e_p95_s"] > 0
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["by_source"]["mini-swe-agent"]["turns"] == 2
+
+
+def test_forced_outputs_are_checked_by_their_ids(fake_server):
+    fake_server.state.stray.add(("swe", 1))
+    result = run(_sourced_trace(), fake_server)
+    assert all(r["body"]["return_token_ids"] is True for r in fake_server.state.requests)
+    mismatched = [(r.session_id, r.turn) for r in result.records if r.forced_mismatch]
+    assert mismatched == [("swe", 1)] and result.summary["forced_mismatches"] == 1
+    # a server that sends no ids back is checked by the count alone: the stray id passes
+    fake_server.state.reset()
+    fake_server.state.token_ids = False
+    result = run(_sourced_trace(), fake_server)
+    assert not any(r.forced_mismatch for r in result.records)

@@ -46,6 +46,7 @@ def test_grouping_rule(tmp_path):
     assert (branch.parent.session_id, branch.parent.turn) == ("mc0", 0)
     assert branch.start_s == 2.0
     assert all(t.context == "replace" for s in trace.sessions for t in s.turns)
+    assert {s.meta["source"] for s in trace.sessions} == {"mooncake"}
     assert trace.header.block_size == 512
     # a higher threshold: sharing [0, 1] is no longer enough, so r3 starts its own session
     strict = read_mooncake(_write(tmp_path, ROWS), MooncakeOptions(min_shared_blocks=3))

@@ -16,6 +16,7 @@ from agentserving.replay.report import (
     config_rows,
     print_report,
     shadow_figures,
+    source_rows,
     table_rows,
 )
 
@@ -143,3 +144,35 @@ def test_summarize_counts_sessions_and_percentiles():
     assert s["itl_p99_s"] > 0.29 and s["errors"] == {"HTTP 500: x": 1}
     empty = summarize([], sessions_planned=1, turns_planned=1)
     assert empty["e2e_p95_s"] is None and empty["req_per_s"] is None
+
+
+def test_per_source_results_are_tabled_for_every_config():
+    def rec(source, cached, ideal, ref=None, e2e=1.0):
+        return {"session_id": source, "turn": 0, "ok": True, "last_turn": True, "start_s": 0.0,
+                "end_s": e2e, "e2e_s": e2e, "prompt_tokens": 1000, "cached_tokens": cached,
+                "ideal_cached_tokens": ideal, "completion_tokens": 1, "source": source,
+                "reference_prompt_tokens": ref and ref[0], "reference_cached_tokens":
+                    ref and ref[1]}
+
+    def summary(swe_cached):
+        recs = [rec("mini-swe-agent", swe_cached, 900, (2000, 1900)),
+                rec("mini-swe-agent", swe_cached, 900, (2000, 1900), e2e=3.0),
+                rec("mtrag", 0, 0), {**rec(None, 0, 0), "source": None}]
+        return {**_summary(), **summarize(recs, sessions_planned=4, turns_planned=4)}
+
+    base, cand = summary(0), summary(880)
+    swe = cand["by_source"]["mini-swe-agent"]
+    assert swe["prefix_hit_rate"] == 0.88 and swe["ideal_hit_rate"] == 0.9
+    assert swe["hit_vs_ideal"] == 0.88 / 0.9 and swe["e2e_p95_s"] == 2.9
+    assert swe["reference_hit_rate"] == 0.95 and swe["ideal_vs_reference"] == 0.9 / 0.95
+    assert cand["by_source"]["mtrag"]["hit_vs_ideal"] is None  # nothing to reuse there
+    report = build_report({"vllm-rr": base, "agentserving": cand})
+    rows = source_rows(report)
+    assert [r[:2] for r in rows] == [["vllm-rr", "mini-swe-agent"], ["vllm-rr", "mtrag"],
+                                    ["agentserving", "mini-swe-agent"],
+                                    ["agentserving", "mtrag"]]
+    assert rows[2][2:] == ["2", "88.00%", "90.00%", "97.78%", "2.000", "2.900", "95.00%",
+                           "94.74%"]
+    assert rows[1][-2:] == ["-", "-"]
+    text = print_report(report, title="t")
+    assert "per source" in text and "mini-swe-agent" in text and "97.78%" in text

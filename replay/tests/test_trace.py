@@ -160,3 +160,66 @@ def test_session_model_defaults():
     s = Session.model_validate({"session_id": "x", "turns": [
         {"input": {"length": 3}, "output_tokens": 2, "timestamp_s": 4.0}]})
     assert s.planned_start_s() == 4.0 and s.turns[0].context == "append"
+
+
+def test_parts_put_shared_blocks_after_a_turns_own_tokens():
+    def session(sid: str) -> dict:
+        return {"session_id": sid, "meta": {"source": "test"}, "turns": [
+            {"input": {"parts": [{"length": 20, "block_ids": ["pre/0", "pre/1"]},
+                                 {"length": 5}, {"length": 18, "block_ids": ["post/0", "post/1"]},
+                                 {"token_ids": [900, 901]}]},
+             "output_tokens": 2, "meta": {"usage": {"prompt_tokens": 70}}},
+            {"input": {"length": 4}, "output_tokens": 1}]}
+
+    trace = sessions_from([session("a"), session("b")], block_size=16, vocab_size=1000)
+    a, b = (rs.turns for rs in resolve_all(trace))
+    blocks = lambda *ids: [t for i in ids for t in block_tokens(i, 16, block_size=16,  # noqa: E731
+                                                                 vocab_size=1000)]
+    assert a[0].prompt[:20] == blocks("pre/0", "pre/1")[:20]
+    assert a[0].prompt[25:43] == blocks("post/0", "post/1")[:18]
+    assert a[0].prompt[43:] == [900, 901] and len(a[0].prompt) == 45
+    # part j's own tokens are keyed input/{sid}/{k}/{j}: the same in every trace, other per
+    # session; the shared text after them is the same tokens in both sessions
+    assert a[0].prompt[20:25] == unique_tokens("input/a/0/1", 5, vocab_size=1000)
+    assert a[0].prompt[20:25] != b[0].prompt[20:25] and a[0].prompt[25:] == b[0].prompt[25:]
+    assert a[1].prompt == a[0].prompt + a[0].forced_output + unique_tokens("input/a/1", 4,
+                                                                           vocab_size=1000)
+    # ... yet a prefix cache reuses only what comes before the session's own tokens
+    assert ideal_hit(resolve_all(trace), chunk_size=16).per_turn[("b", 0)] == 16
+    assert trace.sessions[0].turns[0].input.num_tokens() == 45
+    assert trace.sessions[0].turns[0].meta == {"usage": {"prompt_tokens": 70}}
+    assert trace.sessions[0].meta["source"] == "test"
+
+
+def test_parts_round_trip_and_old_forms_dump_as_before(tmp_path):
+    trace = sessions_from([{"session_id": "a", "turns": [
+        {"input": {"parts": [{"length": 3}, {"token_ids": [17]}]}, "output_tokens": 1,
+         "meta": {"k": 1}}]}], block_size=16)
+    path = write_trace(trace, tmp_path / "p.jsonl")
+    assert read_trace(path) == trace
+    line = json.loads(path.read_text().splitlines()[1])
+    assert line["turns"][0]["input"] == {"parts": [{"length": 3}, {"token_ids": [17]}]}
+    old = write_trace(_trace(), tmp_path / "old.jsonl").read_text()
+    assert '"meta"' not in old and '"parts"' not in old
+
+
+@pytest.mark.parametrize("inp, message", [
+    ('{"parts": []}', "at least 1"),
+    ('{"parts": [{"length": 2}], "length": 2}', "exactly one of token_ids or length or parts"),
+    ('{"parts": [{"length": 2, "token_ids": [20]}]}', "parts.0"),
+    ('{"parts": [{"length": 2}, {"token_ids": [-1]}]}', "parts.1"),
+    ('{"parts": [{"parts": [{"length": 1}]}]}', "parts.0.parts"),
+])
+def test_bad_parts_are_named(tmp_path, inp, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"session_id": "x", "turns": [{"input": ' + inp + ', "output_tokens": 1}]}\n')
+    with pytest.raises(TraceFormatError) as err:
+        read_trace(path)
+    assert f"{path}:1:" in str(err.value) and message in str(err.value)
+
+
+def test_too_many_blocks_in_a_part_names_the_part():
+    with pytest.raises(ValueError, match=r"turns\[0\]\.input\.parts\[1\]: 3 blocks of 16"):
+        sessions_from([{"session_id": "a", "turns": [{"input": {"parts": [
+            {"length": 4}, {"length": 20, "block_ids": [1, 2, 3]}]}, "output_tokens": 1}]}],
+            block_size=16)

@@ -10,9 +10,10 @@ from click.testing import CliRunner
 
 from agentserving.core.schemas import PodRole
 from agentserving.proxy.routing import Candidate, KvAware, RouteInput
+from agentserving.replay.ideal import ideal_hit
 from agentserving.replay.loader import load_trace
 from agentserving.replay.stats import trace_stats
-from agentserving.replay.trace import sessions_from
+from agentserving.replay.trace import resolve_all, sessions_from
 from agentserving.sim import SimConfig, load_profile, simulate
 from agentserving.sim.cluster import Cluster, parse_topology, weighted_percentile
 from agentserving.sim.events import EventLoop
@@ -132,12 +133,27 @@ def test_simulator_runs_real_policy_objects():
     assert 0.9 < res.summary["hit_vs_ideal"] <= 1.0
 
 
-def test_compiled_ideal_matches_replay_ideal():
-    trace = load_trace("bundled:bench-small")
+@pytest.mark.parametrize("workload", ["bundled:bench-small", "bundled:agent-mix"])
+def test_compiled_ideal_matches_replay_ideal(workload):
+    trace = load_trace(workload)  # agent-mix: shared blocks after a task (parts inputs)
     ss = compile_trace(trace)
     ideal = sum(t.ideal_cached for s in ss for t in s.turns) / sum(
         t.prompt_len for s in ss for t in s.turns)
     assert ideal == pytest.approx(trace_stats(trace)["ideal_hit_rate"], abs=1e-4)
+
+
+def test_shared_parts_compile_to_the_same_chunks():
+    def session(sid: str) -> dict:
+        return {"session_id": sid, "turns": [{"input": {"parts": [
+            {"length": 40, "block_ids": ["sys/0", "sys/1", "sys/2"]}, {"length": 5},
+            {"length": 16, "block_ids": ["post/0"]}]}, "output_tokens": 2}]}
+
+    trace = sessions_from([session("a"), session("b")], block_size=16)
+    a, b = compile_trace(trace, chunk=16)
+    assert a.turns[0].prompt_len == 61 and a.turns[0].chunks[:2] == b.turns[0].chunks[:2]
+    assert a.turns[0].chunks[2:] != b.turns[0].chunks[2:]  # after each session's own tokens
+    assert b.turns[0].ideal_cached == 32 == ideal_hit(resolve_all(trace), chunk_size=16
+                                                      ).per_turn[("b", 0)]
 
 
 def test_deterministic():

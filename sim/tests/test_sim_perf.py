@@ -21,6 +21,7 @@ from agentserving.sim.workload import compile_trace
 TIMING = {"wall_s", "lookup_s", "index_apply_s"}   # wall-clock measurements
 ADDED = {"index_chunk_ops", "forward_s", "forward_s_by_role", "decode_ttft_s",
          "host_busy_core_s"}                        # stats added after the fingerprints
+ADDED_SUMMARY = {"by_source"}                       # the replay summary's, likewise
 
 # sha256 of `fingerprint` for generate_preset("agent", sessions=150), taken with the simulator
 # as it was before model_construct / netted flushes / the short shadow look-ahead / shallow
@@ -50,7 +51,8 @@ GOLDEN = {
 
 def fingerprint(res) -> str:
     sim = {k: v for k, v in res.summary["sim"].items() if k not in TIMING | ADDED}
-    doc = {"summary": {k: v for k, v in res.summary.items() if k != "sim"}, "sim": sim,
+    summary = {k: v for k, v in res.summary.items() if k != "sim" and k not in ADDED_SUMMARY}
+    doc = {"summary": summary, "sim": sim,
            "records": res.records, "timeseries": res.timeseries, "pods": res.stats["pods"]}
     # the same bytes as the reference script: json of the JSON-decoded document
     doc = json.loads(json.dumps(doc, default=str))

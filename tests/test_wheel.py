@@ -35,6 +35,8 @@ EXTRA_IGNORED = ("build", "dist")
 NEEDS_ABSENT_DEPENDENCY = {
     "agentserving.engine.vllm.connector":
         "vLLM's KV connector base class: imported only inside vLLM images, by vLLM itself",
+    "agentserving.engine.vllm.forced_logits":
+        "vLLM's logits processor base class: loaded only by vLLM's engine process",
 }
 
 IMPORT_ALL = r"""

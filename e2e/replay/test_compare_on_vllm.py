@@ -36,6 +36,9 @@ def test_plain_vllm_pods_precise_routing_and_agentserving_side_by_side(tmp_path)
         assert m["engine"] == "vllm" and m["description"]
         assert m["turns_failed"] == 0 and m["turns_not_sent"] == 0, name
         assert m["turns_completed"] == report["workload"]["turns"]
+        # teacher forcing held on plain and agentserving pods alike: the same tokens everywhere
+        assert m["forced_mismatches"] == 0, name
+        assert report["run_checks"][f"{name}: forced_mismatches"]["ok"]
     rr, precise, cand = (configs[n] for n in ("vllm-rr", "vllm-precise", "agentserving"))
     # round-robin alternates a session's turns between the 2 pods: each finds only what it
     # computed itself; precise routing finds the pod holding the prefix from its KV events.

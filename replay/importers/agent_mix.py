@@ -1,27 +1,32 @@
 """``agent-mix``: real SWE agent sessions, RAG conversations and chats in one workload.
 
 Seed 003 replays 1,999 trajectories: LMSYS-Chat 600, WildChat 600, MTRAG 300, SWE-bench 300,
-LongBench 200. The mix takes its three kinds of traffic from the real traces we hold:
+LongBench 200, 12,740 turns in all. The mix takes its three kinds of traffic from the real traces
+we hold, in seed 003's proportions of turns (each turn is one model call, the unit the fleet
+serves; the trajectories' counts would weigh a 2-turn chat as much as a 25-call agent run):
 
-- **chat and long documents** (LMSYS-Chat, WildChat, LongBench: 1,400 of 1,999, 70 %):
-  Mooncake's conversation trace, real production chat with long prompts (``mooncake``);
-- **multi-turn RAG** (MTRAG, 15 %): MTRAG-UN's human conversations (``mtrag``);
-- **coding agents** (SWE-bench, 15 %): mini-swe-agent's SWE-bench runs (``mini_swe_agent``),
-  each session's first ``swe_turns`` calls at their real sizes (``swe_token_scale`` 1: the
-  first 16 calls of a run mostly fit the context as they are, and their long context against
-  short appends is what cross-turn reuse is about; scaled by 0.25 they would be 1.2k-token
-  prompts).
+- **chat and long documents**: Mooncake's conversation trace, real production chat with long
+  prompts (``mooncake``), for LMSYS-Chat (2.0 turns per conversation on average, as its
+  dataset paper gives), WildChat (2.54) and LongBench (single-turn): 2,924 turns, 23 %;
+- **multi-turn RAG**: MTRAG-UN's human conversations (``mtrag``), for MTRAG (7.7 turns per
+  conversation): 2,310 turns, 18 %;
+- **coding agents**: mini-swe-agent's SWE-bench runs (``mini_swe_agent``), for SWE-bench: the
+  rest, 7,506 turns (25 calls per trajectory), 59 %. Each session keeps its first
+  ``swe_turns`` calls at their real sizes (``swe_token_scale`` 1: the first calls of a run fit
+  the context as they are, and their long context against short appends is what cross-turn
+  reuse is about; scaled by 0.25 they would be 1.2k-token prompts).
 
-So 14 / 3 / 3 sessions by default. Sessions are drawn with a seeded generator (only multi-turn
+So 7 SWE sessions of 14 calls, 6 MTRAG conversations and 16 Mooncake chats by default: 97 /
+29 / 41 turns (58 / 17 / 25 %). Sessions are drawn with a seeded generator (only multi-turn
 conversations and chats: single-turn ones exercise no cross-turn reuse), sized by each
-importer's defaults but for the SWE token scale (SWE: outputs × 0.1, tool times × 0.2;
-MTRAG: tokens × 1, outputs × 0.1; Mooncake: 256-token blocks, outputs ≤ 32) within the
-context, and arrive as one
-seeded Poisson process over the whole mix in a seeded random order. Human pauses (MTRAG's
-between a reply and the next question, Mooncake's between requests) are scaled by
-``chat_time_scale`` and capped at ``max_gap_s``, so a chat's later turns still come seconds
-after its first. The header records the command, the sources, the selection and the scaling;
-the sessions hold counts, block ids and times only, no text.
+importer's defaults but for the SWE token scale (SWE: outputs × 0.1, tool times × 0.2; MTRAG:
+tokens × 1, outputs × 0.1; Mooncake: 256-token blocks, outputs ≤ 16) within the context, and
+arrive as one seeded Poisson process over the whole mix in a seeded random order. Human pauses
+(MTRAG's between a reply and the next question, Mooncake's between requests: minutes) are
+scaled by ``chat_time_scale`` and capped at ``max_gap_s``, so a chat's later turns come a few
+seconds after its first and the main job's throughput measures the fleet, not people
+thinking. The header records the command, the sources, the selection and the scaling; the
+sessions hold counts, block ids and times only, no text.
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ from agentserving.replay.trace import Session, Trace, TraceHeader
 
 SOURCE = "agent-mix"
 DATA = Path("../shared/data")
-SEED_003_MIX = {"chat and long documents (Mooncake)": 1400, "MTRAG": 300, "SWE-bench": 300}
+# seed 003's turns by kind (see the module docstring): what the mix's proportions follow
+SEED_003_MIX = {"chat and long documents (Mooncake)": 2924, "MTRAG": 2310, "SWE-bench": 7506}
 
 
 @dataclass(frozen=True)
@@ -50,19 +56,19 @@ class MixOptions:
     swe_src: Path = DATA / "mini-swe-agent/deepseek-swebench-pr814.tar.gz"
     mtrag_src: Path = DATA / "mtrag/mtragun-reference.jsonl"
     mooncake_src: Path = DATA / "mooncake/conversation_trace.jsonl"
-    swe_sessions: int = 3
-    swe_turns: int = 16
+    swe_sessions: int = 7
+    swe_turns: int = 14
     swe_token_scale: float = 1.0  # the first calls fit the context at their real sizes
-    mtrag_sessions: int = 3
-    mooncake_sessions: int = 14
-    seed: int = 6  # the bundled draw: 96 turns, 319k prompt tokens, arrivals over 29 s
-    arrival_rate: float = 0.8  # sessions per second over the whole mix
+    mtrag_sessions: int = 6
+    mooncake_sessions: int = 16
+    seed: int = 6  # the bundled draw: 167 turns, 509k prompt tokens, arrivals over 24 s
+    arrival_rate: float = 1.0  # sessions per second over the whole mix
     model: str = "smollm2"
     max_context: int = MAIN_JOB_CONTEXT
     mtrag_layout: mtrag.Layout = "with-turn"
-    mooncake_max_output: int = 32
-    chat_time_scale: float = 1 / 60
-    max_gap_s: float = 10.0
+    mooncake_max_output: int = 16
+    chat_time_scale: float = round(1 / 300, 6)
+    max_gap_s: float = 2.0
 
 
 def _rng(opts: MixOptions, what: str) -> random.Random:

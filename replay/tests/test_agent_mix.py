@@ -62,9 +62,9 @@ def test_the_mix_draws_each_source_and_arrives_as_one_poisson_process(tmp_path):
     assert max(len(s.turns) for s in trace.sessions if s.meta["source"] == "mini-swe-agent") == 2
     starts = [s.start_s for s in trace.sessions]
     assert starts == sorted(starts) and starts[0] == 0.0 and starts[-1] > 0
-    # a Mooncake chat's next request: 90 s later, times 1/60 -> 1.5 s after its start
+    # a Mooncake chat's next request: 90 s later, times 1/300 -> 0.3 s after its start
     chat = next(s for s in trace.sessions if s.meta["source"] == "mooncake")
-    assert [t.timestamp_s for t in chat.turns] == [chat.start_s, round(chat.start_s + 1.5, 4)]
+    assert [t.timestamp_s for t in chat.turns] == [chat.start_s, round(chat.start_s + 0.3, 4)]
     assert chat.turns[0].input.length == 2 * 256 + round(76 / 2)  # 256-token blocks
     header = trace.header
     assert header.source == "agent-mix" and header.block_size == 256
@@ -106,14 +106,19 @@ def test_help_explains_every_flag():
 def test_the_bundled_mix_loads_by_name():
     trace = load_trace("bundled:agent-mix")
     assert (WORKLOADS / "agent-mix.jsonl").is_file()
-    assert Counter(s.meta["source"] for s in trace.sessions) == {
-        "mooncake": 14, "mtrag": 3, "mini-swe-agent": 3}
-    assert 90 <= trace.num_turns <= 110
+    sources = Counter(s.meta["source"] for s in trace.sessions)
+    assert sources == {"mooncake": 16, "mtrag": 6, "mini-swe-agent": 7}
+    # seed 003's proportions of turns: SWE-bench 59 %, chat and long documents 23 %, MTRAG 18 %
+    turns = Counter(s.meta["source"] for s in trace.sessions for _ in s.turns)
+    share = {k: v / trace.num_turns for k, v in turns.items()}
+    assert abs(share["mini-swe-agent"] - 0.59) < 0.03 and abs(share["mooncake"] - 0.23) < 0.03
+    assert abs(share["mtrag"] - 0.18) < 0.03
+    assert 150 <= trace.num_turns <= 180
     command = trace.header.generator["command"]
     assert command.startswith("agentserving trace agent-mix ")
     assert "--out replay/workloads/agent-mix.jsonl" in command
     stats = trace_stats(trace)
-    assert 300_000 <= stats["total_prompt_tokens"] <= 500_000
+    assert 400_000 <= stats["total_prompt_tokens"] <= 600_000
     assert max(s.start_s or 0.0 for s in trace.sessions) < 40
     swe = stats["by_source"]["mini-swe-agent"]
     assert swe["reference_turns"] == swe["turns"] and 0.5 < swe["reference_hit_rate"] < 1

@@ -15,6 +15,7 @@ from agentserving.replay.report import (
     comparisons_for,
     config_rows,
     print_report,
+    run_checks,
     shadow_figures,
     source_rows,
     table_rows,
@@ -103,7 +104,7 @@ def test_every_baseline_gets_its_own_ratios_and_targets():
     assert report["comparisons"]["agentserving-fcfs"]["checks"] == {}  # ratios only
     assert round(report["comparisons"]["agentserving-fcfs"]["ratios"]["e2e_p95_s"], 3) == 0.667
     text = print_report(report, title="t")
-    assert "targets met: 5 of 6" in text  # rr: 4 of 4; session: 1 of 2
+    assert "targets met: 9 of 10" in text  # rr: 4 of 4; session: 1 of 2; forcing: 4 of 4
     assert "MISSED vs vllm-session: req_per_s_ratio = 1.250 (target >= 1.3)" in text
     rows = {r[0]: r for r in config_rows(report)}
     assert rows["vllm-session"][-2] == "x1.25 / x0.60" and rows["agentserving"][-2] == "-"
@@ -176,3 +177,32 @@ def test_per_source_results_are_tabled_for_every_config():
     assert rows[1][-2:] == ["-", "-"]
     text = print_report(report, title="t")
     assert "per source" in text and "mini-swe-agent" in text and "97.78%" in text
+
+
+def test_run_checks_hold_forcing_and_the_provider_hit_against_the_replay():
+    def config(hit, ideal, reference, mismatches=0):
+        return {"forced_mismatches": mismatches, "by_source": {
+            "mini-swe-agent": {"prefix_hit_rate": hit, "ideal_hit_rate": ideal,
+                               "reference_hit_rate": reference},
+            "mtrag": {"prefix_hit_rate": 0.1, "ideal_hit_rate": 0.1}}}
+
+    # the trace's ideal is at least the provider's: the replay must match the provider
+    checks = run_checks({"vllm-rr": config(0.3, 0.9, 0.88, mismatches=2),
+                         "agentserving": config(0.885, 0.9, 0.88)})
+    assert checks["vllm-rr: forced_mismatches"]["ok"] is False
+    assert checks["agentserving: forced_mismatches"]["ok"] is True
+    swe = checks["agentserving mini-swe-agent: prefix_hit_vs_reference"]
+    assert swe["ok"] and "the provider's hit" in swe["target"]
+    assert not any("mtrag" in k for k in checks)  # no provider figure there
+    assert not run_checks({"agentserving": config(0.87, 0.9, 0.88)})[
+        "agentserving mini-swe-agent: prefix_hit_vs_reference"]["ok"]
+    # scaled below the provider's: 99 % of the ideal, and the cost is said
+    low = run_checks({"agentserving": config(0.852, 0.86, 0.88)})[
+        "agentserving mini-swe-agent: prefix_hit_vs_reference"]
+    assert low["ok"] and "2.0 pp" in low["target"]
+    assert not run_checks({"agentserving": config(0.85, 0.87, 0.88)})[
+        "agentserving mini-swe-agent: prefix_hit_vs_reference"]["ok"]
+    text = print_report(build_report({"vllm-rr": config(0.3, 0.9, 0.88, mismatches=2),
+                                      "agentserving": config(0.885, 0.9, 0.88)}), title="t")
+    assert "MISSED vllm-rr: forced_mismatches" in text
+    assert "ok agentserving mini-swe-agent: prefix_hit_vs_reference" in text

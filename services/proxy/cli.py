@@ -95,6 +95,12 @@ setting = settings_option(ProxySettings)
          help="Seconds after a session's last turn that the proxy forgets its routing state "
               "(match the kvindex's --session-idle-ttl); a turn with agent_memory."
               "close_session forgets it at once. 0: only --max-sessions bounds them.")
+@setting("--activity-half-life", "activity_half_life_s",
+         type=click.FloatRange(min=0, min_open=True),
+         help="P/D: a new session goes to the decode pod whose sessions kept it least busy "
+              "lately (the turns that ended on it, each halving in weight every this many "
+              "seconds; an agent between tool calls keeps its pod's level up), its momentary "
+              "load breaking ties.")
 @setting("--prefetch-lead", "prefetch_lead_s", type=click.FloatRange(min=0),
          help="Seconds before a tool call's predicted return to prefetch the session's KV.")
 @log_options(setting)

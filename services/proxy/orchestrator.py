@@ -15,7 +15,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import aiohttp
@@ -46,6 +46,7 @@ from agentserving.proxy.disagg import (
 )
 from agentserving.proxy.memory_hooks import AgentMemory
 from agentserving.proxy.metrics import ProxyMetrics
+from agentserving.proxy.pod_activity import PodActivity
 from agentserving.proxy.pods import PodPool, QueuedPrompt
 from agentserving.proxy.prompt_hashes import prompt_chunk_hashes
 from agentserving.proxy.residency_replica import ResidencyReplica
@@ -143,6 +144,7 @@ class Orchestrator:
         self.sessions = SessionTable(settings.max_sessions, settings.session_idle_ttl_s)
         self.tool_gaps = ToolGapPredictor()
         self._decode_policy = LeastLoaded(settings.load_penalty_tokens)
+        self.activity = PodActivity(settings.activity_half_life_s)
         self._prefetch_tasks: dict[str, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
 
@@ -206,7 +208,8 @@ class Orchestrator:
         prefill_order = self.policy.rank(RouteInput(turn.session_key, candidates, prefixes,
                                                     state.last_pod, index_ok))
         decode_order = self._decode_policy.rank(
-            RouteInput(turn.session_key, self.pool.decode_candidates(),
+            RouteInput(turn.session_key, [replace(c, recent_turns=self.activity.level(c.name))
+                                          for c in self.pool.decode_candidates()],
                        last_pod=state.last_decode_pod))
         turn.headers[H_ROUTING] = self.policy.name
         self.metrics.overhead.observe(time.perf_counter() - t0)
@@ -489,6 +492,8 @@ class Orchestrator:
             # prefill pod hosting sessions: the session's context is there now, and so are
             # its next appends
             state.last_decode_pod = prefill.name
+        if state.last_decode_pod:
+            self.activity.turn_ended(state.last_decode_pod)
         if outcome.chunk_hashes is not None:
             state.chunk_hashes = outcome.chunk_hashes
         state.prompt_tokens = outcome.prompt_tokens

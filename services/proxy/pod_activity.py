@@ -1,0 +1,38 @@
+"""How busy each decode pod's sessions keep it: where a new session should go.
+
+A decode pod's load at the moment a session's first turn arrives (turns in flight, prompt
+tokens queued) says little about the load it will carry: an agent session comes back every
+few seconds for dozens of turns, each an append computed on the pod that holds its context,
+and moving it costs a pull of that whole context. Placing new sessions by the momentary load
+alone piles them up: on the mixed agent workload five of seven SWE agent sessions landed on
+one decode pod (it happened to be between turns as each arrived, while the other computed a
+chat's long first turn), which then ran 111 of 160 turns while the other ran 49.
+
+Counting the sessions that last ran on each pod is not enough either: a chat that ended looks
+like an agent between tool calls until a window passes. What predicts a pod's coming turns is
+how many it has been serving: the turns that ended on it, each decayed with ``half_life_s``.
+An agent in its loop keeps its pod's level up; a finished chat fades from it within a few
+half-lives. A new session goes to the pod with the lowest level (``routing.LeastLoaded``),
+the momentary load breaking ties. O(1) per turn.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+
+class PodActivity:
+    def __init__(self, half_life_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._rate = math.log(2) / half_life_s
+        self._clock = clock
+        self._level: dict[str, tuple[float, float]] = {}  # pod -> (level, as of when)
+
+    def turn_ended(self, pod: str) -> None:
+        self._level[pod] = (self.level(pod) + 1.0, self._clock())
+
+    def level(self, pod: str) -> float:
+        """Turns that ended on ``pod``, each weighing 1/2 per ``half_life_s`` since."""
+        level, at = self._level.get(pod, (0.0, 0.0))
+        return level * math.exp(-self._rate * (self._clock() - at)) if level else 0.0

@@ -16,12 +16,10 @@ and the weights' digest, so a folder written by another version is rewritten, ne
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from agentserving.engine.model.atomic_folder import write_atomically
 from agentserving.engine.model.tokenizer import (
     _BYTE_BASE,
     _FIRST_WORD_ID,
@@ -116,10 +114,8 @@ def write_model_folder(folder: Path, *, seed: int = 0, force: bool = False) -> P
     from agentserving.engine.model.loader import load_model
 
     bundle = load_model("tiny", seed=seed)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    tmp.chmod(0o755)
-    try:
+
+    def fill(tmp: Path) -> None:
         config = bundle.config
         config.architectures = ["LlamaForCausalLM"]
         config.dtype = "float32"
@@ -130,9 +126,5 @@ def write_model_folder(folder: Path, *, seed: int = 0, force: bool = False) -> P
         (tmp / "special_tokens_map.json").write_text(json.dumps(
             {"bos_token": BOS, "eos_token": EOS, "unk_token": UNK, "pad_token": EOS}))
         (tmp / MANIFEST).write_text(json.dumps(_manifest(seed, bundle.weights_digest())))
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+
+    return write_atomically(folder, fill)

@@ -22,12 +22,10 @@ either engine) writes it first if it is missing.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from agentserving.engine.model.atomic_folder import write_atomically
 from agentserving.engine.model.tokenizer import ModelNotAvailable, smollm2_dir
 
 FORMAT_VERSION = 1
@@ -70,21 +68,15 @@ def write_smollm2_folder(folder: Path, *, force: bool = False) -> Path:
     if is_current(folder) and not force:
         return folder
     gguf = gguf_file()
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    tmp.chmod(0o755)
-    try:
+
+    def fill(tmp: Path) -> None:
         model, tokenizer = _dequantized(gguf)
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         _fix_tokenizer(tmp, tokenizer)
         (tmp / MANIFEST).write_text(json.dumps(_manifest(gguf)))
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return folder
+
+    return write_atomically(folder, fill)
 
 
 def _dequantized(gguf: Path) -> tuple[Any, Any]:

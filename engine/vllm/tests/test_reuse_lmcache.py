@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from agentserving.core.schemas import TENANT_HEADER, Tier
 from agentserving.engine.metrics import ReuseMetrics, tenant_name
 from agentserving.engine.vllm import reuse, salting
+from agentserving.engine.vllm.request_body import header
 from agentserving.engine.vllm.services import SchedulerServices
 from agentserving.engine.vllm.settings import ConnectorSettings, parse_settings
 from agentserving.engine.vllm.storage import LMCacheStorageBackend
@@ -94,8 +95,9 @@ def test_middleware_body_carries_the_tenant_header() -> None:
     assert out["kv_transfer_params"] == {salting.SALT_KEY: "s", salting.TENANT_KEY: "acme"}
     out = salting.salted_body({"prompt": [1]}, "acme")
     assert out["kv_transfer_params"] == {salting.TENANT_KEY: "acme"}
-    assert salting._tenant_header({"headers": [(TENANT_HEADER.encode(), b"acme")]}) == "acme"
-    assert salting._tenant_header({"headers": []}) is None
+    name = TENANT_HEADER.encode()
+    assert header({"headers": [(name.upper(), b"acme")]}, name) == "acme"
+    assert header({"headers": []}, name) is None
     assert parse_settings({"metrics_max_tenants": 5}, {}).metrics_max_tenants == 5
 
 

@@ -765,7 +765,10 @@ class Cluster:
         first choice is among the least loaded: only those are ranked (the same choice, without
         hashing the session with every pod of a large pool). The simulated pods report no
         queued prompt tokens (the proxy counts those of the turns it runs whole on a pod), so
-        load here is turns in flight alone: the proxy's order whenever nothing is queued."""
+        load here is turns in flight alone: the proxy's order whenever nothing is queued. The
+        proxy places a session's first turn by its decode pods' recent activity before their
+        load (``proxy.pod_activity``); the simulated pods carry none (``recent_turns`` 0), so
+        here a new session goes by load alone, as the proxy placed it before."""
         least = min(p.n_inflight for p in self.decode_pods)
         cands = [p.candidate() for p in self.decode_pods if p.n_inflight == least]
         return self.pods[self.decode_routing.rank(RouteInput(

@@ -98,7 +98,7 @@ setting = settings_option(ProxySettings)
 @setting("--activity-half-life", "activity_half_life_s",
          type=click.FloatRange(min=0, min_open=True),
          help="P/D: a new session goes to the decode pod whose sessions kept it least busy "
-              "lately (the turns that ended on it, each halving in weight every this many "
+              "lately (the turns placed on it, each halving in weight every this many "
               "seconds; an agent between tool calls keeps its pod's level up), its momentary "
               "load breaking ties.")
 @setting("--prefetch-lead", "prefetch_lead_s", type=click.FloatRange(min=0),

@@ -166,6 +166,8 @@ class Orchestrator:
             self.metrics.failures.labels("no_pods").inc()
             raise ApiError(503, "no worker pods available", type="service_unavailable",
                            code="no_pods")
+        prefill, decode = attempts[0]
+        self.activity.turn_placed((decode or prefill).name)
         if turn.stream:
             return await self._run_streaming(turn, state, attempts)
         return await self._run_blocking(turn, state, attempts)
@@ -492,8 +494,6 @@ class Orchestrator:
             # prefill pod hosting sessions: the session's context is there now, and so are
             # its next appends
             state.last_decode_pod = prefill.name
-        if state.last_decode_pod:
-            self.activity.turn_ended(state.last_decode_pod)
         if outcome.chunk_hashes is not None:
             state.chunk_hashes = outcome.chunk_hashes
         state.prompt_tokens = outcome.prompt_tokens

@@ -38,12 +38,12 @@ def test_a_pods_activity_is_its_recent_turns_each_fading_by_half_life():
     clock = Clock()
     activity = PodActivity(half_life_s=10.0, clock=clock)
     for _ in range(4):  # an agent in its loop
-        activity.turn_ended("d0")
-    activity.turn_ended("d1")  # one chat turn
+        activity.turn_placed("d0")
+    activity.turn_placed("d1")  # one chat turn
     assert (activity.level("d0"), activity.level("d1")) == (4.0, 1.0)
     clock.now = 10.0
     assert (activity.level("d0"), activity.level("d1")) == pytest.approx((2.0, 0.5))
-    activity.turn_ended("d1")
+    activity.turn_placed("d1")
     assert activity.level("d1") == pytest.approx(1.5)
     clock.now = 60.0  # six half-lives on: a finished chat has faded
     assert activity.level("d1") < 0.05 and activity.level("nowhere") == 0.0

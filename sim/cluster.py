@@ -98,8 +98,8 @@ class SimConfig:
     handoff_overhead_s: float = 0.0
     # The proxy's conditional disaggregation (``agentserving.proxy.disagg``, the same decision
     # function): a turn whose session's decode pod would compute at most this many prompt
-    # tokens runs whole there; 0: every turn through the prefill pod (the proxy before
-    # session 3, and the validation runs taken then). Decode pods then prefill with their own
+    # tokens runs whole there; 0: every turn through the prefill pod (the proxy's first
+    # design, and the validation runs taken with it). Decode pods then prefill with their own
     # scheduler: ``decode_scheduler`` in 256-token chunks (the bench's DECODE_POD_ARGS).
     local_prefill_tokens: int = 0
     # ... and the proxy's --max-prefill-backlog: any turn runs on a decode pod once every
@@ -766,8 +766,8 @@ class Cluster:
         hashing the session with every pod of a large pool). The simulated pods report no
         queued prompt tokens (the proxy counts those of the turns it runs whole on a pod), so
         load here is turns in flight alone: the proxy's order whenever nothing is queued. The
-        proxy places a session's first turn by its decode pods' recent activity before their
-        load (``proxy.pod_activity``); the simulated pods carry none (``recent_turns`` 0), so
+        proxy places a session's first turn by its decode pods' recent work plus their
+        load (``proxy.pod_activity``); the simulated pods carry none (``recent_work`` 0), so
         here a new session goes by load alone, as the proxy placed it before."""
         least = min(p.n_inflight for p in self.decode_pods)
         cands = [p.candidate() for p in self.decode_pods if p.n_inflight == least]

@@ -97,10 +97,10 @@ setting = settings_option(ProxySettings)
               "close_session forgets it at once. 0: only --max-sessions bounds them.")
 @setting("--activity-half-life", "activity_half_life_s",
          type=click.FloatRange(min=0, min_open=True),
-         help="P/D: a new session goes to the decode pod whose sessions kept it least busy "
-              "lately (the turns placed on it, each halving in weight every this many "
-              "seconds; an agent between tool calls keeps its pod's level up), its momentary "
-              "load breaking ties.")
+         help="P/D: a new session goes to the decode pod with the least recent work plus "
+              "momentary load (the turns placed on it, weighed by the prompt tokens they "
+              "compute there, each halving in weight every this many seconds; an agent "
+              "between tool calls keeps its pod's level up).")
 @setting("--prefetch-lead", "prefetch_lead_s", type=click.FloatRange(min=0),
          help="Seconds before a tool call's predicted return to prefetch the session's KV.")
 @log_options(setting)

@@ -167,10 +167,19 @@ class Orchestrator:
             raise ApiError(503, "no worker pods available", type="service_unavailable",
                            code="no_pods")
         prefill, decode = attempts[0]
-        self.activity.turn_placed((decode or prefill).name)
+        self.activity.turn_placed(*self._work_placed(turn, state, prefill, decode))
         if turn.stream:
             return await self._run_streaming(turn, state, attempts)
         return await self._run_blocking(turn, state, attempts)
+
+    def _work_placed(self, turn: Turn, state: SessionState, prefill: Candidate,
+                     decode: Candidate | None) -> tuple[str, float]:
+        """The pod whose sessions' activity a placed turn adds to, and how much: a P/D turn
+        the decode pod's fixed share of a turn, a turn run whole that plus its prompt."""
+        work = self._decode_policy.turn_tokens
+        if decode is None:
+            return prefill.name, work + self._prompt_to_compute(turn, state, prefill)
+        return decode.name, work
 
     def _prompt_to_compute(self, turn: Turn, state: SessionState, pod: Candidate) -> int:
         """Prompt tokens ``pod`` computes running this turn whole: the new suffix on the
@@ -210,7 +219,7 @@ class Orchestrator:
         prefill_order = self.policy.rank(RouteInput(turn.session_key, candidates, prefixes,
                                                     state.last_pod, index_ok))
         decode_order = self._decode_policy.rank(
-            RouteInput(turn.session_key, [replace(c, recent_turns=self.activity.level(c.name))
+            RouteInput(turn.session_key, [replace(c, recent_work=self.activity.level(c.name))
                                           for c in self.pool.decode_candidates()],
                        last_pod=state.last_decode_pod))
         turn.headers[H_ROUTING] = self.policy.name

@@ -25,8 +25,9 @@ class Candidate:
     # prompt tokens the proxy sent this pod to compute whose first token has not come back:
     # its prefill queue, as far as the proxy knows (token-id prompts; 0 for what it cannot size)
     queued_prompt_tokens: int = 0
-    # decode pods: the turns its sessions have kept it busy with lately (``proxy.pod_activity``)
-    recent_turns: float = 0.0
+    # decode pods: the work its sessions have given it lately, in the load's prompt tokens
+    # (``proxy.pod_activity``)
+    recent_work: float = 0.0
 
 
 @dataclass
@@ -126,10 +127,10 @@ class LeastLoaded:
     equally loaded pods, the session's previous decode pod first (it holds the session's
     chunks, so it pulls only the new suffix from the prefill pod), then the session's
     rendezvous order (first turns spread over the pool). With nothing queued the order is by
-    turns in flight alone. A session with no decode pod yet goes first to the pod whose
-    sessions have kept it least busy lately (``Candidate.recent_turns``, in whole turns): it
-    will come back there for many turns, so what a pod's sessions will ask of it weighs more
-    than what it is computing this instant."""
+    turns in flight alone. A session with no decode pod yet goes to the pod with the least
+    recent work plus load (``Candidate.recent_work``): it will come back there for many turns,
+    so what a pod's sessions have been asking of it counts beside what it is computing this
+    instant."""
 
     name = "least-loaded"
 
@@ -143,9 +144,9 @@ class LeastLoaded:
         affinity = {c.name: i for i, c in enumerate(affinity_order(inp.session_key,
                                                                    inp.candidates))}
         new_session = inp.last_pod is None
-        return sorted(inp.candidates, key=lambda c: (round(c.recent_turns) if new_session else 0,
-                                                     self.load(c), c.name != inp.last_pod,
-                                                     affinity[c.name]))
+        return sorted(inp.candidates, key=lambda c: (
+            self.load(c) + (c.recent_work if new_session else 0.0), c.name != inp.last_pod,
+            affinity[c.name]))
 
 
 def make_policy(name: str, chunk_size: int = DEFAULT_CHUNK_SIZE,

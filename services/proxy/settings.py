@@ -72,8 +72,8 @@ class ProxySettings(BaseModel):
     prefetch_lead_s: float = Field(default=0.5, ge=0)
     max_sessions: int = Field(default=100_000, gt=0)
     activity_half_life_s: float = Field(
-        default=10.0, gt=0, description="Half-life of a turn in a decode pod's recent "
-        "activity, by which new sessions are placed.")
+        default=10.0, gt=0, description="Half-life of a turn's work in a decode pod's "
+        "recent activity, by which new sessions are placed.")
     session_idle_ttl_s: float = Field(
         default=3600.0, ge=0, description="Forget a session's routing state this long after "
         "its last turn (as the kvindex's --session-idle-ttl expires its session); 0: never.")

@@ -10,6 +10,7 @@ import asyncio
 import json
 
 import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
@@ -101,7 +102,8 @@ def test_a_first_turn_avoids_the_decode_pod_computing_a_long_prompt():
             urls = [str(s.make_url("")).rstrip("/") for s in (p0, d0, d1)]
             names = dict(zip(urls, ("p0", "d0", "d1"), strict=True))
             settings = ProxySettings(prefill_urls=urls[:1], decode_urls=urls[1:],
-                                     max_prefill_backlog=1)
+                                     max_prefill_backlog=1,
+                                     activity_half_life_s=1e6)  # no fading within the test
             pool = PodPool(settings.prefill_urls, settings.decode_urls, None)
             orch = Orchestrator(settings, pool, None, make_policy("kv-aware"), http,
                                 ProxyMetrics(CollectorRegistry()))
@@ -121,6 +123,13 @@ def test_a_first_turn_avoids_the_decode_pod_computing_a_long_prompt():
             assert served[short] != long_pod, served
             assert all(c.queued_prompt_tokens == 0 and c.inflight == 0
                        for c in pool.decode_candidates())
+            # the work each pod was given, for placing new sessions: a turn's fixed share,
+            # plus the prompt of a turn run whole (long; short beside hold's P/D turn)
+            turn = settings.load_penalty_tokens
+            work = {names[c.url]: orch.activity.level(c.name) for c in pool.decode_candidates()}
+            other = next(n for n in work if n != long_pod)
+            assert (work[long_pod], work[other]) == pytest.approx(
+                (turn + 6000, turn + turn + 500), rel=1e-3)
 
     asyncio.run(go())
 

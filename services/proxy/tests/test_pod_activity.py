@@ -34,32 +34,34 @@ class Clock:
         return self.now
 
 
-def test_a_pods_activity_is_its_recent_turns_each_fading_by_half_life():
+def test_a_pods_activity_is_its_recent_work_each_turn_fading_by_half_life():
     clock = Clock()
     activity = PodActivity(half_life_s=10.0, clock=clock)
-    for _ in range(4):  # an agent in its loop
-        activity.turn_placed("d0")
-    activity.turn_placed("d1")  # one chat turn
-    assert (activity.level("d0"), activity.level("d1")) == (4.0, 1.0)
+    for _ in range(4):  # an agent in its loop, appends of 500 tokens
+        activity.turn_placed("d0", 2048 + 500)
+    activity.turn_placed("d1", 2048 + 6000)  # one chat's long first turn
+    assert (activity.level("d0"), activity.level("d1")) == (10192.0, 8048.0)
     clock.now = 10.0
-    assert (activity.level("d0"), activity.level("d1")) == pytest.approx((2.0, 0.5))
-    activity.turn_placed("d1")
-    assert activity.level("d1") == pytest.approx(1.5)
-    clock.now = 60.0  # six half-lives on: a finished chat has faded
-    assert activity.level("d1") < 0.05 and activity.level("nowhere") == 0.0
+    assert (activity.level("d0"), activity.level("d1")) == pytest.approx((5096.0, 4024.0))
+    activity.turn_placed("d1", 2048)
+    assert activity.level("d1") == pytest.approx(6072.0)
+    clock.now = 60.0  # five half-lives on: a finished chat has faded
+    assert activity.level("d1") == pytest.approx(6072.0 / 32)
+    assert activity.level("nowhere") == 0.0
 
 
-def test_a_new_session_goes_where_sessions_asked_least_and_a_placed_one_stays_by_load():
+def test_a_new_session_goes_where_recent_work_plus_load_is_least_and_a_placed_one_by_load():
     policy = LeastLoaded(turn_tokens=2048)
-    busy_now = Candidate("d0", "u", inflight=1, queued_prompt_tokens=5000, recent_turns=1.2)
-    crowded = Candidate("d1", "u", inflight=0, recent_turns=6.0)
+    busy_now = Candidate("d0", "u", inflight=1, queued_prompt_tokens=5000, recent_work=2500.0)
+    crowded = Candidate("d1", "u", inflight=0, recent_work=12000.0)
     assert policy.rank(RouteInput("new", [busy_now, crowded]))[0].name == "d0"
     # a session that has a pod is ranked by load, as before: activity does not move it
     assert policy.rank(RouteInput("old", [busy_now, crowded], last_pod="d0"))[0].name == "d1"
-    # about as active (whole turns): the momentary load decides
-    even = [Candidate("d0", "u", inflight=2, recent_turns=2.2),
-            Candidate("d1", "u", recent_turns=1.9)]
-    assert policy.rank(RouteInput("new", even))[0].name == "d1"
+    # a pod that fell behind places fewer turns, so its recent work looks lower; the turns
+    # queued on it count too, and the new session goes to the pod that keeps up
+    behind = Candidate("d0", "u", inflight=12, queued_prompt_tokens=9000, recent_work=50000.0)
+    keeping_up = Candidate("d1", "u", inflight=2, recent_work=65000.0)
+    assert policy.rank(RouteInput("new", [behind, keeping_up]))[0].name == "d1"
 
 
 def test_sessions_arriving_one_by_one_spread_over_the_decode_pods():
@@ -90,7 +92,9 @@ def test_sessions_arriving_one_by_one_spread_over_the_decode_pods():
             await orch.handle(_turn(second, 800))
             assert served[first] != served[second], served
             pods = [c.name for c in pool.decode_candidates()]
-            assert [round(orch.activity.level(n)) for n in pods] == [1, 1]
+            # two P/D turns: each decode pod was given one turn's fixed share
+            assert [orch.activity.level(n) for n in pods] == \
+                pytest.approx([settings.load_penalty_tokens] * 2, rel=1e-3)
             # each keeps its pod for its next turn
             placed = served[second]
             await orch.handle(_turn(second, 900))

@@ -52,9 +52,9 @@ DEVICE_KV_BLOCKS = 64
 # unchanged; measured December 2026 with 128 device blocks). The prefill pod does not host
 # sessions (--prefill-hosts-sessions off): a hosted session's turns keep the prefill pod busy,
 # so every first turn meanwhile runs whole on a decode pod, where the appends of the sessions
-# living there queue behind it (session 14's first run: the prefill pod hosted one session
-# from 6.6 s to 11.4 s, five first turns went whole to the decode pods, and appends on decode-1
-# waited 4-5 s for their first token); session 12's A/B, two pairs: P95 4.3 s off, 5.3-5.9 s on.
+# living there queue behind it (one measured run: the prefill pod hosted one session from
+# 6.6 s to 11.4 s, five first turns went whole to the decode pods, and appends on decode-1
+# waited 4-5 s for their first token); an A/B of two pairs: P95 4.3 s off, 5.3-5.9 s on.
 VLLM_PROXY_ARGS = ["--max-prefill-backlog", "1"]
 # The workload's pace per engine (--time-scale). On vLLM the bench replays bench-agent at twice
 # its own speed: at its own times agentserving finished 33-38 s after the start, of which the

@@ -61,7 +61,7 @@ class MixOptions:
     swe_token_scale: float = 1.0  # the first calls fit the context at their real sizes
     mtrag_sessions: int = 6
     mooncake_sessions: int = 16
-    seed: int = 6  # the bundled draw: 167 turns, 509k prompt tokens, arrivals over 24 s
+    seed: int = 6  # the bundled draw: 167 turns, 509k prompt tokens, arrivals over 31 s
     arrival_rate: float = 1.0  # sessions per second over the whole mix
     model: str = "smollm2"
     max_context: int = MAIN_JOB_CONTEXT

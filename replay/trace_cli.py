@@ -273,6 +273,5 @@ def agent_mix_cmd(ctx: click.Context, out: Path, **fields: Any) -> None:
     from agentserving.replay.importers.agent_mix import build_mix
 
     opts = MixOptions(**fields)
-    model = opts.model
-    tokenizer = _tokenizer(model)
+    tokenizer = _tokenizer(opts.model)
     _import(lambda: build_mix(tokenizer, opts, command=_command_line(ctx)), out)

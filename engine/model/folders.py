@@ -37,4 +37,3 @@ def prepare(model: str, *, seed: int = 0, force: bool = False) -> Path | None:
     from agentserving.engine.model.smollm2 import write_smollm2_folder
 
     return write_smollm2_folder(folder, force=force)
-

@@ -16,6 +16,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 import aiohttp
@@ -40,6 +41,7 @@ from agentserving.core.service import ApiError
 from agentserving.proxy import memory_hooks
 from agentserving.proxy.disagg import (
     Placement,
+    PromptSize,
     local_prefill_tokens,
     plan_local_pod,
     prompt_size,
@@ -119,6 +121,12 @@ class Turn:
         if self.queued_prompt is not None:
             self.queued_prompt.done()
 
+    @cached_property
+    def prompt_size(self) -> PromptSize:
+        """Sized once per turn (a scan of a token-id prompt): placement, conditional
+        disaggregation, the pod's queue and the session's record all ask."""
+        return prompt_size(self.endpoint, self.body)
+
     @property
     def stream(self) -> bool:
         return bool(self.body.get("stream"))
@@ -185,7 +193,7 @@ class Orchestrator:
         """Prompt tokens ``pod`` computes running this turn whole: the new suffix on the
         session's own pod, the whole prompt elsewhere (cache hits on another pod are not
         known here); 0 for a prompt the proxy cannot size without a tokenizer."""
-        size = prompt_size(turn.endpoint, turn.body)
+        size = turn.prompt_size
         if size.tokens is None:
             return 0
         held = state.held(self.settings.chunk_size) \
@@ -253,7 +261,7 @@ class Orchestrator:
         prefill_order, decode_order = routed.prefill, routed.decode
         hosts = self._hosts(prefill_order, decode_order)
         own = next((c for c in [*decode_order, *hosts] if c.name == state.last_decode_pod), None)
-        size = prompt_size(turn.endpoint, turn.body)
+        size = turn.prompt_size
         held = None if own is None else state.held(self.settings.chunk_size)
         placement = Placement(size, held, own, prefill_order, decode_order, hosts,
                               self.settings.local_prefill_tokens,
@@ -506,7 +514,7 @@ class Orchestrator:
         if outcome.chunk_hashes is not None:
             state.chunk_hashes = outcome.chunk_hashes
         state.prompt_tokens = outcome.prompt_tokens
-        state.prompt_chars = prompt_size(turn.endpoint, turn.body).chars
+        state.prompt_chars = turn.prompt_size.chars
         self._share_route(turn, state)
         state.last_turn_end = time.monotonic()
         tool = turn.next_tool or (outcome.tool_names[0] if outcome.tool_names else None)

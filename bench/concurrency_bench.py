@@ -1,5 +1,5 @@
 """The real fleet at rising concurrency: how many agents it sustains, and the knee where
-latency rises (issue 19).
+latency rises.
 
     python -m bench concurrency [--quick] [--levels 1,2,4,8,16] [--step-s 60] [--out PATH]
 

@@ -1,5 +1,5 @@
 """Control plane under load: 1,000 concurrent agent sessions through the real proxy, the real
-kvindex and a real Redis (issue 19, "Reliability under load").
+kvindex and a real Redis ("Reliability under load").
 
     python -m bench control_plane_load [--quick] [--sessions N] [--out PATH]
 
@@ -119,7 +119,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lookups", choices=("replica", "kvindex"), default="replica",
                         help="where the proxy looks each turn up: its in-process residency "
                              "replica (default) or the kvindex, a round trip per turn "
-                             "(--no-residency-replica, the proxy before issue 18)")
+                             "(--no-residency-replica, the proxy without its replica)")
     parser.add_argument("--seed", type=int, default=19, help="random seed (default 19)")
     parser.add_argument("--logs", type=Path, default=None,
                         help="keep every process's log in this folder (default: a temp folder, "

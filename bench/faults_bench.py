@@ -1,5 +1,5 @@
 """Faults: a small multi-turn agent workload through the local fleet while one thing breaks
-(issue 19, "Reliability under load, faults and bad input").
+("Reliability under load, faults and bad input").
 
     python -m bench faults [--quick] [--faults kill-decode,corrupt-disk] [--out PATH]
 

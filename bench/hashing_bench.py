@@ -1,5 +1,5 @@
 """chunk_hash throughput: a 131,072-token prompt (512 chunks of 256), each scheme, each input
-type, side by side in one run. Issue 2 aims for blake3 under 1 ms.
+type, side by side in one run. The aim: blake3 under 1 ms.
 
     python -m bench hashing [--quick] [--out bench/results/hashing.json]
 """

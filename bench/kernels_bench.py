@@ -1,4 +1,4 @@
-"""KV data-path kernels (issue 9; seed 003 section 2.3), side by side in one run.
+"""KV data-path kernels (seed 003 section 2.3), side by side in one run.
 
 1. One staged copy of 16 blocks x 32 layers (K and V) into a contiguous staging buffer against
    the same data moved as 512 separate per-(layer, block) copies, and as 1,024 per-(layer,

@@ -2,7 +2,7 @@
 
     python -m bench.kvindex_bench --out bench/results/kvindex.json [--quick] [--redis-url URL]
 
-Setup (issue 2): 16 pods hold 1 M chunks in total (preloaded through each backend's bulk path,
+Setup: 16 pods hold 1 M chunks in total (preloaded through each backend's bulk path,
 ``replace_chunks``). Pod ``i`` holds the first ``32 * (i + 1)`` chunks of one 512-chunk chain
 (spread over the device, cpu and disk tiers), so a lookup of that chain finds all 16 pods and
 checks 4,368 (pod, chunk) pairs; the rest of each pod's chunks are random, on disk.

@@ -1,5 +1,5 @@
 """Prefill scheduling: fcfs (no chunk) vs fcfs + fixed chunk (Sarathi) vs Longcap-FCFS +
-Dynamic Chunk, and the ShadowScheduler's N+1 prefetch, on one prefill worker (issue 4).
+Dynamic Chunk, and the ShadowScheduler's N+1 prefetch, on one prefill worker.
 
     python -m bench prefill_sched [--quick] [--out bench/results/prefill_sched.json]
 

@@ -6,12 +6,12 @@ Paths (each a proxy process in front of the same workers, the same session's tur
 - ``kv-aware-1``: one prefill pod; nothing to choose, so no lookup is made.
 - ``round-robin-4``: four pods, no KV awareness (never asks the kvindex).
 - ``kv-aware-4``: four pods, every turn looked up in the proxy's in-process residency replica
-  (issue 18; the default).
+  (the default).
 - ``kv-aware-4-kvindex``: four pods, every turn looked up with a kvindex round trip
-  (``--no-residency-replica``: the proxy before issue 18).
+  (``--no-residency-replica``: the proxy without its replica).
 
 Added latency is the difference to ``direct`` pair by pair (turn i of a path minus turn i of
-direct); issue 18 asks for under 1 ms at P50 with four prefill pods. The workers are stand-ins
+direct); the aim is under 1 ms at P50 with four prefill pods. The workers are stand-ins
 by default (``bench/standin_worker.py``: they hash, register and publish residency as workers
 do, and answer at once), so the proxy's own cost is not lost in the model's: with real tiny
 workers (``--workers reference``) every path takes ~28 ms on 2 cores and the pairwise

@@ -1,5 +1,5 @@
 """Three proxy replicas, each session's turns sent round-robin across them: how do they keep
-routing a session to its KV? Issue 18 names two ways and asks which is better:
+routing a session to its KV? Two ways, and which is better:
 
 - ``shared``: ``--shared-sessions``, each session's routing record kept in the kvindex (one
   kvindex read before a turn, one write after it);

@@ -1,4 +1,4 @@
-"""The cluster simulator (issue 8): validation vs a real bench run, seed 003's table in shape,
+"""The cluster simulator: validation vs a real bench run, seed 003's table in shape,
 and scale.
 
     python -m bench sim [--quick] [--real RUN/report.json] [--out bench/results/sim.json]

@@ -1,4 +1,4 @@
-"""Soak: the local fleet serving agent sessions without pause for half an hour (issue 19),
+"""Soak: the local fleet serving agent sessions without pause for half an hour,
 every process's resources sampled, to show that none grows without bound.
 
     python -m bench soak [--quick] [--duration-s 1800] [--agents 3] [--out PATH]

@@ -15,7 +15,7 @@ The same seeded trace for both, the way a prefill pod sees agent traffic:
   one output token (a prefill pod's answer). Latency is send to answer.
 
 It reports each kind's P50/P85/P95/P99 per policy and the ratios (fcfs / longcap: above 1 is
-longcap faster), with the targets of issue 17 (short P50 and P85 at least 5x better, short P95
+longcap faster), with the targets (short P50 and P85 at least 5x better, short P95
 no worse). Ratios within one run; absolute times depend on the machine's load.
 
 The prefetch study (``--prefetch``, on by default; ``--no-prefetch`` skips it): the same trace

@@ -1,5 +1,5 @@
 """A shared secret between AgentServing's own components, so that only they reach the kvindex
-and the pods' memory APIs (issue 18): a tenant that reaches a pod's network cannot read,
+and the pods' memory APIs: a tenant that reaches a pod's network cannot read,
 fork or evict another's sessions or chunks by calling them directly.
 
 One token for a deployment, given to every process as ``AGENTSERVING_INTERNAL_TOKEN`` (every

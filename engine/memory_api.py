@@ -126,7 +126,7 @@ class MemoryBackend(Protocol):
 
 def _memory_path(path: str) -> bool:
     """What the internal token guards on a pod: the memory API (the KV hand-off, which a
-    decode pod pulls by an unguessable transfer id, is not yet; issue 18)."""
+    decode pod pulls by an unguessable transfer id, is not yet)."""
     return path.startswith("/memory/")
 
 

@@ -1,4 +1,4 @@
-"""KV data-path kernels (issue 9; seed 003 section 2.3).
+"""KV data-path kernels (seed 003 section 2.3).
 
 - :func:`gather_blocks` / :func:`scatter_blocks`: paged KV blocks of one or all layers to and
   from one contiguous staging buffer, in one launch; block tables with holes; any block-size

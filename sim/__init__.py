@@ -1,4 +1,4 @@
-"""A discrete-event simulator of an AgentServing cluster (issue 8), see docs/sim.md.
+"""A discrete-event simulator of an AgentServing cluster, see docs/sim.md.
 
 It drives the code the services run — the prefill policies and ShadowScheduler
 (``agentserving.prefill``), the proxy's routing policies (``agentserving.proxy.routing``), the

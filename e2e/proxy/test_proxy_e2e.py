@@ -231,7 +231,7 @@ def test_tool_gap_prefetch_is_warm_on_arrival(fleet):
 
 
 def test_proxy_replicas_share_each_sessions_routing(fleet):
-    """Issue 18: a session's turns spread round-robin over three proxies with
+    """A session's turns spread round-robin over three proxies with
     --shared-sessions route turn for turn as one proxy routes them (P/D first, short appends
     whole on the session's decode pod, a long append P/D again) with the same prefix hits, and
     a proxy killed mid-session and started afresh routes its next turn as the others would.
@@ -276,7 +276,7 @@ def metric(proc, name: str, **labels: str) -> float:  # type: ignore[no-untyped-
 
 
 def test_kv_aware_routing_reads_the_in_process_replica(fleet):
-    """Issue 18: with two prefill pods every turn of a session is looked up, and the proxy's
+    """With two prefill pods every turn of a session is looked up, and the proxy's
     residency replica answers: the kvindex serves no lookup, and the session still goes
     where its KV is (each append reuses all but its new suffix)."""
     c = client(fleet.proxy_kv)

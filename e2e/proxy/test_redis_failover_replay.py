@@ -1,4 +1,4 @@
-"""Issue 18: the Redis master killed during a multi-turn replay.
+"""The Redis master killed during a multi-turn replay.
 
 Two kvindex replicas share one Redis set behind Sentinel (a master, two replicas,
 ``--redis-min-acks 1``). The workers report their residency to one replica; the proxy

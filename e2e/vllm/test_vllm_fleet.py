@@ -384,7 +384,7 @@ def _up(url: str) -> bool:
 
 def test_tenants_through_the_proxy_neither_share_nor_probe_on_vllm(
         vllm_fleet: VllmFleet, tmp_path: Path) -> None:
-    """Issue 18 on the vLLM engine: two tenants' API keys on a proxy in front of a vLLM pod.
+    """On the vLLM engine: two tenants' API keys on a proxy in front of a vLLM pod.
     B's turn on A's prompt reuses nothing (not vLLM's cache, not LMCache's tiers); a caller
     reaching the pod itself finds A's prefix only with the salt the proxy derives for A from
     its secret, not with a guessable one; the pod counts each tenant's prompt tokens by name."""

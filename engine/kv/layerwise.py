@@ -1,4 +1,4 @@
-"""Layer-wise KV load, overlapped with the forward pass (issue 4; seed 003 section 3).
+"""Layer-wise KV load, overlapped with the forward pass (seed 003 section 3).
 
 On admission the engine knows which chunks of a request's prefix are cached and has them
 verified (``KVStore.fetch_prefix``: LMCache memory objects, references held). Copying them

@@ -1,4 +1,4 @@
-"""Late, failed and on-time prefetches (issue 4): a fetch that finds a chunk's disk -> DRAM
+"""Late, failed and on-time prefetches: a fetch that finds a chunk's disk -> DRAM
 prefetch in flight waits for that read instead of reading the file a second time; a prefetch
 later than ``prefetch_wait_s`` or one that failed leaves the fetch to read and verify the disk
 itself. The layer copy's two paths (one contiguous run of blocks, a fragmented table) and the

@@ -34,7 +34,7 @@ from testkit.worker import Worker, worker_process
 
 HERE = Path(__file__).parent
 SCHEMATHESIS = str(Path(sys.executable).parent / "schemathesis")
-SEED = 19  # issue 19; any fixed seed keeps CI reproducible
+SEED = 19  # any fixed seed keeps CI reproducible
 _FIGURES: dict[str, dict[str, Any]] = {}
 
 

@@ -1,4 +1,4 @@
-"""The kvindex on Redis behind Sentinel (issue 18): a master, two replicas and a sentinel, real
+"""The kvindex on Redis behind Sentinel: a master, two replicas and a sentinel, real
 redis-server processes on loopback. Residency batches flow in while the master is killed -9;
 the kvindex answers again within seconds on the promoted replica, and every batch it had
 acknowledged (``--redis-min-acks 1``: each write WAITs for a replica) is still there."""

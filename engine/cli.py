@@ -92,6 +92,10 @@ setting = settings_option(WorkerSettings)
          "tier.")
 @setting("--disk-cache-gib", type=click.FloatRange(min=0),
          help="Disk tier size per engine process, GiB.")
+@setting("--disk-io", type=click.Choice(["buffered", "direct"]),
+         help="Disk tier I/O: buffered (through the page cache, which may answer a re-read "
+         "from DRAM) or direct (O_DIRECT: every read costs what the device costs, as an SSD "
+         "under a working set larger than DRAM does).")
 @setting("--verify-cpu-checksums/--no-verify-cpu-checksums",
          help="Also verify chunk checksums on DRAM hits (disk hits are always verified).")
 @setting("--kv-cache-gib", type=click.FloatRange(min=0.001),
@@ -155,6 +159,11 @@ def command(**kwargs: object) -> None:
 
     print_command = bool(click.get_current_context().meta.get("print_command"))
     settings = settings_from_params(kwargs)
+    if settings.disk_io == "direct" and settings.disk_cache_dir is not None and not print_command:
+        from agentserving.engine.kv.disk_probe import direct_io_error
+
+        if (why := direct_io_error(settings.disk_cache_dir)) is not None:
+            raise click.BadParameter(why, param_hint="--disk-io direct")
     if settings.engine == "vllm":
         from agentserving.engine.vllm.serve_command import VllmConfigError, build, exec_vllm
 

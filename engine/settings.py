@@ -80,6 +80,10 @@ class WorkerSettings(BaseModel):
     cpu_cache_gib: float = Field(default=2.0, gt=0)
     disk_cache_dir: Path | None = None
     disk_cache_gib: float = Field(default=8.0, ge=0)
+    disk_io: Literal["buffered", "direct"] = Field(
+        default="buffered", description="How the disk tier reads and writes its chunks: "
+        "buffered (through the page cache, which may serve a re-read from DRAM) or direct "
+        "(O_DIRECT, LMCache's use_odirect: every read costs what the device costs).")
     verify_cpu_checksums: bool = False
     # -- the engine's paged KV cache (engine/kv/paged.py)
     kv_cache_gib: float = Field(default=2.0, gt=0, description="Paged KV pool per engine "

@@ -28,6 +28,7 @@ import shlex
 import shutil
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,9 @@ import click
 from agentserving.core.cli import option
 from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.core.internal_auth import TOKEN_ENV, auth_headers
+from agentserving.engine.kv.disk_probe import direct_io_error, measure_reads, model_chunk_bytes
+from agentserving.engine.model.folders import folder_of
+from agentserving.engine.vllm.step_times import pooled
 from agentserving.replay.configs import (
     CONFIGS,
     DEFAULT_CONFIGS,
@@ -94,6 +98,44 @@ def scrape_scheduler_stats(memory_url: str, token: str | None = None
     except httpx.HTTPError:
         return None
     return resp.json() if resp.status_code == 200 else None
+
+
+def disk_tier_figures(run_dir: Path, model: str, disk_io: str) -> dict[str, Any]:
+    """What one chunk read from the fleets' disk tier cost (measured on the run's own folder
+    once the replays are over, with the run's ``--disk-io``), next to the same read through
+    the page cache: the disk tier's bandwidth and latency as report.json names them."""
+    folder = folder_of(model)
+    chunk_bytes = (model_chunk_bytes(folder, DEFAULT_CHUNK_SIZE)
+                   if folder is not None and (folder / "config.json").exists() else 1 << 20)
+    probe = run_dir / "disk" / ".probe"
+    out = {"io": disk_io, "chunk_bytes": chunk_bytes,
+           "reads": measure_reads(probe, chunk_bytes, io=disk_io).as_dict()}
+    if disk_io == "direct":
+        out["page_cache_reads"] = measure_reads(probe, chunk_bytes, io="buffered").as_dict()
+    return out
+
+
+def scrape_steps(memory_url: str, token: str | None = None, since: int = 0
+                 ) -> dict[str, Any] | None:
+    """A vLLM pod's KV wait on the critical path vs forward time over its steps numbered after
+    ``since`` (``GET /memory/steps``, ``engine.vllm.step_times``); None where the pod has no
+    memory API (plain vLLM) or does not answer."""
+    import httpx
+
+    try:
+        resp = httpx.get(f"{memory_url}/memory/steps", params={"since": since}, timeout=5.0,
+                         headers=auth_headers(token))
+    except httpx.HTTPError:
+        return None
+    return resp.json().get("pod") if resp.status_code == 200 else None
+
+
+def step_figures(pods: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The configuration's step figures (every pod's loading steps pooled), and each pod's
+    without its samples."""
+    return {**pooled(pods.values()),
+            "pods": {name: {k: v for k, v in p.items() if k != "loading"}
+                     for name, p in pods.items()}}
 
 
 def scrape_metrics(url: str, prefix: str) -> dict[str, float]:
@@ -257,6 +299,9 @@ def replay_config(config: str, fleet: Any, trace: Any, run_dir: Path,
 
     pods = fleet.workers()
     before = {mp.spec.name: scrape_worker_metrics(mp.spec.url) for mp in pods}
+    memory = [mp for mp in fleet.procs if mp.spec.memory_url]
+    steps_before = {mp.spec.name: (s or {}).get("last_step", 0) for mp in memory
+                    if (s := scrape_steps(mp.spec.memory_url, mp.spec.env.get(TOKEN_ENV)))}
     echo(f"[{config}] replaying {len(trace.sessions)} sessions, {trace.num_turns} turns")
     opts = ReplayOptions(target=fleet.url("proxy") or "", **replay_opts)
     result = asyncio.run(Replayer(trace, opts, out_dir=run_dir / config).run())
@@ -276,6 +321,13 @@ def replay_config(config: str, fleet: Any, trace: Any, run_dir: Path,
     summary["proxy"] = proxy
     if scheduler:
         summary["scheduler"] = scheduler
+    steps = {mp.spec.name: s for mp in memory if mp.spec.name in steps_before
+             and (s := scrape_steps(mp.spec.memory_url, mp.spec.env.get(TOKEN_ENV),
+                                    steps_before[mp.spec.name])) is not None}
+    if steps:
+        summary["steps"] = step_figures(steps)
+        summary["kv_wait_exposed_p50_s"] = summary["steps"]["kv_wait_exposed_p50_s"]
+        summary["forward_p50_s"] = summary["steps"]["forward_p50_s"]
     summary["per_turn"] = per_turn_breakdown(workers, proxy, summary.get("turns_completed") or 0)
     for line in time_breakdown(workers):
         echo(f"[{config}] {line}")
@@ -316,6 +368,12 @@ def replay_config(config: str, fleet: Any, trace: Any, run_dir: Path,
         help="agentserving: CPU DRAM KV tier per worker.")
 @option("--disk-cache-gib", type=click.FloatRange(min=0), default=4.0,
         help="agentserving: local-disk KV tier per worker (0: none).")
+@option("--disk-io", type=click.Choice(["direct", "buffered"]), default="direct",
+        show_default=True,
+        help="agentserving: the disk tier's I/O. direct: O_DIRECT reads past the page cache, "
+             "what an SSD costs once the working set outgrows DRAM (its bandwidth and latency "
+             "measured on the run's folder and written to report.json); buffered: the page "
+             "cache answers re-reads from DRAM.")
 @option("--device-kv-blocks", type=click.IntRange(min=1), default=DEVICE_KV_BLOCKS,
         show_default=True,
         help="vLLM: device KV blocks per pod (128 tokens each), the same for every "
@@ -327,6 +385,9 @@ def replay_config(config: str, fleet: Any, trace: Any, run_dir: Path,
 @option("--prefill-policy", default=None,
         help="agentserving: the prefill pods' --scheduler-policy [default: longcap-dynamic "
              "on vLLM, fcfs on the reference engine].")
+@option("--decode-policy", default=None,
+        help="agentserving: the decode pods' --scheduler-policy, which schedules the prefills "
+             "conditional disaggregation keeps on them [default: the engine's own scheduler].")
 @option("--proxy-arg", "proxy_args", multiple=True,
         help="agentserving: extra proxy flag (repeatable), e.g. --proxy-arg=--local-prefill-"
              "tokens=0 to send every turn through P/D.")
@@ -349,8 +410,9 @@ def replay_config(config: str, fleet: Any, trace: Any, run_dir: Path,
 @option("--progress/--no-progress", default=True, help="Show progress bars.")
 def command(engine: str, workload: str, limit: int | None, rate: float | None,
             time_scale: float | None, prefill: int, decode: int, configs: str, model: str,
-            cpu_cache_gib: float, disk_cache_gib: float, device_kv_blocks: int,
+            cpu_cache_gib: float, disk_cache_gib: float, disk_io: str, device_kv_blocks: int,
             torch_threads: int, worker_args: tuple[str, ...], prefill_policy: str | None,
+            decode_policy: str | None,
             proxy_args: tuple[str, ...], max_active_sessions: int | None,
             mooncake_block_tokens: int, mooncake_max_requests: int | None,
             mooncake_max_input: int | None, mooncake_max_output: int, startup_timeout_s: float,
@@ -384,6 +446,8 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
     time_scale = DEFAULT_TIME_SCALE[engine] if time_scale is None else time_scale
     run_dir = run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
+    if disk_io == "direct" and disk_cache_gib > 0 and (why := direct_io_error(run_dir)):
+        raise click.BadParameter(why, param_hint="--disk-io direct")
     trace = load_trace(workload, limit=limit, mooncake=MooncakeOptions(
         block_tokens=mooncake_block_tokens, max_output_tokens=mooncake_max_output,
         max_requests=mooncake_max_requests, max_input_tokens=mooncake_max_input))
@@ -394,12 +458,13 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
                f"tokens, ideal hit rate {stats['ideal_hit_rate']:.1%}")
     sizes = FleetSizes(
         engine=engine, prefill=prefill, decode=decode, model=model,
-        cpu_cache_gib=cpu_cache_gib, disk_cache_gib=disk_cache_gib,
+        cpu_cache_gib=cpu_cache_gib, disk_cache_gib=disk_cache_gib, disk_io=disk_io,
         device_kv_blocks=device_kv_blocks if engine == "vllm" else None,
         worker_args=list(worker_args), proxy_args=list(proxy_args),
         worker_env={"AGENTSERVING_WORKER_TORCH_THREADS": str(torch_threads)}
         if torch_threads else {},
-        prefill_policy=prefill_policy, startup_timeout_s=startup_timeout_s,
+        prefill_policy=prefill_policy, decode_policy=decode_policy,
+        startup_timeout_s=startup_timeout_s,
         worker_command=shlex.split(worker_command) if worker_command else None,
         internal_token=secrets.token_urlsafe(24))
     replay_opts = dict(rate=rate, time_scale=time_scale, progress=progress,
@@ -413,10 +478,14 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
                                "description": CONFIGS[name].description}
     settings = {"engine": engine, "prefill": prefill, "decode": decode, "model": model,
                 "cpu_cache_gib": cpu_cache_gib, "disk_cache_gib": disk_cache_gib,
+                "disk_io": disk_io,
+                "disk_tier": disk_tier_figures(run_dir, model, disk_io)
+                if disk_cache_gib > 0 else None,
                 "device_kv_blocks": sizes.device_kv_blocks,
                 "device_kv_tokens": (sizes.device_kv_blocks or 0) * VLLM_BLOCK_TOKENS or None,
                 "torch_threads": torch_threads, "rate": rate,
-                "prefill_policy": prefill_policy, "proxy_args": list(proxy_args),
+                "prefill_policy": prefill_policy, "decode_policy": decode_policy,
+                "proxy_args": list(proxy_args),
                 "time_scale": time_scale}
     report = build_report(summaries, comparisons=comparisons_for(names),
                           workload={"spec": workload, **stats},

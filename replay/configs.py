@@ -16,7 +16,10 @@ On vLLM (the default engine, what users deploy):
   scheduler on the prefill pods, under the ShadowScheduler (the N+1 window's LMCache
   disk -> DRAM prefetch);
 - ``agentserving-fcfs``: the same without the scheduler (vLLM's own FCFS on the prefill pod);
-- ``agentserving-noprefetch``: the same scheduler without the ShadowScheduler's prefetch.
+- ``agentserving-noprefetch``: the same scheduler without the ShadowScheduler's prefetch;
+- ``agentserving-allpd``: the same without conditional disaggregation: every turn's prefill
+  runs on the prefill pod, as in seed 003 (the proxy's ``--local-prefill-tokens 0
+  --max-prefill-backlog 0``).
 
 On the reference engine (the quick run): ``baseline`` (round-robin workers with no cross-turn
 reuse at all), ``baseline-apc`` (round-robin workers reusing only their own prefix cache) and
@@ -38,8 +41,16 @@ DECODE_POD_ARGS = ["--prefill-chunk-tokens", str(DECODE_POD_CHUNK_TOKENS),
                    "--scheduler-policy", DECODE_POD_POLICY]
 # agentserving's prefill-pod scheduling policy on each engine (measured: docs/replay.md)
 # On vLLM: Longcap-FCFS + Dynamic Chunk under the ShadowScheduler, whose N+1 window starts the
-# LMCache disk -> DRAM prefetch of the turns about to be admitted (services/prefill/vllm_plugin)
-PREFILL_POLICY = {"reference": "fcfs", "vllm": "longcap-dynamic?lookahead=5"}
+# LMCache disk -> DRAM prefetch of the turns about to be admitted (services/prefill/vllm_plugin).
+# Shorts shortest-first: with every prefill on the prefill pod (agentserving-allpd, agent mix,
+# one run each, December 2026) the short band in arrival order gave short turns a TTFT P50 /
+# P85 of 1.24 / 3.73 s against vLLM's FCFS's 0.76 / 1.88 s; shortest-first 0.75 / 1.27 s.
+VLLM_PREFILL_POLICY = "longcap-dynamic?short_order=shortest"
+PREFILL_POLICY = {"reference": "fcfs", "vllm": VLLM_PREFILL_POLICY + "&lookahead=5"}
+# ... and on its decode pods, which prefill what conditional disaggregation keeps off the
+# prefill pod (short appends, and first turns while the prefill pod is busy): None keeps the
+# engine's own scheduler there (vLLM's FCFS; the reference engine's DECODE_POD_ARGS)
+DECODE_POLICY: dict[str, str | None] = {"reference": None, "vllm": None}
 VLLM_STEP_TOKENS = 2048  # tokens per vLLM step (--max-num-batched-tokens) on every vLLM pod
 VLLM_BLOCK_TOKENS = 128  # vLLM-CPU's KV block
 # Device KV per vLLM pod: 64 blocks = 8,192 tokens (8,064 usable), room for bench-agent's
@@ -66,7 +77,8 @@ DEFAULT_TIME_SCALE = {"reference": 1.0, "vllm": 0.5}
 # The first configuration of each engine is the one the others' ratios are taken against.
 DEFAULT_CONFIGS = {"reference": ("baseline", "agentserving"),
                    "vllm": ("vllm-rr", "vllm-session", "vllm-precise", "agentserving",
-                            "agentserving-fcfs", "agentserving-noprefetch")}
+                            "agentserving-fcfs", "agentserving-noprefetch",
+                            "agentserving-allpd")}
 
 
 @dataclass(frozen=True)
@@ -80,6 +92,7 @@ class BenchConfig:
     own_prefix_cache_only: bool = False  # reference engine: a CPU tier, but no disk, no P/D
     prefill_policy: str | None = None  # None: the engine's PREFILL_POLICY; "fcfs": stock
     precise: bool = False  # vLLM KV events -> kvindex; the proxy hashes prompts vLLM's way
+    proxy_args: tuple[str, ...] = ()  # agentserving's proxy, after the engine's and the run's
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
@@ -107,7 +120,11 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 disaggregated=True, prefill_policy="fcfs"),
     BenchConfig("agentserving-noprefetch", ("vllm",), "agentserving without the "
                 "ShadowScheduler's prefetch (Longcap + Dynamic Chunk alone on the prefill pods)",
-                routing="kv-aware", disaggregated=True, prefill_policy="longcap-dynamic"),
+                routing="kv-aware", disaggregated=True, prefill_policy=VLLM_PREFILL_POLICY),
+    BenchConfig("agentserving-allpd", ("vllm",), "agentserving without conditional "
+                "disaggregation: every turn's prefill on the prefill pod, as in seed 003",
+                routing="kv-aware", disaggregated=True,
+                proxy_args=("--local-prefill-tokens", "0", "--max-prefill-backlog", "0")),
 )}
 
 
@@ -136,11 +153,13 @@ class FleetSizes:
     model: str = "tiny"
     cpu_cache_gib: float = 2.0
     disk_cache_gib: float = 4.0
+    disk_io: str = "buffered"  # the disk tier's I/O: "direct" reads past the page cache
     device_kv_blocks: int | None = None  # vLLM: device KV per pod, in blocks
     worker_args: list[str] = field(default_factory=list)
     worker_env: dict[str, str] = field(default_factory=dict)
     proxy_args: list[str] = field(default_factory=list)  # agentserving's proxy only
     prefill_policy: str | None = None  # agentserving's prefill pods (None: PREFILL_POLICY)
+    decode_policy: str | None = None  # agentserving's decode pods (None: DECODE_POLICY)
     startup_timeout_s: float = 180.0
     worker_command: list[str] | None = None
     # agentserving's fleets: the token between their components (core.internal_auth), as
@@ -189,10 +208,18 @@ def fleet_spec(config: BenchConfig, sizes: FleetSizes) -> Any:
                          disk_cache_gib=0.0, **common)
     policy = config.prefill_policy or sizes.prefill_policy or PREFILL_POLICY[engine]
     role_args = {"prefill": ["--scheduler-policy", policy]}
-    if engine == "reference":
+    decode_policy = sizes.decode_policy or DECODE_POLICY[engine]
+    if config.prefill_policy == "fcfs":  # the ablation: the engine's own scheduler everywhere
+        decode_policy = None
+    elif config.prefill_policy and decode_policy:  # the ablation's policy, the decode pods' options
+        decode_policy = config.prefill_policy
+    if decode_policy:
+        role_args["decode"] = ["--scheduler-policy", decode_policy]
+    elif engine == "reference":
         role_args["decode"] = list(DECODE_POD_ARGS)
-    proxy_args = [*(VLLM_PROXY_ARGS if engine == "vllm" else []), *sizes.proxy_args]
+    proxy_args = [*(VLLM_PROXY_ARGS if engine == "vllm" else []), *sizes.proxy_args,
+                  *config.proxy_args]
     return FleetSpec(prefill=sizes.prefill, decode=sizes.decode,
                      cpu_cache_gib=sizes.cpu_cache_gib, disk_cache_gib=sizes.disk_cache_gib,
-                     role_args=role_args, proxy_args=proxy_args,
+                     disk_io=sizes.disk_io, role_args=role_args, proxy_args=proxy_args,
                      internal_token=sizes.internal_token, **common)

@@ -13,6 +13,10 @@ Definitions (all over one replay run):
   (``agentserving.replay.ideal``); ``hit_vs_ideal`` is their quotient.
 - ``e2e_*_s``: request sent to last byte; ``ttft_*_s``: request sent to first token;
   ``itl_p99_s``: the 99th percentile of all gaps between consecutive tokens of all turns.
+- ``ttft_p50_short_s``, ``ttft_p85_short_s`` over ``short_turns``: the turns whose uncached
+  prompt (prompt tokens less the trace's ideal cached tokens, the same turns in every
+  configuration) is under ``SHORT_TURN_TOKENS`` (seed 003's short requests: a tool result or a
+  user message appended to a context already computed).
 - ``forced_mismatches``: completed turns whose output was not the forced one (by the returned
   token ids where the server sent them, else by their count).
 - ``by_source.<source>`` (turns whose session names a ``meta.source``): ``turns``,
@@ -31,6 +35,8 @@ from typing import Any
 
 import numpy as np
 
+SHORT_TURN_TOKENS = 512
+
 # The metrics of report.json's configs, in table order: (key, label, better).
 TABLE: list[tuple[str, str, str]] = [
     ("success_rate", "task success", "higher"),
@@ -42,6 +48,8 @@ TABLE: list[tuple[str, str, str]] = [
     ("e2e_p95_s", "E2E P95 (s)", "lower"),
     ("e2e_p99_s", "E2E P99 (s)", "lower"),
     ("ttft_p50_s", "TTFT P50 (s)", "lower"),
+    ("ttft_p50_short_s", "short turns' TTFT P50 (s)", "lower"),
+    ("ttft_p85_short_s", "short turns' TTFT P85 (s)", "lower"),
     ("ttft_p95_s", "TTFT P95 (s)", "lower"),
     ("itl_p99_s", "ITL P99 (s)", "lower"),
 ]
@@ -74,6 +82,7 @@ def summarize(records: Iterable[Mapping[str, Any]], *, sessions_planned: int,
     e2e = [r["e2e_s"] for r in ok if r.get("e2e_s") is not None]
     ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
     itl = [x for r in ok for x in (r.get("itl_s") or [])]
+    short = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None and is_short(r)]
     hit = cached / prompt if prompt else None
     return {
         "success_rate": sessions_ok / sessions_planned if sessions_planned else None,
@@ -87,6 +96,9 @@ def summarize(records: Iterable[Mapping[str, Any]], *, sessions_planned: int,
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p95_s": percentile(ttft, 95),
         "itl_p99_s": percentile(itl, 99),
+        "short_turns": len(short),
+        "ttft_p50_short_s": percentile(short, 50),
+        "ttft_p85_short_s": percentile(short, 85),
         "ideal_hit_rate": ideal_hit_rate,
         "hit_vs_ideal": (hit / ideal_hit_rate) if hit is not None and ideal_hit_rate else None,
         "sessions_planned": sessions_planned,
@@ -102,6 +114,14 @@ def summarize(records: Iterable[Mapping[str, Any]], *, sessions_planned: int,
         "errors": _error_counts(records),
         "by_source": by_source(records),
     }
+
+
+def is_short(record: Mapping[str, Any]) -> bool:
+    """A turn whose uncached prompt, by the trace's ideal cache, is under SHORT_TURN_TOKENS."""
+    prompt = record.get("prompt_tokens")
+    if prompt is None:
+        return False
+    return int(prompt) - int(record.get("ideal_cached_tokens") or 0) < SHORT_TURN_TOKENS
 
 
 def _ratio(num: float, den: float) -> float | None:

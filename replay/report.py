@@ -29,9 +29,11 @@ import numpy as np
 from agentserving.prefill.shadow import SEED_003_N1, PrefetchScore, WindowScore
 from agentserving.replay.metrics import METRIC_KEYS, TABLE, ratios
 
-# The targets agentserving must meet against each baseline (issues 7 and 17): seed 003's gains
-# over independent instances, and what tiers, P/D and scheduling must add beyond a sticky
-# router. Configurations with no entry (the ablations) get ratios, not targets.
+# The targets agentserving must meet against each baseline: seed 003's gains over independent
+# instances, what tiers, P/D and scheduling must add beyond a sticky router, and what its
+# prefill scheduler must add over the engine's own FCFS (seed 003 measured 12.5x / 11.1x on the
+# short requests' TTFT P50 / P85 on its prefill-only node; 3x here, E2E P95 no worse than
+# x1.25). Configurations with no entry (the other ablations) get ratios, not targets.
 SEED_003_TARGETS = {"hit_vs_ideal_min": 0.95, "req_per_s_ratio_min": 2.0,
                     "e2e_p95_ratio_max": 0.34, "failed_turns_max": 0}
 TARGETS_VS: dict[str, dict[str, float]] = {
@@ -39,7 +41,12 @@ TARGETS_VS: dict[str, dict[str, float]] = {
     "vllm-rr": SEED_003_TARGETS,
     "vllm-session": {"req_per_s_ratio_min": 1.3, "e2e_p95_ratio_max": 0.7},
     "vllm-precise": {"req_per_s_ratio_min": 1.2, "e2e_p95_ratio_max": 0.8},
+    "agentserving-fcfs": {"ttft_p50_short_ratio_max": 1 / 3, "ttft_p85_short_ratio_max": 1 / 3,
+                          "e2e_p95_ratio_max": 1.25},
 }
+# seed 003: the KV a step waits for on its critical path, at most this share of its forward
+# (15 ms against 4.16 s there), at P50 over the steps that load KV
+KV_WAIT_SHARE_MAX = 0.10
 CANDIDATE = "agentserving"
 
 # Seed 003, section 5 (Llama-3.1-8B: 4 independent vLLM instances -> AgentMem 1P3D).
@@ -99,6 +106,8 @@ def build_report(configs: Mapping[str, Mapping[str, Any]], *,
     report["baseline"] = next(iter(report["comparisons"]), None)
     report["ratios"], report["checks"] = first["ratios"], first["checks"]
     report["run_checks"] = run_checks(configs, candidate)
+    report["shadow"] = {name: {**fig, "seed_003": SEED_003_N1} for name, c in configs.items()
+                        if (fig := shadow_figures(c))}
     report.update(extra)
     return report
 
@@ -119,6 +128,14 @@ def run_checks(configs: Mapping[str, Mapping[str, Any]],
     for name, m in configs.items():
         n = int(m.get("forced_mismatches") or 0)
         out[f"{name}: forced_mismatches"] = {"value": n, "target": "<= 0", "ok": n == 0}
+    steps = configs.get(candidate, {}).get("steps")
+    if steps and steps.get("loading_steps"):
+        share = steps.get("kv_wait_share_p50")
+        out[f"{candidate}: kv_wait_share_p50"] = {
+            "value": share, "target": f"<= {KV_WAIT_SHARE_MAX:g}",
+            "ok": share is not None and share <= KV_WAIT_SHARE_MAX,
+            "kv_wait_exposed_p50_s": steps.get("kv_wait_exposed_p50_s"),
+            "forward_p50_s": steps.get("forward_p50_s")}
     for source, entry in (configs.get(candidate, {}).get("by_source") or {}).items():
         reference, ideal = entry.get("reference_hit_rate"), entry.get("ideal_hit_rate")
         hit = entry.get("prefix_hit_rate")
@@ -144,7 +161,9 @@ def checks(b: Mapping[str, Any], c: Mapping[str, Any],
 
     failed = int(c.get("turns_failed") or 0) + int(c.get("turns_not_sent") or 0)
     values = {"hit_vs_ideal": c.get("hit_vs_ideal"), "req_per_s_ratio": ratio("req_per_s"),
-              "e2e_p95_ratio": ratio("e2e_p95_s"), "failed_turns": failed}
+              "e2e_p95_ratio": ratio("e2e_p95_s"), "failed_turns": failed,
+              "ttft_p50_short_ratio": ratio("ttft_p50_short_s"),
+              "ttft_p85_short_ratio": ratio("ttft_p85_short_s")}
     out = {}
     for name, value in values.items():
         for op, suffix in ((">=", "_min"), ("<=", "_max")):
@@ -200,6 +219,8 @@ def table_rows(report: Mapping[str, Any], baseline: str | None = None,
 
 # one row per configuration: (key, column)
 CONFIG_COLUMNS = (("req_per_s", "req/s"), ("e2e_p50_s", "E2E P50 s"), ("e2e_p95_s", "E2E P95 s"),
+                  ("ttft_p50_short_s", "short TTFT P50 s"),
+                  ("ttft_p85_short_s", "short TTFT P85 s"),
                   ("itl_p99_s", "ITL P99 s"), ("prefix_hit_rate", "prefix hit"),
                   ("hit_vs_ideal", "hit / ideal"), ("turns_failed", "failed"))
 
@@ -445,7 +466,45 @@ def draw_plots(out_dir: Path, records: Mapping[str, list[dict[str, Any]]],
         ax.grid(alpha=0.3, axis="x")
         fig.tight_layout()
         written.append(_save(fig, out_dir / "ratios.png"))
+    if report and (path := draw_ablations(out_dir, report)) is not None:
+        written.append(path)
     return written
+
+
+# seed 003's mechanisms, each against the configuration that lacks it: (key, title)
+ABLATION_FIGURES = (("ttft_p50_short_s", "short turns' TTFT P50"),
+                    ("ttft_p85_short_s", "short turns' TTFT P85"),
+                    ("e2e_p95_s", "E2E P95"),
+                    ("kv_wait_exposed_p50_s", "KV wait exposed per loading step, P50"),
+                    ("forward_p50_s", "forward per loading step, P50"))
+
+
+def draw_ablations(out_dir: Path, report: Mapping[str, Any],
+                   candidate: str = CANDIDATE) -> Path | None:
+    """agentserving beside each configuration that takes one of its parts out
+    (``agentserving-*``), one panel per figure: ablations.png; None without ablations."""
+    import matplotlib.pyplot as plt
+
+    names = [n for n in report["configs"] if n == candidate or n.startswith(candidate + "-")]
+    if len(names) < 2:
+        return None
+    fig, axes = plt.subplots(1, len(ABLATION_FIGURES), figsize=(4 * len(ABLATION_FIGURES), 4))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (key, title) in zip(axes, ABLATION_FIGURES, strict=True):
+        vals = [report["configs"][n].get(key) for n in names]
+        ax.bar(range(len(names)), [v or 0.0 for v in vals],
+               color=[colors[i % len(colors)] for i in range(len(names))])
+        for i, v in enumerate(vals):
+            ax.text(i, v or 0.0, "n/a" if v is None else f"{v:.3g}", ha="center",
+                    va="bottom", fontsize=8)
+        ax.set_xticks(range(len(names)), [n.removeprefix(candidate + "-") or n
+                                          for n in names], rotation=30, ha="right")
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel("seconds")
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"{candidate} and its ablations (lower is better)")
+    fig.tight_layout()
+    return _save(fig, out_dir / "ablations.png")
 
 
 def _save(fig: Any, path: Path) -> Path:

@@ -98,7 +98,7 @@ def _standalone(spec: FleetSpec, run_dir: Path, ports: PortAllocator, kv_url: st
               "--port", str(port), "--memory-port-start", str(mem), "--pod-name", "worker-0",
               "--kvindex", kv_url, "--cpu-cache-gib", "0.5", "--chunk-size", str(CHUNK),
               "--disk-cache-dir", str(run_dir / "disk" / "worker-0"), "--disk-cache-gib", "1",
-              *WORKER_ARGS])
+              "--disk-io", "direct", *WORKER_ARGS])
     pport = ports.one()
     proxy = ProcessSpec(
         name="proxy-routing", role="proxy-routing", url=f"http://{LOOPBACK}:{pport}",

@@ -237,6 +237,17 @@ def test_restore_from_every_tier_equals_recompute(vllm_fleet: VllmFleet) -> None
     after = vllm_metrics(url)
     assert delta(before, after, EXTERNAL) == n
     same_output(from_dram, from_disk)
+    # worker-0's disk tier reads past the page cache (--disk-io direct), every chunk aligned
+    log = vllm_fleet.log("worker-0").read_text()
+    assert "Using O_DIRECT for disk I/O: True" in log and "Cannot use O_DIRECT" not in log
+    # the restore was a step that loaded KV: its wait on the critical path is measured
+    steps = httpx.get(vllm_fleet.memory_url("worker-0") + "/memory/steps", timeout=10).json()
+    assert steps["pod"]["loading_steps"] >= 2, steps["pod"]  # from DRAM, then from disk
+    assert steps["pod"]["kv_wait_exposed_p50_s"] > 0 and steps["pod"]["forward_p50_s"] > 0
+    since = steps["pod"]["last_step"]
+    later = httpx.get(vllm_fleet.memory_url("worker-0") + "/memory/steps",
+                      params={"since": since}, timeout=10).json()
+    assert later["pod"]["loading_steps"] == 0 and later["pod"]["last_step"] >= since
 
     # /memory/prefetch moves disk chunks to DRAM, and the kvindex sees them there
     _evict(vllm_fleet, hashes, ["LocalCPUBackend"])

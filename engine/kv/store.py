@@ -86,6 +86,7 @@ class KVStoreConfig:
     verify_cpu: bool = False
     instance_id: str = "engine-0"
     prefetch_wait_s: float = 2.0  # longest a fetch waits for a chunk's in-flight prefetch
+    direct_io: bool = False  # the disk tier bypasses the page cache (O_DIRECT)
 
 
 @dataclasses.dataclass
@@ -155,6 +156,8 @@ class KVStore:
             config.disk_dir.mkdir(parents=True, exist_ok=True)
             cfg["local_disk"] = str(config.disk_dir)
             cfg["max_local_disk_size"] = config.disk_gib
+            if config.direct_io:
+                cfg["extra_config"] = {"use_odirect": True}
         self._lm_config = LMCacheEngineConfig.from_dict(cfg)
         self._metadata = LMCacheMetadata(
             model_name=config.model_name, world_size=1, local_world_size=1, worker_id=0,

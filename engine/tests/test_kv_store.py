@@ -16,10 +16,8 @@ from agentserving.engine.model.runner import ModelRunner
 from testkit.worker import prompt
 
 
-@pytest.fixture
-def filled(engine_factory, tiny):
-    """An engine whose store holds the 3 full chunks of a 900-token prompt, on both tiers."""
-    parts = engine_factory()
+def _fill(parts, tiny):
+    """Store the 3 full chunks of a 900-token prompt on both tiers."""
     runner = ModelRunner(tiny)
     ids = prompt(900, seed=11)
     cache = runner.new_cache()
@@ -31,6 +29,12 @@ def filled(engine_factory, tiny):
     ints = parts.keys.int_hashes(ids)
     wire = [parts.keys.wire_of_int(v) for v in ints]
     return parts, ids, layers, ints, wire
+
+
+@pytest.fixture
+def filled(engine_factory, tiny):
+    """An engine whose store holds the 3 full chunks of a 900-token prompt, on both tiers."""
+    return _fill(engine_factory(), tiny)
 
 
 def _same(layers, loaded, n):
@@ -57,6 +61,21 @@ def test_store_then_load_from_dram_and_from_disk_bit_exact(filled):
     assert store.lookup(ints) == [Tier.CPU] * 3  # verified disk reads are written back
     files = {os.path.basename(store.disk_path(h)) for h in wire}
     assert files == set(os.listdir(store.config.disk_dir))
+
+
+def test_direct_io_disk_reads_past_the_page_cache_are_bit_exact(engine_factory, tiny, tmp_path):
+    from agentserving.engine.kv.disk_probe import direct_io_error
+
+    if (why := direct_io_error(tmp_path)) is not None:
+        pytest.skip(why)
+    parts, ids, layers, ints, wire = _fill(engine_factory(disk_io="direct"), tiny)
+    disk = parts.store.engine.storage_manager.storage_backends["LocalDiskBackend"]
+    assert disk.use_odirect and all(os.path.getsize(parts.store.disk_path(h)) % disk.os_disk_bs
+                                    == 0 for h in wire)  # else LMCache falls back to buffered
+    _evict_cpu(parts, wire)
+    res = parts.store.load_prefix(ints)
+    assert res.num_tokens == 768 and res.tokens_by_tier == {Tier.DISK: 768}
+    assert _same(layers, res.layers, 768)
 
 
 def test_flipped_bit_on_disk_is_detected_and_never_served(filled):

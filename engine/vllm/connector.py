@@ -75,12 +75,24 @@ from .services import (
     pod_registration,
 )
 from .settings import parse_settings, pod_role
+from .step_times import StepClock, loading_requests, prometheus_observer
 from .storage import LMCacheKeys, LMCacheStorageBackend, flush_remote_puts
 
 log = get_logger(__name__)
 # vLLM imports this module in every process that builds a connector
 paged_cpu.install()
 salting.install()
+
+
+_OBSERVER: Any = None
+
+
+def _step_observer() -> Any:
+    """One set of step histograms per process (a registry refuses a second)."""
+    global _OBSERVER
+    if _OBSERVER is None:
+        _OBSERVER = prometheus_observer()
+    return _OBSERVER
 
 
 class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
@@ -101,6 +113,8 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         # prompt tokens and device-tier hits by tenant, counted here (scheduler role); the
         # LMCache tiers' by the worker role's rank 0 (_maybe_start_worker_services)
         self._as_reuse: reuse.SchedulerReuse | None = None
+        # the worker's steps: KV wait on the critical path vs forward time (step_times)
+        self._as_steps: StepClock | None = None
         impl = self._lmcache_engine
         if role == KVConnectorRole.SCHEDULER:
             self._as_reuse = reuse.SchedulerReuse(
@@ -110,6 +124,7 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
             if self._as_settings.memory_api:
                 self._start_scheduler_services(vllm_config)
         else:
+            self._as_steps = StepClock(on_step=_step_observer())
             self._maybe_start_worker_services()
 
     # ---------------------------------------------------------------- scheduler side
@@ -199,18 +214,35 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         backend = LMCacheStorageBackend(engine.storage_manager, engine.token_database,
                                         engine.metadata)
         self._as_worker = WorkerServices(self._as_settings, backend,
-                                         int(engine.metadata.worker_id))
+                                         int(engine.metadata.worker_id), steps=self._as_steps)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)
         self._maybe_start_worker_services()
 
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._as_steps is not None:
+            self._as_steps.begin(loads=loading_requests(connector_metadata))
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        super().start_load_kv(forward_context, **kwargs)
+        if self._as_steps is None:
+            super().start_load_kv(forward_context, **kwargs)
+        else:
+            with self._as_steps.timed():  # synchronous: all of it on the critical path
+                super().start_load_kv(forward_context, **kwargs)
         if self._as_worker is None:  # engines initialised from the forward context
             self._maybe_start_worker_services()
 
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._as_steps is None:
+            return super().wait_for_layer_load(layer_name)
+        with self._as_steps.timed():  # layer-wise: only what the forward still waits for
+            return super().wait_for_layer_load(layer_name)
+
     def wait_for_save(self) -> None:
+        if self._as_steps is not None:
+            self._as_steps.end()  # the forward is over; the stores are not its time
         super().wait_for_save()
         if self._as_settings.pod_role is PodRole.PREFILL:  # the hand-off is done when we answer
             engine = self._lmcache_engine.lmcache_engine

@@ -13,6 +13,8 @@ so a pod and a test run the same command line. What each worker setting becomes:
 - prefill_chunk_tokens, max_running_requests: ``--max-num-batched-tokens``, ``--max-num-seqs``;
 - chunk_size, cpu_cache_gib, disk_cache_dir/gib: LMCache's ``chunk_size``, ``local_cpu`` +
   ``max_local_cpu_size``, ``local_disk`` (engine 0's folder) + ``max_local_disk_size``;
+  disk_io direct: LMCache's ``extra_config.use_odirect`` (chunk files read and written with
+  O_DIRECT, past the page cache);
 - kv_transfer_url: LMCache's ``remote_url``, the KV server prefill and decode pods hand KV
   through; kv_transfer_timeout_s: a prefill pod's longest wait for its KV to reach it;
 - vllm_kv_connector none: plain vLLM, its automatic prefix cache alone (no LMCache, no
@@ -152,6 +154,8 @@ def lmcache_env(settings: WorkerSettings) -> dict[str, str]:
     if disk is not None:
         env["LMCACHE_LOCAL_DISK"] = f"file://{disk}/"
         env["LMCACHE_MAX_LOCAL_DISK_SIZE"] = f"{settings.disk_cache_gib:g}"
+        if settings.disk_io == "direct":
+            env["LMCACHE_EXTRA_CONFIG"] = json.dumps({"use_odirect": True})
     if settings.kv_transfer_url:
         env["LMCACHE_REMOTE_URL"] = settings.kv_transfer_url
         env["LMCACHE_REMOTE_SERDE"] = "naive"

@@ -39,6 +39,7 @@ from agentserving.engine.reporter import Change, KvindexReporter, ResidencyBook
 
 from .hashes import ChunkHashCache
 from .settings import ConnectorSettings
+from .step_times import StepClock, merge_summaries
 
 log = get_logger(__name__)
 
@@ -103,13 +104,47 @@ def _serve_thread(app: Any, host: str, port: int, name: str) -> tuple[_Server, t
     return server, thread
 
 
+def step_times_router(summary: Callable[[int], dict[str, Any]]) -> Any:
+    """``GET /memory/steps``: this rank's KV wait on the critical path vs forward time
+    (``step_times``); the scheduler's forwarding API answers the pod's (``add_steps_route``)."""
+    from fastapi import APIRouter, Query
+
+    router = APIRouter()
+
+    @router.get("/memory/steps", tags=["memory"],
+                summary="KV wait exposed per step that loads KV, next to the forward time.")
+    async def steps(since: int = Query(0, ge=0, description="Only the steps numbered after "
+                                       "this (a previous answer's last_step).")
+                    ) -> dict[str, Any]:
+        return summary(since)
+
+    return router
+
+
+def add_steps_route(app: Any, fanout: EngineFanout) -> None:
+    """``GET /memory/steps`` on the forwarding API: every rank's figures and the pod's (the
+    slowest rank's: TP ranks wait for each other). A rank that does not answer is a 503."""
+    from fastapi import Query
+
+    @app.get("/memory/steps", tags=["memory"],
+             summary="KV wait exposed per step that loads KV, next to the forward time, for "
+                     "the pod and per rank.")
+    async def steps(since: int = Query(0, ge=0, description="Only the steps numbered after "
+                                       "this (a previous answer's pod.last_step).")
+                    ) -> dict[str, Any]:
+        ranks = await fanout.call("GET", f"/memory/steps?since={since}")
+        return {"pod": merge_summaries(ranks), "ranks": ranks}
+
+
 class WorkerServices:
     """The memory API of one vLLM worker process (TP rank ``rank``)."""
 
-    def __init__(self, settings: ConnectorSettings, backend: MemoryBackend, rank: int) -> None:
+    def __init__(self, settings: ConnectorSettings, backend: MemoryBackend, rank: int,
+                 steps: StepClock | None = None) -> None:
         self.port = settings.worker_port(rank)
         self.backend = backend
-        self.server, self.thread = _serve_thread(engine_memory_app(backend,
+        routers = [step_times_router(steps.summary)] if steps is not None else []
+        self.server, self.thread = _serve_thread(engine_memory_app(backend, routers,
                                                                    token=settings.internal_token),
                                                  settings.memory_host, self.port,
                                                  f"agentserving-memory-{rank}")
@@ -237,6 +272,7 @@ class SchedulerServices:
         if self.finished is not None:
             add_finished_hashes_route(app, self.finished)
         add_scheduler_stats_route(app, lambda: self.scheduler_stats)
+        add_steps_route(app, fanout)
         server = _Server(uvicorn.Config(app, host=s.memory_host, port=s.memory_port_start,
                                         log_level="warning", access_log=False))
         tasks = [asyncio.create_task(server.serve())]

@@ -48,6 +48,8 @@ def lmcache_settings(inst: Instance) -> dict[str, Any]:
     if kv["diskGiB"] > 0:
         settings["local_disk"] = f"file://{KVCACHE_DIR}/"
         settings["max_local_disk_size"] = float(kv["diskGiB"])
+        if kv.get("diskIO") == "direct":  # chunk files read and written with O_DIRECT
+            settings["extra_config"] = {"use_odirect": True}
     if inst.spec["engine"]["type"] == "vllm":
         settings["internal_api_server_enabled"] = False
     if inst.spec["engine"]["type"] == "vllm-ascend":

@@ -119,10 +119,12 @@ SETTINGS_FIELDS = {
     "max_model_len": "spec.model.maxContext",
     "cpu_cache_gib": "spec.kvCache.cpuGiB",
     "disk_cache_gib": "spec.kvCache.diskGiB",
+    "disk_io": "spec.kvCache.diskIO",
     "chunk_size": "spec.kvCache.chunkSize",
     "prefill_chunk_tokens": "spec.kvCache.chunkSize",
     "hash_scheme": "spec.kvCache.hashScheme",
     "scheduler_policy": "spec.{role}.schedulerPolicy",
+    "chunk_align": "spec.{role}.chunkAlign",
     "tensor_parallel_size": "spec.{role}.tensorParallelSize",
     "kv_transfer_url": "spec.kvCache.transferBackend",
     "vllm_args": "spec.engine.args",
@@ -148,6 +150,8 @@ def worker_values(ctx: WorkerContext) -> dict[str, Any]:
     }
     if kv["diskGiB"]:
         values.update(disk_cache_dir=KVCACHE_DIR, disk_cache_gib=kv["diskGiB"])
+        if kv.get("diskIO", "buffered") != "buffered":
+            values["disk_io"] = kv["diskIO"]
     values.update(chunk_size=kv["chunkSize"], hash_scheme=kv["hashScheme"])
     step = WorkerSettings.model_fields["prefill_chunk_tokens"].default
     if step % kv["chunkSize"]:  # a prefill step is whole chunks
@@ -196,9 +200,15 @@ def scheduler_policy(ctx: WorkerContext) -> str:
     return name
 
 
+def chunk_align(ctx: WorkerContext) -> dict[str, Any]:
+    """The pool's ``chunkAlign`` as the worker's ``--chunk-align`` (folded into its policy)."""
+    return {"chunk_align": ctx.pool["chunkAlign"]} if ctx.pool.get("chunkAlign") else {}
+
+
 def reference_worker(ctx: WorkerContext) -> dict[str, Any]:
     """AgentServing's own worker (transformers + LMCache), for every accelerator type."""
-    values = {**worker_values(ctx), "scheduler_policy": scheduler_policy(ctx)}
+    values = {**worker_values(ctx), "scheduler_policy": scheduler_policy(ctx),
+              **chunk_align(ctx)}
     return _container(ctx, worker_argv(ctx, values) + list(ctx.engine.get("args") or []),
                       "/healthz")
 
@@ -218,6 +228,11 @@ def vllm_agentserving_worker(ctx: WorkerContext) -> dict[str, Any]:
               "tensor_parallel_size": ctx.tensor_parallel}
     if ctx.pool["schedulerPolicy"] != "fcfs":  # a prefill policy as vLLM's --scheduler-cls
         values["scheduler_policy"] = scheduler_policy(ctx)
+    elif ctx.pool.get("chunkAlign"):
+        raise SpecError(f"spec.{ctx.role}.chunkAlign", "vLLM's own scheduler (schedulerPolicy "
+                        "fcfs) does not align chunks: set a prefill policy, e.g. "
+                        "longcap-dynamic")
+    values.update(chunk_align(ctx))
     if ctx.kvserver_url:
         values["kv_transfer_url"] = ctx.kvserver_url
     values["vllm_args"] = vllm_args

@@ -69,6 +69,9 @@ def _validate_scheduler_policy(inst: Instance, role: str) -> None:
     elif engine != "reference":
         if policy != "fcfs":
             raise SpecError(where, f"{engine} pods run vLLM's own scheduler: only fcfs")
+        if inst.spec[role].get("chunkAlign"):
+            raise SpecError(f"spec.{role}.chunkAlign", f"{engine} pods run vLLM's own "
+                            "scheduler, which does not align chunks")
     elif policy == "fcfs" and prefetch == "shadow-scheduler":
         raise SpecError(where, "fcfs, the engine's built-in FCFS, cannot run under the "
                         "ShadowScheduler (kvCache.prefetch.policy shadow-scheduler): use "

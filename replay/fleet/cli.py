@@ -28,6 +28,9 @@ from agentserving.core.cli import option
         help="Each worker's CPU DRAM KV tier.")
 @option("--disk-cache-gib", type=click.FloatRange(min=0), default=4.0,
         help="Each worker's local-disk KV tier (0: none), under RUN_DIR/disk/.")
+@option("--disk-io", type=click.Choice(["buffered", "direct"]), default="buffered",
+        help="The disk tier's I/O (each worker's --disk-io): direct reads past the page "
+             "cache (O_DIRECT), as an SSD costs once the working set outgrows DRAM.")
 @option("--proxy-port", type=click.IntRange(0, 65535), default=8080,
         help="The proxy's port (0: any free port).")
 @option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -37,7 +40,7 @@ from agentserving.core.cli import option
 @option("--startup-timeout", "startup_timeout_s", type=click.FloatRange(min=1), default=180.0,
         help="Seconds a worker may take to become healthy.")
 def command(prefill: int, decode: int, kvindex: str, model: str, engine: str, routing: str,
-            cpu_cache_gib: float, disk_cache_gib: float, proxy_port: int,
+            cpu_cache_gib: float, disk_cache_gib: float, disk_io: str, proxy_port: int,
             run_dir: Path | None, worker_args: tuple[str, ...], startup_timeout_s: float) -> None:
     """Start kvindex, workers and proxy on loopback; stop them all on Ctrl-C or SIGTERM.
 
@@ -53,7 +56,7 @@ def command(prefill: int, decode: int, kvindex: str, model: str, engine: str, ro
     run_dir = run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-up"
     spec = FleetSpec(prefill=prefill, decode=decode, kvindex=kvindex, model=model, engine=engine,
                      routing=routing, cpu_cache_gib=cpu_cache_gib,
-                     disk_cache_gib=disk_cache_gib, proxy_port=proxy_port,
+                     disk_cache_gib=disk_cache_gib, disk_io=disk_io, proxy_port=proxy_port,
                      worker_args=list(worker_args), startup_timeout_s=startup_timeout_s)
     fleet = Fleet(build(spec, run_dir), run_dir, on_event=lambda m: click.echo(f"[up] {m}"))
     # The handler only records the signal: it runs on the main thread between bytecodes, so

@@ -87,6 +87,7 @@ class FleetSpec:
     kv_events: bool = False
     cpu_cache_gib: float = 2.0
     disk_cache_gib: float = 0.0  # 0: no disk tier
+    disk_io: str = "buffered"  # the disk tier's I/O (the worker's --disk-io): or "direct"
     disk_cache_root: Path | None = None  # per-worker folders under it (default: run dir)
     proxy: bool = True
     proxy_port: int = 0  # 0: a free port
@@ -187,7 +188,7 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
                   **common}
         if spec.disk_cache_gib > 0:
             values.update(disk_cache_dir=disk_root(spec, run_dir) / name,
-                          disk_cache_gib=spec.disk_cache_gib)
+                          disk_cache_gib=spec.disk_cache_gib, disk_io=spec.disk_io)
         if name in events:
             values["kv_events_endpoint"] = events[name]
         argv = [*(spec.worker_command or [*cmd, "worker"]),
@@ -224,8 +225,9 @@ def proxy_spec(spec: FleetSpec, port: int, kv_url: str, prefill_urls: list[str],
 
 def same_pods(a: FleetSpec, b: FleetSpec) -> bool:
     """Whether two fleets differ in their proxy alone (routing, proxy flags): the same
-    kvindex, workers and flags, so one started fleet serves both in turn."""
+    kvindex, workers and flags, so one started fleet serves both in turn. Pods with a disk
+    tier never do: what the first left in their LMCache tiers would warm the second."""
     def pods(spec: FleetSpec) -> FleetSpec:
         return replace(spec, routing="", proxy_args=[], proxy_port=0)
 
-    return pods(a) == pods(b)
+    return pods(a) == pods(b) and a.disk_cache_gib <= 0

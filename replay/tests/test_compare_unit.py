@@ -56,11 +56,21 @@ def test_the_vllm_configurations_share_pods_and_device_kv(tmp_path):
         flags = dict(zip(spec.worker_args[1::2], spec.worker_args[2::2], strict=False))
         assert flags["--kv-cache-blocks"] == "100"
         assert flags["--max-model-len"] == str(99 * VLLM_BLOCK_TOKENS)  # less vLLM's null block
-    assert cand.role_args["prefill"] == ["--scheduler-policy", "longcap-dynamic?lookahead=5"]
+    assert cand.role_args["prefill"] == ["--scheduler-policy",
+                                         "longcap-dynamic?short_order=shortest&lookahead=5"]
     assert fcfs.role_args["prefill"] == ["--scheduler-policy", "fcfs"]  # the ablations
-    assert s["agentserving-noprefetch"].role_args["prefill"] == ["--scheduler-policy",
-                                                                 "longcap-dynamic"]
+    assert s["agentserving-noprefetch"].role_args["prefill"] == [
+        "--scheduler-policy", "longcap-dynamic?short_order=shortest"]  # the same, no lookahead
     assert "decode" not in cand.role_args  # the reference engine's decode-pod policy only
+    # the disk tier reads the way the run asks (the main job: past the page cache)
+    assert specs("vllm", disk_io="direct")["agentserving"].disk_io == "direct"
+    # decode pods may run a prefill policy too; each ablation takes it out there as well
+    d = specs("vllm", decode_policy="longcap-dynamic?lookahead=5")
+    assert d["agentserving"].role_args["decode"] == ["--scheduler-policy",
+                                                     "longcap-dynamic?lookahead=5"]
+    assert "decode" not in d["agentserving-fcfs"].role_args  # vLLM's own everywhere
+    assert d["agentserving-noprefetch"].role_args["decode"] == [
+        "--scheduler-policy", "longcap-dynamic?short_order=shortest"]
     # first turns may go local, and an idle prefill pod may keep a session
     assert cand.proxy_args == ["--max-prefill-backlog", "1"]
     precise = s["vllm-precise"]
@@ -172,9 +182,14 @@ def test_configurations_that_differ_in_their_proxy_alone_share_one_fleet():
     groups = fleet_groups([(n, s[n]) for n in DEFAULT_CONFIGS["vllm"]])
     assert [[n for n, _ in g] for g in groups] == [
         ["vllm-rr", "vllm-session", "vllm-precise"], ["agentserving"], ["agentserving-fcfs"],
-        ["agentserving-noprefetch"]]  # the ablations' prefill pods differ: fresh fleets
+        ["agentserving-noprefetch"], ["agentserving-allpd"]]  # fresh fleets: see below
     assert same_pods(s["vllm-rr"], s["vllm-precise"])
+    # the ablations' prefill pods differ
     assert not same_pods(s["agentserving"], s["agentserving-fcfs"])
+    # allpd differs in its proxy alone, but the KV agentserving left in the tiers would warm it
+    assert s["agentserving-allpd"].proxy_args[-4:] == ["--local-prefill-tokens", "0",
+                                                      "--max-prefill-backlog", "0"]
+    assert not same_pods(s["agentserving"], s["agentserving-allpd"])
     # only consecutive ones: a configuration between them starts a fleet of its own
     order = ["vllm-rr", "agentserving", "vllm-session"]
     assert len(fleet_groups([(n, s[n]) for n in order])) == 3

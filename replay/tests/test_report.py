@@ -89,22 +89,33 @@ def test_checks_and_table():
 
 def test_every_baseline_gets_its_own_ratios_and_targets():
     rr, session = _summary(), _summary(req_per_s=2.0, e2e_p95_s=1.0)
-    ablation = _summary(req_per_s=2.2, e2e_p95_s=0.9)
-    cand = _summary(req_per_s=2.5, hit_vs_ideal=0.97, e2e_p95_s=0.6)
+    ablation = _summary(req_per_s=2.2, e2e_p95_s=0.9, ttft_p50_short_s=0.9,
+                        ttft_p85_short_s=1.5)
+    cand = _summary(req_per_s=2.5, hit_vs_ideal=0.97, e2e_p95_s=0.6, ttft_p50_short_s=0.2,
+                    ttft_p85_short_s=0.6)
+    prefetch = _summary(req_per_s=2.4, e2e_p95_s=0.7)
     configs = {"vllm-rr": rr, "vllm-session": session, "agentserving": cand,
-               "agentserving-fcfs": ablation}
+               "agentserving-fcfs": ablation, "agentserving-noprefetch": prefetch}
     report = build_report(configs, comparisons=comparisons_for(list(configs)))
     assert report["baseline"] == "vllm-rr"
-    assert list(report["comparisons"]) == ["vllm-rr", "vllm-session", "agentserving-fcfs"]
+    assert list(report["comparisons"]) == ["vllm-rr", "vllm-session", "agentserving-fcfs",
+                                           "agentserving-noprefetch"]
     assert report["ratios"]["req_per_s"] == 2.5 and report["checks"]["req_per_s_ratio"]["ok"]
     vs_session = report["comparisons"]["vllm-session"]["checks"]
     assert set(vs_session) == {"req_per_s_ratio", "e2e_p95_ratio"}  # that baseline's targets
     assert vs_session["req_per_s_ratio"] == {"value": 1.25, "target": ">= 1.3", "ok": False}
     assert vs_session["e2e_p95_ratio"]["ok"]  # 0.6 / 1.0 <= 0.7
-    assert report["comparisons"]["agentserving-fcfs"]["checks"] == {}  # ratios only
-    assert round(report["comparisons"]["agentserving-fcfs"]["ratios"]["e2e_p95_s"], 3) == 0.667
+    # the prefill scheduler against vLLM's own FCFS: short turns' TTFT at least 3x better
+    vs_fcfs = report["comparisons"]["agentserving-fcfs"]["checks"]
+    assert vs_fcfs["ttft_p50_short_ratio"]["ok"]  # 0.2 / 0.9
+    assert not vs_fcfs["ttft_p85_short_ratio"]["ok"]  # 0.6 / 1.5 = 0.4 > 1/3
+    assert vs_fcfs["e2e_p95_ratio"] == {"value": 0.6 / 0.9, "target": "<= 1.25", "ok": True}
+    assert report["comparisons"]["agentserving-noprefetch"]["checks"] == {}  # ratios only
+    assert round(report["comparisons"]["agentserving-noprefetch"]["ratios"]["e2e_p95_s"],
+                 3) == 0.857
     text = print_report(report, title="t")
-    assert "targets met: 9 of 10" in text  # rr: 4 of 4; session: 1 of 2; forcing: 4 of 4
+    # rr: 4 of 4; session: 1 of 2; fcfs: 2 of 3; forcing: 5 of 5
+    assert "targets met: 12 of 14" in text
     assert "MISSED vs vllm-session: req_per_s_ratio = 1.250 (target >= 1.3)" in text
     rows = {r[0]: r for r in config_rows(report)}
     assert rows["vllm-session"][-2] == "x1.25 / x0.60" and rows["agentserving"][-2] == "-"
@@ -145,6 +156,43 @@ def test_summarize_counts_sessions_and_percentiles():
     assert s["itl_p99_s"] > 0.29 and s["errors"] == {"HTTP 500: x": 1}
     empty = summarize([], sessions_planned=1, turns_planned=1)
     assert empty["e2e_p95_s"] is None and empty["req_per_s"] is None
+
+
+def test_short_turns_are_the_same_turns_in_every_configuration():
+    def rec(i, prompt, ideal, ttft):
+        return {"session_id": f"s{i}", "turn": 1, "ok": True, "last_turn": True,
+                "start_s": 0.0, "end_s": 1.0, "e2e_s": 1.0, "ttft_s": ttft,
+                "prompt_tokens": prompt, "cached_tokens": 0, "ideal_cached_tokens": ideal}
+
+    # uncached by the trace's ideal cache (not by what this configuration hit): 300, 100, 511
+    # are short; 512 and a first turn of 3000 are not
+    recs = [rec(0, 8000, 7700, 0.1), rec(1, 600, 500, 0.2), rec(2, 1023, 512, 0.3),
+            rec(3, 1024, 512, 5.0), rec(4, 3000, 0, 9.0)]
+    s = summarize(recs, sessions_planned=5, turns_planned=5)
+    assert s["short_turns"] == 3
+    assert s["ttft_p50_short_s"] == 0.2 and abs(s["ttft_p85_short_s"] - 0.27) < 1e-9
+
+
+def test_the_ablations_are_drawn_side_by_side_and_the_kv_wait_checked(tmp_path):
+    from agentserving.replay.report import draw_ablations
+
+    steps = {"loading_steps": 40, "kv_wait_exposed_p50_s": 0.02, "forward_p50_s": 0.5,
+             "kv_wait_share_p50": 0.04}
+    cand = {**_summary(ttft_p50_short_s=0.2, ttft_p85_short_s=0.4,
+                       kv_wait_exposed_p50_s=0.02, forward_p50_s=0.5), "steps": steps}
+    configs = {"vllm-rr": _summary(), "agentserving": cand,
+               "agentserving-fcfs": _summary(ttft_p50_short_s=0.9),
+               "agentserving-nolayerwise": {**_summary(kv_wait_exposed_p50_s=0.3),
+                                            "steps": {**steps, "kv_wait_share_p50": 0.6}}}
+    report = build_report(configs)
+    assert report["run_checks"]["agentserving: kv_wait_share_p50"]["ok"]
+    path = draw_ablations(tmp_path, report)
+    assert path == tmp_path / "ablations.png" and path.stat().st_size > 10_000
+    assert draw_ablations(tmp_path, build_report({"vllm-rr": _summary(),
+                                                  "agentserving": cand})) is None
+    slow = build_report({**configs, "agentserving": {**cand, "steps": {
+        **steps, "kv_wait_share_p50": 0.3}}})
+    assert not slow["run_checks"]["agentserving: kv_wait_share_p50"]["ok"]
 
 
 def test_per_source_results_are_tabled_for_every_config():

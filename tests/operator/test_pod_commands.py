@@ -227,3 +227,26 @@ def test_every_mounted_config_file_is_read_by_the_pods_process(path):
                     assert readers, f"{container['name']}: nothing reads {file}"
                     mounted.add(volumes[mount["name"]])
     assert mounted == set(configmaps)  # and no ConfigMap nobody mounts
+
+
+def test_chunk_align_and_direct_disk_io_reach_the_vllm_prefill_pods_scheduler_and_lmcache():
+    from agentserving.operator.builders.common import SpecError
+
+    from .operator_testing import vllm_serve_of
+
+    doc = yaml.safe_load((EXAMPLES[0].parent / "agentserving-vllm-cpu.yaml").read_text())
+    spec = doc["spec"]
+    spec["prefill"].update(schedulerPolicy="longcap-dynamic", chunkAlign=128)
+    spec["kvCache"]["diskIO"] = "direct"
+    inst = Instance("demo", "ns1", "uid-1", defaulted(spec))
+    by_role = {sts["metadata"]["name"].rsplit("-", 1)[1]: sts["spec"]["template"]["spec"][
+        "containers"][0] for sts in pools(inst, build_children(inst, OperatorSettings()))}
+    prefill = vllm_serve_of(by_role["prefill"])
+    assert flag(by_role["prefill"]["command"], "--chunk-align") == "128"
+    assert "chunk_align=128" in prefill["env"]["AGENTSERVING_PREFILL_POLICY"]
+    assert json.loads(prefill["env"]["LMCACHE_EXTRA_CONFIG"]) == {"use_odirect": True}
+    assert "--chunk-align" not in by_role["decode"]["command"]  # the decode pool's own
+    # vLLM's own scheduler cannot align: refused, naming the field
+    spec["prefill"]["schedulerPolicy"] = "fcfs"
+    with pytest.raises(SpecError, match=r"spec\.prefill\.chunkAlign"):
+        build_children(Instance("demo", "ns1", "uid-1", defaulted(spec)), OperatorSettings())

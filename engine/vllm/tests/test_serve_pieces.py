@@ -63,6 +63,9 @@ def test_worker_settings_become_vllm_flags_and_lmcache_env(tmp_path: Any) -> Non
     assert env["LMCACHE_MAX_LOCAL_CPU_SIZE"] == "1.5"
     assert env["LMCACHE_LOCAL_DISK"] == f"file://{tmp_path}/engine-0/"
     assert env["LMCACHE_MAX_LOCAL_DISK_SIZE"] == "3"
+    assert "LMCACHE_EXTRA_CONFIG" not in env  # buffered disk I/O: LMCache's default
+    direct = _build(disk_cache_dir=tmp_path, disk_cache_gib=3, disk_io="direct").env
+    assert json.loads(direct["LMCACHE_EXTRA_CONFIG"]) == {"use_odirect": True}
     assert env["LMCACHE_REMOTE_URL"] == "lm://kv:65000"
     assert env["AGENTSERVING_VLLM_MEMORY_URL"] == "http://127.0.0.1:7100"
 
@@ -137,6 +140,16 @@ def test_the_worker_cli_refuses_before_starting_anything() -> None:
     result = CliRunner().invoke(main, ["worker", "--engine", "vllm", "--engine-processes",
                                        "2"])
     assert result.exit_code == 2 and "--engine-processes" in result.output
+
+
+def test_a_disk_tier_that_cannot_be_read_with_o_direct_is_refused_naming_the_flag(
+        tmp_path: Any) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    result = CliRunner().invoke(main, ["worker", "--engine", "vllm", "--disk-cache-dir",
+                                       str(blocker / "disk"), "--disk-io", "direct"])
+    assert result.exit_code == 2 and "--disk-io direct" in result.output
+    assert "cannot be read with O_DIRECT" in result.output
 
 
 def test_the_shared_memory_waits_reach_vllms_processes_only_when_set() -> None:

@@ -300,7 +300,7 @@ def replay_config(config: str, fleet: Any, trace: Any, run_dir: Path,
     pods = fleet.workers()
     before = {mp.spec.name: scrape_worker_metrics(mp.spec.url) for mp in pods}
     memory = [mp for mp in fleet.procs if mp.spec.memory_url]
-    steps_before = {mp.spec.name: (s or {}).get("last_step", 0) for mp in memory
+    steps_before = {mp.spec.name: s.get("last_step", 0) for mp in memory
                     if (s := scrape_steps(mp.spec.memory_url, mp.spec.env.get(TOKEN_ENV)))}
     echo(f"[{config}] replaying {len(trace.sessions)} sessions, {trace.num_turns} turns")
     opts = ReplayOptions(target=fleet.url("proxy") or "", **replay_opts)

@@ -117,6 +117,8 @@ def test_worker_glue_serves_memory_api_on_lmcache_engine(report):
     assert w["started_without_engine"] is False  # waits for LMCache's engine
     assert w["chunks"]["cpu"] == sorted(w["expected"]) and len(w["expected"]) == 2
     assert w["evicted"] == 2
+    assert w["steps"]["steps"] == 1 and w["steps"]["loading_steps"] == 1
+    assert w["steps"]["kv_wait_exposed_p50_s"] >= 0.01 and w["steps"]["last_step"] == 1
     assert w["served_after_shutdown"] is False  # shutdown stops the rank's server
 
 

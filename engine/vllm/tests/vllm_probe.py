@@ -172,6 +172,7 @@ def worker_side(port_start: int, work: Path) -> dict:
 
     from agentserving.engine.vllm.connector import AgentServingConnectorV1
     from agentserving.engine.vllm.settings import parse_settings
+    from agentserving.engine.vllm.step_times import StepClock
 
     spec = importlib.util.spec_from_file_location("probe_conftest",
                                                   Path(__file__).with_name("conftest.py"))
@@ -184,6 +185,7 @@ def worker_side(port_start: int, work: Path) -> dict:
     conn._as_settings = parse_settings({"memory_port_start": port_start,
                                         "memory_host": "127.0.0.1"}, {})
     conn._as_worker = conn._as_scheduler = None
+    conn._as_steps = StepClock()  # the worker role's step clock, served by the rank's API
     conn._lmcache_engine = SimpleNamespace(lmcache_engine=None, shutdown=lambda: None)
     out: dict = {}
     conn._maybe_start_worker_services()  # no engine yet (before register_kv_caches): nothing
@@ -205,6 +207,12 @@ def worker_side(port_start: int, work: Path) -> dict:
     # rank 0 counts LMCache's loads by tier: a retrieve as vLLM's load makes one
     engine.retrieve(torch.tensor(tokens), out=torch.zeros_like(helpers.random_kv(len(tokens), 4)))
     out["worker_metrics"] = httpx.get(f"{url}/metrics", timeout=5).text
+    # one step that loaded KV, timed at the connector's calls, as the rank's API serves it
+    conn._as_steps.begin(loads=1)
+    with conn._as_steps.timed():
+        time.sleep(0.01)
+    conn._as_steps.end()
+    out["steps"] = httpx.get(f"{url}/memory/steps", timeout=5).json()
     r = httpx.post(f"{url}/memory/evict", json={"chunk_hashes": out["expected"],
                                                 "locations": ["LocalCPUBackend"]}, timeout=5)
     out["evicted"] = r.json()["num_evicted"]

@@ -11,7 +11,6 @@ set them beside DRAM copies of the same chunks.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import mmap
 import os
@@ -54,27 +53,6 @@ def model_chunk_bytes(model_folder: Path, chunk_tokens: int, dtype: str = "float
                           dtype)
 
 
-def direct_io_error(folder: Path) -> str | None:
-    """None when ``folder``'s filesystem serves O_DIRECT reads; else why not (older tmpfs and
-    some overlay filesystems refuse the flag; a folder that cannot be made fails too)."""
-    path = folder / ".direct-io-probe"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(b"\0" * mmap.PAGESIZE)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-        try:
-            buf = mmap.mmap(-1, mmap.PAGESIZE)
-            os.preadv(fd, [buf], 0)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        return f"{folder}: cannot be read with O_DIRECT ({exc.strerror})"
-    finally:
-        with contextlib.suppress(OSError):
-            path.unlink(missing_ok=True)
-    return None
-
-
 def measure_reads(folder: Path, chunk_bytes: int, chunks: int = 32, io: str = "direct"
                   ) -> DiskReads:
     """Write ``chunks`` chunk files under ``folder``, read each once with ``io``, time the
@@ -112,3 +90,14 @@ def measure_reads(folder: Path, chunk_bytes: int, chunks: int = 32, io: str = "d
                      read_gbps=round(size * chunks / total / 1e9, 3) if total else 0.0,
                      read_p50_ms=round(float(np.percentile(ms, 50)), 4),
                      read_p95_ms=round(float(np.percentile(ms, 95)), 4))
+
+
+def direct_io_error(folder: Path) -> str | None:
+    """None when ``folder``'s filesystem serves O_DIRECT reads; else why not (older tmpfs and
+    some overlay filesystems refuse the flag; a folder that cannot be made fails too): one
+    page-sized ``measure_reads`` with O_DIRECT."""
+    try:
+        measure_reads(folder, mmap.PAGESIZE, chunks=1, io="direct")
+    except OSError as exc:
+        return f"{folder}: cannot be read with O_DIRECT ({exc.strerror or exc})"
+    return None

@@ -327,10 +327,24 @@ class ResidencyListing(BaseModel):
 # ---------------------------------------------------------------- control (fan-out)
 
 
+# An announced turn (a prefetch for a request not yet sent): when it is expected, and how much
+# it will compute. A pod whose scheduler predicts admissions (the ShadowScheduler) then starts
+# the read when the turn enters its N+1 window; any other pod reads at once.
+ExpectedInS = Annotated[float | None, Field(
+    default=None, ge=0, le=3600, description="The request needing these chunks is expected in "
+    "this many seconds: a pod whose scheduler predicts admissions reads them when it predicts "
+    "the request's admission within its next step; others read at once.")]
+ExpectedTokens = Annotated[int | None, Field(
+    default=None, ge=1, le=1 << 20, description="With expected_in_s: the prompt tokens the "
+    "expected request will compute past these chunks (default: the pod's estimate).")]
+
+
 class PrefetchRequest(Strict):
     chunk_hashes: list[ChunkHash] = Field(min_length=1)
     pod: str | None = None
     lookup_id: str | None = None
+    expected_in_s: ExpectedInS = None
+    expected_tokens: ExpectedTokens = None
 
 
 class EvictRequest(Strict):
@@ -375,10 +389,13 @@ class FanoutResponse(BaseModel):
 class MemoryPrefetchRequest(Strict):
     chunk_hashes: list[ChunkHash]
     lookup_id: str | None = None
+    expected_in_s: ExpectedInS = None
+    expected_tokens: ExpectedTokens = None
 
 
 class MemoryPrefetchResponse(BaseModel):
-    status: Literal["prefetch_started"] = "prefetch_started"
+    # scheduled: an announced request the pod's scheduler will read for when it is due
+    status: Literal["prefetch_started", "prefetch_scheduled"] = "prefetch_started"
     lookup_id: str | None
     num_chunks: int
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import urllib.parse
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import httpx
@@ -219,7 +219,11 @@ class EngineFanout:
 
 
 def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
-                          token: str | None = None) -> FastAPI:
+                          token: str | None = None,
+                          announced: Callable[[], Callable[[MemoryPrefetchRequest], bool] | None]
+                          = lambda: None) -> FastAPI:
+    """``announced()``: the pod scheduler's taker of announced requests (a prefetch with
+    ``expected_in_s``), None while it has none; when it takes one, the read waits for it."""
     # every route forwards: an engine process's error comes back as it is (5xx: 503)
     app = FastAPI(title="AgentServing worker memory API", version="v1",
                   responses=error_responses(503))
@@ -231,6 +235,10 @@ def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
               responses=error_responses(413))
     async def prefetch(req: MemoryPrefetchRequest) -> MemoryPrefetchResult:
         req = req.model_copy(update={"lookup_id": req.lookup_id or f"prefetch-{uuid.uuid4().hex}"})
+        take = announced() if req.expected_in_s is not None else None
+        if take is not None and take(req):
+            return MemoryPrefetchResult(status="prefetch_scheduled", lookup_id=req.lookup_id,
+                                        num_chunks=len(req.chunk_hashes))
         parts = [MemoryPrefetchResult.model_validate(r)
                  for r in await fanout.call("POST", "/memory/prefetch", req)]
         missing = set.intersection(*(set(p.missing) for p in parts)) if parts else set()

@@ -30,7 +30,7 @@ import json
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,6 +86,9 @@ class TurnRecord:
     forced_tokens: int = 0
     forced_mismatch: bool = False
     appended_tokens: int = 0
+    # the tool call the previous turn ended in ran this long (the trace's, time-scaled): 0
+    # for a first turn or one that follows no tool
+    gap_before_s: float = 0.0
     ideal_cached_tokens: int = 0
     source: str | None = None  # the session's meta.source
     # what the trace's provider billed for this turn (turn meta "usage"), where recorded
@@ -301,6 +304,7 @@ class Replayer:
             parent_session_id=session.parent.session_id if session.parent else None,
             last_turn=turn.index == len(rs.turns) - 1, tool=turn.tool,
             forced_tokens=len(turn.forced_output), appended_tokens=turn.appended,
+            gap_before_s=gap_before_s(rs.turns, turn.index) * self.opts.time_scale,
             ideal_cached_tokens=self.ideal.per_turn.get((turn.session_id, turn.index), 0),
             source=source if isinstance(source, str) else None,
             reference_prompt_tokens=reference[0] if reference else None,
@@ -437,3 +441,9 @@ def replay(trace: Trace, options: ReplayOptions, out_dir: str | Path | None = No
            ) -> ReplayResult:
     """Run a replay to completion (blocking)."""
     return asyncio.run(Replayer(trace, options, out_dir=out_dir).run())
+
+
+def gap_before_s(turns: Sequence[ResolvedTurn], index: int) -> float:
+    """The tool gap the turn at ``index`` follows: the previous turn's, when it called a tool."""
+    prev = turns[index - 1] if index > 0 else None
+    return prev.tool_gap_s if prev is not None and prev.tool else 0.0

@@ -118,9 +118,11 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig("agentserving-fcfs", ("reference", "vllm"), "agentserving without its prefill "
                 "scheduler (the engine's own FCFS on the prefill pods)", routing="kv-aware",
                 disaggregated=True, prefill_policy="fcfs"),
-    BenchConfig("agentserving-noprefetch", ("vllm",), "agentserving without the "
-                "ShadowScheduler's prefetch (Longcap + Dynamic Chunk alone on the prefill pods)",
-                routing="kv-aware", disaggregated=True, prefill_policy=VLLM_PREFILL_POLICY),
+    BenchConfig("agentserving-noprefetch", ("vllm",), "agentserving without prefetch: no "
+                "ShadowScheduler (Longcap + Dynamic Chunk alone) and no turn announced during "
+                "its tool call (a session's KV on disk is read when its turn is scheduled)",
+                routing="kv-aware", disaggregated=True, prefill_policy=VLLM_PREFILL_POLICY,
+                proxy_args=("--no-tool-prefetch",)),
     BenchConfig("agentserving-allpd", ("vllm",), "agentserving without conditional "
                 "disaggregation: every turn's prefill on the prefill pod, as in seed 003",
                 routing="kv-aware", disaggregated=True,

@@ -17,6 +17,9 @@ Definitions (all over one replay run):
   prompt (prompt tokens less the trace's ideal cached tokens, the same turns in every
   configuration) is under ``SHORT_TURN_TOKENS`` (seed 003's short requests: a tool result or a
   user message appended to a context already computed).
+- ``ttft_p50_after_gap_s`` over ``after_gap_turns``: the turns that follow a tool call of at
+  least ``AFTER_GAP_S`` (the trace's gap, time-scaled): a session's KV idled through the tool,
+  the turns the tool-gap prefetch is for.
 - ``forced_mismatches``: completed turns whose output was not the forced one (by the returned
   token ids where the server sent them, else by their count).
 - ``by_source.<source>`` (turns whose session names a ``meta.source``): ``turns``,
@@ -36,6 +39,7 @@ from typing import Any
 import numpy as np
 
 SHORT_TURN_TOKENS = 512
+AFTER_GAP_S = 0.5
 
 # The metrics of report.json's configs, in table order: (key, label, better).
 TABLE: list[tuple[str, str, str]] = [
@@ -50,6 +54,7 @@ TABLE: list[tuple[str, str, str]] = [
     ("ttft_p50_s", "TTFT P50 (s)", "lower"),
     ("ttft_p50_short_s", "short turns' TTFT P50 (s)", "lower"),
     ("ttft_p85_short_s", "short turns' TTFT P85 (s)", "lower"),
+    ("ttft_p50_after_gap_s", "TTFT P50 after a tool gap (s)", "lower"),
     ("ttft_p95_s", "TTFT P95 (s)", "lower"),
     ("itl_p99_s", "ITL P99 (s)", "lower"),
 ]
@@ -83,6 +88,8 @@ def summarize(records: Iterable[Mapping[str, Any]], *, sessions_planned: int,
     ttft = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None]
     itl = [x for r in ok for x in (r.get("itl_s") or [])]
     short = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None and is_short(r)]
+    after_gap = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None
+                 and float(r.get("gap_before_s") or 0.0) >= AFTER_GAP_S]
     hit = cached / prompt if prompt else None
     return {
         "success_rate": sessions_ok / sessions_planned if sessions_planned else None,
@@ -99,6 +106,8 @@ def summarize(records: Iterable[Mapping[str, Any]], *, sessions_planned: int,
         "short_turns": len(short),
         "ttft_p50_short_s": percentile(short, 50),
         "ttft_p85_short_s": percentile(short, 85),
+        "after_gap_turns": len(after_gap),
+        "ttft_p50_after_gap_s": percentile(after_gap, 50),
         "ideal_hit_rate": ideal_hit_rate,
         "hit_vs_ideal": (hit / ideal_hit_rate) if hit is not None and ideal_hit_rate else None,
         "sessions_planned": sessions_planned,

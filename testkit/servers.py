@@ -276,7 +276,7 @@ class MemoryApiPeer:
         @app.post("/memory/prefetch")
         async def prefetch(req: MemoryPrefetchRequest) -> dict:
             await asyncio.sleep(delay_s)
-            self.calls.append(("prefetch", req.model_dump()))
+            self.calls.append(("prefetch", req.model_dump(exclude_none=True)))
             return {"status": "prefetch_started", "lookup_id": req.lookup_id,
                     "num_chunks": len(req.chunk_hashes)}
 

@@ -228,6 +228,16 @@ def test_tool_gap_prefetch_is_warm_on_arrival(fleet):
     metrics = httpx.get(fleet.proxy_kv.url + "/metrics").text
     assert 'proxy_tool_gap_prefetch_total{outcome="warm"} 1.0' in metrics
     assert "proxy_tool_gap_prediction_error_seconds_count 1.0" in metrics
+    # --no-tool-prefetch: the same tool call, and no turn announced during it
+    off = fleet.start_proxy("--prefill", fleet.workers["w0"].url, "--no-tool-prefetch",
+                            name="proxy-no-tool-prefetch")
+    c = client(off)
+    turn(c, "tools-off", prompt, headers={"x-agentserving-next-tool": "bash"})
+    time.sleep(2.2)
+    turn(c, "tools-off", prompt + list(range(100, 104)) + prompt_for(12, 50))
+    metrics = httpx.get(off.url + "/metrics").text
+    assert 'proxy_tool_gap_prefetch_total{outcome="warm"}' not in metrics
+    assert 'proxy_memory_hook_calls_total{ok="true",op="tool_prefetch"}' not in metrics
 
 
 def test_proxy_replicas_share_each_sessions_routing(fleet):

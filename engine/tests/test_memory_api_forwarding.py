@@ -9,7 +9,11 @@ import urllib.parse
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from agentserving.core.schemas import MemoryPrefetchStatus
+from agentserving.core.schemas import (
+    MemoryPrefetchRequest,
+    MemoryPrefetchResult,
+    MemoryPrefetchStatus,
+)
 from agentserving.engine.memory_api import EngineFanout, forwarding_memory_app
 from testkit.servers import ThreadedServer
 
@@ -29,5 +33,39 @@ def test_a_lookup_id_any_string_is_forwarded_intact():
                 r = client.get("/memory/prefetch/" + urllib.parse.quote(lookup_id, safe=""))
                 assert r.status_code == 200, r.text
                 assert r.json()["lookup_id"] == lookup_id and r.json()["state"] == "done"
+    finally:
+        server.stop()
+
+
+def test_an_announced_prefetch_waits_for_the_scheduler_that_takes_it():
+    # the pod's scheduler takes a prefetch announced ahead of its request (``expected_in_s``)
+    # and reads when it predicts the admission; with no taker, or a plain prefetch, the ranks
+    # read at once
+    seen: list[dict] = []
+    engine = FastAPI()
+
+    @engine.post("/memory/prefetch")
+    def prefetch(req: MemoryPrefetchRequest) -> MemoryPrefetchResult:
+        seen.append(req.model_dump(exclude_none=True))
+        return MemoryPrefetchResult(lookup_id=req.lookup_id, num_chunks=len(req.chunk_hashes))
+
+    taken: list[MemoryPrefetchRequest] = []
+    taker: list = [None]
+    server = ThreadedServer(engine)
+    try:
+        app = forwarding_memory_app(EngineFanout([server.url], timeout_s=5), ["LocalCPUBackend"],
+                                    announced=lambda: taker[0])
+        announced = {"chunk_hashes": ["ab"], "lookup_id": "tool-gap:s", "expected_in_s": 2.0}
+        with TestClient(app) as client:
+            r = client.post("/memory/prefetch", json=announced)
+            assert r.json()["status"] == "prefetch_started" and len(seen) == 1  # no taker
+            taker[0] = lambda req: taken.append(req) or True
+            r = client.post("/memory/prefetch", json=announced)
+            assert r.status_code == 200 and r.json()["status"] == "prefetch_scheduled"
+            assert len(seen) == 1 and taken[0].expected_in_s == 2.0
+            r = client.post("/memory/prefetch", json={"chunk_hashes": ["ab"]})
+            assert r.json()["status"] == "prefetch_started" and len(seen) == 2
+            r = client.post("/memory/prefetch", json={**announced, "expected_in_s": -1})
+            assert r.status_code == 400 and "expected_in_s" in r.text
     finally:
         server.stop()

@@ -15,6 +15,9 @@ scheduler process (``AgentServingConnectorV1.agentserving_hooks``):
   services' loop and not awaited (the scheduler never waits for I/O);
 - ``measure(prefetches)``: at a prefetched request's admission, a fresh poll of the ranks and
   each prefetch's status: how many of its chunks are in DRAM now, how many it had loaded;
+- ``take_announced(fn)``: the pod's ``POST /memory/prefetch`` with ``expected_in_s`` (a turn
+  announced before it is sent) goes to ``fn``, the ShadowScheduler's book of announced turns,
+  which reads for it when it is predicted for admission (``call_later`` for an idle pod);
 - ``publish(fn)``: ``GET /memory/scheduler`` on the pod's memory port answers ``fn()``, the
   policy's live figures (the N+1 window's prediction quality), with the book's chunk counts
   per tier and the prefetches started (``stats()``).
@@ -118,6 +121,16 @@ class SchedulerKvHooks:
         except Exception:  # noqa: BLE001 - a figure lost, never a step
             log.warning("shadow_measure_failed", prefetches=len(prefetches))
             return [(0, 0)] * len(prefetches)
+
+    def take_announced(self, fn: Callable[[MemoryPrefetchRequest], bool]) -> None:
+        """``fn`` takes the announced requests (a ``POST /memory/prefetch`` with
+        ``expected_in_s``) the pod's memory port receives, instead of reading at once."""
+        self.services.announced = fn
+
+    def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
+        """``fn()`` on the services' loop after ``delay_s`` (from any thread)."""
+        loop = self.services.loop
+        loop.call_soon_threadsafe(loop.call_later, max(0.0, delay_s), fn)
 
     def publish(self, fn: Callable[[], dict[str, Any]]) -> None:
         self.services.scheduler_stats = lambda: {**fn(), "tiers": self.stats()}

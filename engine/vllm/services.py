@@ -27,7 +27,13 @@ from prometheus_client import REGISTRY
 
 from agentserving.core.clients import KvindexClient
 from agentserving.core.logging import get_logger
-from agentserving.core.schemas import MemoryChunks, PodRegistration, PodRole, Tier
+from agentserving.core.schemas import (
+    MemoryChunks,
+    MemoryPrefetchRequest,
+    PodRegistration,
+    PodRole,
+    Tier,
+)
 from agentserving.core.service import install_metrics_route
 from agentserving.engine.memory_api import (
     EngineFanout,
@@ -248,6 +254,8 @@ class SchedulerServices:
         self.fanout: EngineFanout | None = None
         # the scheduler plugin's live figures, served at GET /memory/scheduler (publish())
         self.scheduler_stats: Callable[[], dict[str, Any]] | None = None
+        # the scheduler plugin's taker of announced requests (SchedulerKvHooks.take_announced)
+        self.announced: Callable[[MemoryPrefetchRequest], bool] | None = None
         self.loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
@@ -266,7 +274,8 @@ class SchedulerServices:
         self._stop = asyncio.Event()
         fanout = self.fanout = EngineFanout(s.worker_urls(self.world_size), timeout_s=5.0,
                                             token=s.internal_token)
-        app = forwarding_memory_app(fanout, self.backends, s.internal_token)
+        app = forwarding_memory_app(fanout, self.backends, s.internal_token,
+                                    announced=lambda: self.announced)
         # this process's reuse counters (prompt tokens, device-tier hits: ``reuse``)
         install_metrics_route(app, REGISTRY)
         if self.finished is not None:

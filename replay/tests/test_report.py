@@ -92,8 +92,8 @@ def test_every_baseline_gets_its_own_ratios_and_targets():
     ablation = _summary(req_per_s=2.2, e2e_p95_s=0.9, ttft_p50_short_s=0.9,
                         ttft_p85_short_s=1.5)
     cand = _summary(req_per_s=2.5, hit_vs_ideal=0.97, e2e_p95_s=0.6, ttft_p50_short_s=0.2,
-                    ttft_p85_short_s=0.6)
-    prefetch = _summary(req_per_s=2.4, e2e_p95_s=0.7)
+                    ttft_p85_short_s=0.6, ttft_p50_after_gap_s=0.5)
+    prefetch = _summary(req_per_s=2.4, e2e_p95_s=0.7, ttft_p50_after_gap_s=0.9)
     configs = {"vllm-rr": rr, "vllm-session": session, "agentserving": cand,
                "agentserving-fcfs": ablation, "agentserving-noprefetch": prefetch}
     report = build_report(configs, comparisons=comparisons_for(list(configs)))
@@ -110,12 +110,14 @@ def test_every_baseline_gets_its_own_ratios_and_targets():
     assert vs_fcfs["ttft_p50_short_ratio"]["ok"]  # 0.2 / 0.9
     assert not vs_fcfs["ttft_p85_short_ratio"]["ok"]  # 0.6 / 1.5 = 0.4 > 1/3
     assert vs_fcfs["e2e_p95_ratio"] == {"value": 0.6 / 0.9, "target": "<= 1.25", "ok": True}
-    assert report["comparisons"]["agentserving-noprefetch"]["checks"] == {}  # ratios only
+    # the tool-gap prefetch against reading on arrival: TTFT after a gap at least 1.5x better
+    assert report["comparisons"]["agentserving-noprefetch"]["checks"] == {
+        "ttft_p50_after_gap_ratio": {"value": 0.5 / 0.9, "target": "<= 0.666667", "ok": True}}
     assert round(report["comparisons"]["agentserving-noprefetch"]["ratios"]["e2e_p95_s"],
                  3) == 0.857
     text = print_report(report, title="t")
-    # rr: 4 of 4; session: 1 of 2; fcfs: 2 of 3; forcing: 5 of 5
-    assert "targets met: 12 of 14" in text
+    # rr: 4 of 4; session: 1 of 2; fcfs: 2 of 3; noprefetch: 1 of 1; forcing: 5 of 5
+    assert "targets met: 13 of 15" in text
     assert "MISSED vs vllm-session: req_per_s_ratio = 1.250 (target >= 1.3)" in text
     rows = {r[0]: r for r in config_rows(report)}
     assert rows["vllm-session"][-2] == "x1.25 / x0.60" and rows["agentserving"][-2] == "-"
@@ -128,7 +130,11 @@ def test_the_live_n_plus_1_figures_are_summed_over_pods_and_printed():
 
     cand = {**_summary(), "scheduler": {"prefill-0": pod(8, 2, 1, 9, 10, 9, 10, 9),
                                         "prefill-1": pod(1, 0, 1, 8, 0, 0, 0, 0)}}
+    assert shadow_figures(cand)["announced"] is None
+    cand["scheduler"]["prefill-0"]["announced"] = {"announced": 3, "arrived": 2}
+    cand["scheduler"]["prefill-1"]["announced"] = {"announced": 1, "arrived": 1}
     fig = shadow_figures(cand)
+    assert fig["announced"] == {"announced": 4, "arrived": 3}
     assert fig["precision"] == 9 / 11 and fig["recall"] == 9 / 11
     assert fig["accuracy"] == 26 / 30 and fig["consumption_precision"] == 0.9
     assert fig["survival"] == 0.9 and fig["prefetch"] == {"chunks": 10, "used": 9, "landed": 10}
@@ -171,6 +177,23 @@ def test_short_turns_are_the_same_turns_in_every_configuration():
     s = summarize(recs, sessions_planned=5, turns_planned=5)
     assert s["short_turns"] == 3
     assert s["ttft_p50_short_s"] == 0.2 and abs(s["ttft_p85_short_s"] - 0.27) < 1e-9
+    assert s["after_gap_turns"] == 0 and s["ttft_p50_after_gap_s"] is None
+
+
+def test_turns_after_a_tool_gap_are_those_whose_tool_ran_long_enough():
+    from agentserving.replay.client import gap_before_s
+    from agentserving.replay.metrics import AFTER_GAP_S
+    from agentserving.replay.trace import ResolvedTurn
+
+    turns = [ResolvedTurn("s", i, [1], [2], 1, tool, gap, None)
+             for i, (tool, gap) in enumerate([("bash", 2.0), (None, 3.0), ("ls", 0.1), (None, 0)])]
+    assert [gap_before_s(turns, i) for i in range(4)] == [0.0, 2.0, 0.0, 0.1]
+    recs = [{"session_id": "s", "turn": i, "ok": True, "start_s": 0.0, "end_s": 1.0,
+             "ttft_s": ttft, "gap_before_s": gap, "prompt_tokens": 10}
+            for i, (gap, ttft) in enumerate([(0.0, 9.0), (AFTER_GAP_S, 0.3), (2.0, 0.5),
+                                             (AFTER_GAP_S / 2, 7.0)])]
+    s = summarize(recs, sessions_planned=1, turns_planned=4)
+    assert s["after_gap_turns"] == 2 and s["ttft_p50_after_gap_s"] == 0.4
 
 
 def test_the_ablations_are_drawn_side_by_side_and_the_kv_wait_checked(tmp_path):

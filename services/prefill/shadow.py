@@ -24,6 +24,8 @@ from agentserving.prefill.policies.base import PurePolicy
 from agentserving.prefill.policies.types import Decision, ReqView, SchedState, advance
 
 PHANTOM = "\x00phantom-"  # ids of the look-ahead's expected arrivals (never a real id)
+# ids of announced turns (``ExpectedTurns``): a session's next turn, due after its tool call
+EXPECTED = "\x00expected-"
 
 
 class StepTimeModel:
@@ -230,19 +232,23 @@ class ShadowScheduler:
     def decide(self, state: SchedState) -> Decision:
         return self.step(state).decision
 
-    def step(self, state: SchedState) -> ShadowResult:
+    def step(self, state: SchedState, expected: Sequence[ReqView] = ()) -> ShadowResult:
+        """``expected``: turns announced but not arrived (ids under ``EXPECTED``, ``arrival``
+        their predicted arrival on ``state.now``'s clock): the look-ahead lets each join the
+        queue at its arrival, so one predicted for admission within the window is prefetched
+        before it exists. The decision for step N never sees them."""
         decision = self.policy.decide(state)
         if self.commit:
             decision = self._keep_commitments(state, decision)
         if self.arrivals or self.robust:
             self._note_arrivals(state, decision)
-        predictions = self.look_ahead(state, decision)
+        predictions = self.look_ahead(state, decision, expected)
         if self.robust:
             predictions = self._with_survival(state, decision, predictions)
         window = frozenset(rid for rid, pred in predictions.items()
                            if pred.offset <= self.prefetch_window
                            and pred.p_admit >= self.robust)
-        waiting = {w.req_id: w for w in state.waiting}
+        waiting = {w.req_id: w for w in (*state.waiting, *expected)}
         prefetch = []
         for rid in predictions:  # (in prediction order: the caller's I/O order)
             if rid in window and rid not in self.prefetched:
@@ -304,16 +310,26 @@ class ShadowScheduler:
                                            p_admit=float(np.exp(-rate * step_s * share)))
         return out
 
-    def look_ahead(self, state: SchedState, decision: Decision) -> dict[str, Prediction]:
+    def look_ahead(self, state: SchedState, decision: Decision,
+                   announced: Sequence[ReqView] = ()) -> dict[str, Prediction]:
+        """``announced`` join the simulated queue at the first step that starts after their
+        arrival. Once the simulated queue runs dry the pod would idle: no step is predicted
+        past that, so an announced turn due later is in no window (it would be admitted on
+        arrival; the caller prefetches such a turn one step ahead of it)."""
         out: dict[str, Prediction] = {}
         s = advance(state, decision)
-        if not s.waiting:
+        pending = sorted(announced, key=lambda v: v.arrival)
+        if not s.waiting and not pending:
             return out  # nothing left waiting: nothing to predict (or to fit the model for)
         eta = self.model.predict_step(decision, state)
         rate = self.arrival_rate() if self.arrivals else 0.0
         size = int(np.median([n for _, n, _ in self._recent])) if rate else 0
         expected, step_s, phantoms = 0.0, eta, 0
         for k in range(1, self.lookahead + 1):
+            due = [v for v in pending if v.arrival <= state.now + eta]
+            if due:
+                pending = pending[len(due):]
+                s = dataclasses.replace(s, waiting=s.waiting + tuple(due))
             if not s.waiting:
                 break
             if rate and size > 0:

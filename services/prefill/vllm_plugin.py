@@ -44,15 +44,18 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from agentserving.core.schemas import Tier
+from agentserving.core.schemas import MemoryPrefetchRequest, Tier
+from agentserving.prefill.expected_turns import ExpectedTurns
 from agentserving.prefill.policies import POLICY_CLASSES, build_policy
 from agentserving.prefill.policies.base import PurePolicy
 from agentserving.prefill.policies.types import Decision, ReqView, SchedState
 from agentserving.prefill.shadow import (
+    EXPECTED,
     PrefetchScore,
     ShadowScheduler,
     WindowScore,
@@ -170,7 +173,9 @@ class ShadowGlue:
     prefetch had loaded: consumption and survival, ``PrefetchScore``)."""
 
     def __init__(self, shadow: ShadowScheduler, hooks: Any | None, measure: bool = True,
-                 clock: Callable[[], float] = time.perf_counter, keep: int = 4096) -> None:
+                 clock: Callable[[], float] = time.perf_counter, keep: int = 4096,
+                 chunk_tokens: int = 256, default_new_tokens: int = 256,
+                 idle_s: float = 0.25) -> None:
         self.shadow = shadow
         self.hooks = hooks
         self.measure = measure and hooks is not None
@@ -186,8 +191,16 @@ class ShadowGlue:
         self._last: tuple[Decision, SchedState, float] | None = None
         self._scored: tuple[frozenset[str], list[str]] | None = None  # to score next
         self._pending: tuple[frozenset[str], list[str]] | None = None  # this step's
-        self._prefetched: collections.OrderedDict[str, tuple[str, ...]] = (
+        # request id -> (the prefetch's lookup id, its chunks), measured at admission
+        self._prefetched: collections.OrderedDict[str, tuple[str, tuple[str, ...]]] = (
             collections.OrderedDict())
+        # turns announced before they arrive (``expected_turns``): fed by the memory port's
+        # thread, read by the scheduler's
+        self.announced = ExpectedTurns(chunk_tokens)
+        self.default_new_tokens = default_new_tokens
+        self.idle_s = idle_s  # no step for this long: vLLM's scheduler is idle
+        self._lock = threading.Lock()
+        self._last_step_at: float | None = None
 
     def step(self, state: SchedState) -> Decision:
         now = self.clock()
@@ -196,11 +209,23 @@ class ShadowGlue:
             if d.prefill or d.decode:  # an idle gap is no step
                 self.shadow.observe_step(d, s, now - t0)
                 self.observed += 1
-        res = self.shadow.step(state)
+        with self._lock:
+            self._last_step_at = time.monotonic()
+            for key in self.announced.expire(state.now):
+                self.shadow.prefetched.discard(EXPECTED + key)
+            expected = self.announced.views(self._tiers)
+        res = self.shadow.step(state, expected)
+        # an announced turn in the N+1 window: read for it now (nothing to read when its
+        # chunks are all in DRAM, and it is counted all the same)
+        for view in expected:
+            if view.req_id in res.window:
+                self._fire_announced(view.req_id[len(EXPECTED):], "window", view.disk_chunks)
         for rid, hashes in res.prefetch:
+            if rid.startswith(EXPECTED):
+                continue  # read above
             if self.hooks is not None:
                 self.hooks.prefetch(rid, hashes)
-            self._prefetched[rid] = hashes
+            self._prefetched[rid] = (rid, hashes)
             self.prefetch.chunks += len(hashes)
         while len(self._prefetched) > self.keep:  # finished or aborted before admission
             self._prefetched.popitem(last=False)
@@ -208,6 +233,63 @@ class ShadowGlue:
         self._last = (res.decision, state, now)
         self.steps += 1
         return res.decision
+
+    # ------------------------------------------------------------------ announced turns
+    def take(self, req: MemoryPrefetchRequest) -> bool:
+        """An announced turn (``expected_in_s``) into the book; the memory port's thread.
+        Past its arrival less one idle step, a pod that is not stepping reads for it."""
+        key = req.lookup_id or ""
+        if not req.chunk_hashes or req.expected_in_s is None:
+            return False
+        new_tokens = req.expected_tokens or self.default_new_tokens
+        with self._lock:
+            self.announced.announce(key, time.monotonic() + req.expected_in_s,
+                                    req.chunk_hashes, new_tokens)
+        if self.hooks is not None:
+            lead = self._idle_lead_s(new_tokens)
+            self.hooks.call_later(req.expected_in_s - lead, lambda: self._idle_due(lead))
+        return True
+
+    def _idle_lead_s(self, new_tokens: int) -> float:
+        """One step computing ``new_tokens`` on an idle pod, by the step-time model."""
+        a, b = (float(c) for c in self.shadow.model.coef[:2])
+        return max(0.0, a + b * new_tokens)
+
+    def _idle_due(self, lead_s: float) -> None:
+        """The announced turns due within ``lead_s`` while the scheduler does not step: on an
+        idle pod the turn is admitted as it arrives, so its read starts one step ahead."""
+        now = time.monotonic()
+        with self._lock:
+            if self._last_step_at is not None and now - self._last_step_at < self.idle_s:
+                return  # stepping: the shadow's window decides
+            due = self.announced.due(now, lead_s)
+            views = {v.req_id: v for v in self.announced.views(self._tiers)}
+        for key in due:
+            self._fire_announced(key, "idle", views[EXPECTED + key].disk_chunks)
+
+    def _fire_announced(self, key: str, by: str, hashes: tuple[str, ...]) -> None:
+        with self._lock:
+            if self.announced.fire(key, by, hashes) is None:
+                return
+        if hashes and self.hooks is not None:
+            self.hooks.prefetch(key, hashes)
+        self.prefetch.chunks += len(hashes)
+
+    def arriving(self, request_id: str, hashes: Sequence[str]) -> None:
+        """A waiting request's prompt chunks: if it is an announced turn, its prefetch (if
+        started) is measured at its admission and not asked for again."""
+        with self._lock:
+            turn = self.announced.arrived(hashes)
+        if turn is None:
+            return
+        self.shadow.prefetched.discard(EXPECTED + turn.key)
+        if turn.fired:
+            self.shadow.prefetched.add(request_id)
+            if turn.read:
+                self._prefetched[request_id] = (turn.key, turn.read)
+
+    def _tiers(self, hashes: Sequence[str]) -> Sequence[Tier | None]:
+        return self.hooks.tiers(hashes) if self.hooks is not None else [None] * len(hashes)
 
     def planned(self, device_cached: int, cached: int, disk_chunks: int) -> None:
         """One waiting request's plan: tokens in vLLM's prefix cache, tokens cached in any
@@ -221,8 +303,7 @@ class ShadowGlue:
         if self._scored is not None:
             self.window.add(*self._scored, request_ids)
         self._scored, self._pending = self._pending, None
-        done = [(rid, self._prefetched.pop(rid)) for rid in request_ids
-                if rid in self._prefetched]
+        done = [self._prefetched.pop(rid) for rid in request_ids if rid in self._prefetched]
         if not done or not self.measure:
             return
         for (_, hashes), (in_cpu, loaded) in zip(done, self.hooks.measure(done), strict=True):
@@ -236,6 +317,7 @@ class ShadowGlue:
                 "steps_observed": self.observed, "n_plus_1_prediction": self.window.as_dict(),
                 "prefetch": self.prefetch.as_dict(),
                 "prefetch_measured": self.measure, "plans": dict(self.plans),
+                "announced": self.announced.score.as_dict(),
                 "step_model": [float(c) for c in self.shadow.model.coef]}
 
 
@@ -306,9 +388,11 @@ def make_scheduler_cls(base: type, default_policy: str = "longcap-dynamic") -> t
             self.shadow_glue: ShadowGlue | None = None
             if isinstance(policy, ShadowScheduler):
                 measure = os.environ.get(MEASURE_ENV, "1") not in ("0", "false", "no")
-                self.shadow_glue = ShadowGlue(policy, self.kv_hooks, measure=measure)
+                self.shadow_glue = ShadowGlue(policy, self.kv_hooks, measure=measure,
+                                              chunk_tokens=self.lmcache_chunk_tokens or 256)
                 if self.kv_hooks is not None:
                     self.kv_hooks.publish(self.shadow_glue.stats)
+                    self.kv_hooks.take_announced(self.shadow_glue.take)
 
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             waiting = list(self.waiting)
@@ -341,6 +425,8 @@ def make_scheduler_cls(base: type, default_policy: str = "longcap-dynamic") -> t
             if hooks is None or not self.lmcache_chunk_tokens:
                 return device, ()
             hashes = hooks.chunk_hashes(request)
+            if self.shadow_glue is not None:
+                self.shadow_glue.arriving(request.request_id, hashes)
             cached, disk = lmcache_plan(device, hashes, hooks.tiers(hashes),
                                         self.lmcache_chunk_tokens, int(request.num_prompt_tokens))
             if self.shadow_glue is not None:

@@ -101,8 +101,14 @@ setting = settings_option(ProxySettings)
               "momentary load (the turns placed on it, weighed by the prompt tokens they "
               "compute there, each halving in weight every this many seconds; an agent "
               "between tool calls keeps its pod's level up).")
+@setting("--tool-prefetch/--no-tool-prefetch",
+         help="While a turn's tool call runs, announce the session's next turn to its pod, so "
+         "the session's KV is back in DRAM when it arrives (see --prefetch-lead).")
 @setting("--prefetch-lead", "prefetch_lead_s", type=click.FloatRange(min=0),
-         help="Seconds before a tool call's predicted return to prefetch the session's KV.")
+         help="Seconds before a tool call's predicted return to announce the session's next "
+              "turn to its pod, which then moves its KV to DRAM: at once, or, where the pod's "
+              "scheduler predicts admissions (a ShadowScheduler), when it predicts the turn for "
+              "its next step.")
 @log_options(setting)
 def command(**kwargs: object) -> None:
     """Run the proxy: OpenAI API in, each turn routed to where its KV already is."""

@@ -526,15 +526,19 @@ class Orchestrator:
                 self._spawn(memory_hooks.after_turn(self.kvindex.for_tenant(turn.tenant),
                                                     turn.session_id, turn.memory,
                                                     outcome.chunk_hashes, self._record_hook))
-            if state.pending_tool is not None or outcome.finish_reason == "tool_calls":
+            if self.settings.tool_prefetch and (
+                    state.pending_tool is not None or outcome.finish_reason == "tool_calls"):
                 self._schedule_tool_prefetch(turn, state)
         if turn.memory and turn.memory.close_session and turn.session_key:
             self.sessions.forget(turn.session_key)  # its last turn: the kvindex closes it too
 
     def _schedule_tool_prefetch(self, turn: Turn, state: SessionState) -> None:
-        """Warm the session's chunks in DRAM shortly before the tool's predicted return."""
+        """Announce the session's next turn to its pod shortly before the tool's predicted
+        return (``expected_in_s``): a pod whose scheduler predicts admissions moves the
+        session's chunks to DRAM when the turn is predicted for its next step, any other pod
+        at once."""
         assert turn.session_key is not None
-        state.predicted_gap_s = self.tool_gaps.predict(state.pending_tool)
+        state.predicted_gap_s = gap_s = self.tool_gaps.predict(state.pending_tool)
         delay = self.tool_gaps.prefetch_delay(state.pending_tool, self.settings.prefetch_lead_s)
         chunks = list(state.chunk_hashes)
         if not chunks:
@@ -547,7 +551,8 @@ class Orchestrator:
                 assert self.kvindex is not None
                 await self.kvindex.prefetch(PrefetchRequest(
                     chunk_hashes=chunks, pod=state.last_pod,
-                    lookup_id=f"tool-gap:{turn.session_id}"))
+                    lookup_id=f"tool-gap:{turn.session_id}",
+                    expected_in_s=round(max(0.0, gap_s - delay), 3)))
                 self._record_hook("tool_prefetch", True)
             except (ServiceUnavailable, RequestRejected):
                 self._record_hook("tool_prefetch", False)

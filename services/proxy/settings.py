@@ -70,6 +70,9 @@ class ProxySettings(BaseModel):
     replica_resync_s: float = Field(
         default=60.0, gt=0, description="Seconds between the replica's full listings.")
     prefetch_lead_s: float = Field(default=0.5, ge=0)
+    tool_prefetch: bool = Field(
+        default=True, description="Announce each session's next turn to its pod while a tool "
+        "runs, so its KV is back in DRAM when the turn arrives.")
     max_sessions: int = Field(default=100_000, gt=0)
     activity_half_life_s: float = Field(
         default=10.0, gt=0, description="Half-life of a turn's work in a decode pod's "

@@ -41,7 +41,8 @@ async def prefetch(req: PrefetchRequest, st: KvindexState = Depends(state)) -> F
     _check_pod(req.pod, pods)
     holders = await guarded(st, st.index.holders(req.chunk_hashes))
     per_pod, missing = plan(req.chunk_hashes, holders, only_pod=req.pod)
-    bodies = {pod: {"chunk_hashes": chunks, "lookup_id": req.lookup_id}
+    announced = req.model_dump(include={"expected_in_s", "expected_tokens"}, exclude_none=True)
+    bodies = {pod: {"chunk_hashes": chunks, "lookup_id": req.lookup_id, **announced}
               for pod, chunks in per_pod.items()}
     results = await call_pods(st.http, pods, "/memory/prefetch", bodies,
                               st.settings.fanout_timeout_s)

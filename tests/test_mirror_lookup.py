@@ -29,8 +29,8 @@ def test_mirror_from_deb822_sources(tmp_path: Path) -> None:
     d.mkdir()
     (d / "debian.sources").write_text(
         "Types: deb-src\nURIs: http://src.example.invalid/debian\nSuites: bookworm\n\n"
-        "Types: deb\nURIs: http://mirror.example.invalid/debian\nSuites: bookworm bookworm-updates\n"
-        "Components: main\n")
+        "Types: deb\nURIs: http://mirror.example.invalid/debian\n"
+        "Suites: bookworm bookworm-updates\nComponents: main\n")
     r = _mirror(tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "http://mirror.example.invalid/debian"

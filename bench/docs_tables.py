@@ -88,7 +88,9 @@ def _source_line(doc: Doc, command: str, reports: list[tuple[str, dict]]) -> str
     dates = sorted({_date(r) for _, r in reports})
     machines = sorted({_machine(r) for _, r in reports})
     links = ", ".join(doc.link(name) for name, _ in reports)
-    return (f"Command: `{command}`, once per run; run on {', '.join(dates)}, "
+    took = [r["duration_s"] for _, r in reports if "duration_s" in r]
+    wall = f", {' / '.join(f'{t:.0f}' for t in took)} s each" if took else ""
+    return (f"Command: `{command}`, once per run; run on {', '.join(dates)}{wall}, "
             f"{'; '.join(machines)}; JSON: {links}.")
 
 

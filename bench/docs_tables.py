@@ -44,6 +44,8 @@ MIX_COMMAND = {"0.5": "agentserving compare --configs "
                        "agentserving-noprefetch"}
 DISK_TIER = "disk-tier.json"
 DISK_TIER_COMMAND = "python -m bench disk_tier"
+PREFIX_STABILITY = "prefix-stability.json"
+PREFIX_STABILITY_COMMAND = "python -m bench prefix_stability"
 
 
 @dataclass(frozen=True)
@@ -252,6 +254,21 @@ def _disk_tier_table(doc: Doc) -> str:
     return "\n".join(lines)
 
 
+def _prefix_stability_table(doc: Doc) -> str:
+    r = _load(doc.root, PREFIX_STABILITY)
+    labels = {"template as is": "the template as is (the call in `tool_calls`)",
+              "tool calls in the text": "tool calls written into the text (the importer's choice)"}
+    lines = ["| replies sent back | prefix-stable turns | breaks |", "| --- | --- | --- |"]
+    for mode, v in r["modes"].items():
+        breaks = ", ".join(f"{why}: {n:,}" for why, n in v["breaks"].items()) or "none"
+        lines.append(f"| {labels.get(mode, mode)} | {v['stable']:,} of {v['turns']:,} "
+                     f"({_pct(v['stable_share'])}) | {breaks} |")
+    lines += ["", f"Command: `{PREFIX_STABILITY_COMMAND}` ({r['sessions']} sessions of "
+                  f"`{Path(r['src']).name}`, model {r['model']}, template {r['template']}, "
+                  f"{r['wall_s']:.0f} s); JSON: {doc.link(PREFIX_STABILITY)}."]
+    return "\n".join(lines)
+
+
 def _headline(doc: Doc) -> str:
     return _comparison_table(doc, MAIN_RUNS, ["vllm-rr", "vllm-session", "vllm-precise"],
                              MAIN_COMMAND, short_ttft=False)
@@ -270,6 +287,7 @@ TABLES: dict[str, Callable[[Doc], str]] = {
     "agent-mix-0.25": lambda d: _comparison_table(d, MIX_RUNS["0.25"], None,
                                                   MIX_COMMAND["0.25"], short_ttft=False),
     "disk-tier": _disk_tier_table,
+    "prefix-stability": _prefix_stability_table,
 }
 
 def render(text: str, doc: Doc, tables: dict[str, Callable[[Doc], str]] = TABLES) -> str:

@@ -47,7 +47,7 @@ def test_readme_quickstart_runs_as_written(tmp_path: Path) -> None:
     script = block.replace("8080", str(_free_port())).replace("runs/quickstart", str(run_dir))
     env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTSERVING_")}
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=110, check=False)
+                          capture_output=True, text=True, timeout=240, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     usages = [ast.literal_eval(line) for line in proc.stdout.splitlines()
               if line.startswith("{")]

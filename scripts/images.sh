@@ -29,6 +29,8 @@ DEPS=(buildah debootstrap golang-go containerd)
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 # shellcheck source=scripts/debian.sh
 source "$REPO/scripts/debian.sh"
+# shellcheck source=scripts/pip-index.sh
+source "$REPO/scripts/pip-index.sh"
 
 log() { echo "[images] $*" >&2; }
 bh() { $SUDO buildah --root "$STORE/root" --runroot "$STORE/run" --storage-driver overlay "$@"; }
@@ -111,8 +113,10 @@ build_dockerfile() {
   local name=$1
   build_base
   ((${#PIP_MOUNTS[@]})) || pip_mounts
-  local extra=()
-  case "$name" in worker|vllm-cpu) extra=(--build-arg TORCH_INDEX_URL=https://pypi.org/simple) ;; esac
+  local extra=() index
+  case "$name" in
+    worker|vllm-cpu) index=$(pip_index_url); extra=(--build-arg "TORCH_INDEX_URL=$index") ;;
+  esac
   local blog="$OUT/$name.build.log"
   bh bud --layers --isolation chroot --network host "${PIP_MOUNTS[@]}" \
     --build-arg PYTHON_IMAGE="$BASE_TAG" "${extra[@]}" \

@@ -53,10 +53,11 @@ source_version() {
 ensure_deb_src() {
   if [ -n "$(source_version)" ]; then return; fi
   if ! grep -rqsE '^(deb-src|Types:.*deb-src)' /etc/apt/sources.list /etc/apt/sources.list.d/; then
-    local f=/etc/apt/sources.list.d/agentserving-deb-src.sources
+    local f=/etc/apt/sources.list.d/agentserving-deb-src.sources mirror
+    mirror=$(debian_mirror)
     log "adding a deb-src entry for bookworm main ($f)"
     printf 'Types: deb-src\nURIs: %s\nSuites: bookworm\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
-      "$(debian_mirror)" | $SUDO tee "$f" >/dev/null
+      "$mirror" | $SUDO tee "$f" >/dev/null
   fi
   $SUDO apt-get update -qq
   [ -n "$(source_version)" ] || { log "apt-cache showsrc kubernetes finds nothing"; exit 1; }

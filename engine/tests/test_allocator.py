@@ -35,8 +35,8 @@ def test_glibc_takes_the_settings_in_a_fresh_process():
 
 
 def test_the_tuning_can_be_switched_off():
-    """The trade is memory for speed (README, Soak): an operator who wants glibc's own
-    behaviour back says so, and nothing is set."""
+    """The trade is memory for speed (docs/benchmarks.md, "Soak and concurrency"): an
+    operator who wants glibc's own behaviour back says so, and nothing is set."""
     done = _applied({SWITCH_ENV: "off"})
     assert set(done) == {"malloc"} and "left as it is" in done["malloc"]
 

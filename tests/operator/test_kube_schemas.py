@@ -128,3 +128,15 @@ def test_the_chart_declares_the_oldest_kubernetes_it_installs_on():
     assert helm_template("--kube-version", VERSIONS[-1] + ".0").returncode == 0
     old = helm_template("--kube-version", "1.19.0")
     assert old.returncode != 0 and "kubeVersion" in old.stderr
+
+
+def test_the_specs_reach_every_builder():
+    """The objects validated above include what each builder makes (a builder no spec here
+    reaches would go unchecked)."""
+    made = {(c["kind"], c["metadata"]["name"].removeprefix("demo-"))
+            for spec in SPECS.values() for c in operator_children(spec)}
+    assert {("ConfigMap", "config"), ("Secret", "internal"), ("StatefulSet", "prefill"),
+            ("StatefulSet", "decode"), ("Service", "prefill"), ("Deployment", "kvindex"),
+            ("Deployment", "proxy"), ("Deployment", "redis"), ("StatefulSet", "redis"),
+            ("Service", "redis-sentinel"), ("ConfigMap", "redis"), ("Deployment", "kvserver"),
+            ("Service", "kvserver")} <= made, sorted(made)

@@ -116,3 +116,61 @@ def test_flags_and_env_reach_the_policy(monkeypatch):
                  "--probe-interval"):
         assert flag in help_text
     assert settings_from_params({"max_model_len": None}).max_model_len is None
+
+
+# ------------------------------------------------------------------ deadlines on real sockets
+
+def test_a_silent_pod_misses_its_first_token_and_a_stream_that_stops_its_next_one():
+    """Real HTTP on loopback: a server that takes the request and never answers (a stopped
+    process), and one that sends a first token then goes silent."""
+    import asyncio
+    import time
+
+    import aiohttp
+
+    from agentserving.proxy.upstream import (
+        InterTokenStall,
+        Stalled,
+        open_watched_stream,
+        post_watched,
+    )
+
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await asyncio.sleep(30)
+
+    async def one_token(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")
+        event = b'data: {"choices": [{"text": "a"}]}\n\n'
+        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+        await writer.drain()
+        await asyncio.sleep(30)
+
+    async def go() -> None:
+        servers = [await asyncio.start_server(h, "127.0.0.1", 0) for h in (silent, one_token)]
+        hang, stop = (f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}/v1/completions"
+                      for s in servers)
+        gaps: list[float] = []
+        async with aiohttp.ClientSession() as http:
+            t0 = time.perf_counter()
+            with pytest.raises(Stalled) as first:
+                await open_watched_stream(http, "p", hang, {}, None, 0.3, 0.3)
+            assert first.value.kind == "first_token" and first.value.pod == "p"
+            with pytest.raises(Stalled):
+                await post_watched(http, "p", hang, {}, None, 0.3)
+            assert time.perf_counter() - t0 < 2.0
+            reply = await open_watched_stream(http, "q", stop, {}, None, 2.0, 0.3,
+                                              on_gap=gaps.append)
+            assert reply.first_token_s is not None and reply.first_token_s < 2.0
+            lines = []
+            with pytest.raises(InterTokenStall) as later:
+                async for line in reply.aiter_lines():
+                    lines.append(line)
+            assert later.value.pod == "q" and lines[0].startswith("data:")
+            reply.abort()
+        for s in servers:
+            s.close()
+
+    asyncio.run(go())

@@ -53,6 +53,13 @@ ENGINE_SCHEDULER_POLICIES = {"reference": "longcap-dynamic", "vllm": "fcfs",
 ENGINE_PREFETCH_POLICIES = {"reference": "shadow-scheduler", "vllm": "none",
                             "vllm-ascend": "none"}
 DEFAULT_LOOKAHEAD = 5
+# The kvCache.transferBackend values with which each engine's P/D hand-off actually moves KV
+# (the first is its default): the reference worker's decode pod pulls it from the prefill pod
+# (tcp), LMCache-Ascend's producer/consumer connector sends it itself (tcp), and a vLLM pod's
+# LMCache moves it only through LMCache's KV server (lmcache-server) -- on tcp a vLLM decode
+# pod would silently recompute every prompt.
+ENGINE_TRANSFER_BACKENDS = {"reference": ("tcp",), "vllm": ("lmcache-server",),
+                            "vllm-ascend": ("tcp",)}
 
 
 def with_engine_defaults(spec: dict[str, Any]) -> dict[str, Any]:
@@ -61,6 +68,8 @@ def with_engine_defaults(spec: dict[str, Any]) -> dict[str, Any]:
     kv = dict(spec.get("kvCache") or {})
     if not kv.get("hashScheme"):
         kv["hashScheme"] = ENGINE_HASH_SCHEMES.get(engine, HashScheme.BLAKE3).value
+    if not kv.get("transferBackend"):
+        kv["transferBackend"] = ENGINE_TRANSFER_BACKENDS.get(engine, ("tcp",))[0]
     prefetch = dict(kv.get("prefetch") or {})
     prefetch.setdefault("policy", ENGINE_PREFETCH_POLICIES.get(engine, "none"))
     if prefetch["policy"] == "shadow-scheduler":

@@ -26,6 +26,7 @@ from agentserving.engine.settings import WorkerSettings
 from agentserving.engine.vllm.registrar_cli import argv as registrar_argv
 
 from .common import (
+    ENGINE_TRANSFER_BACKENDS,
     KVCACHE_DIR,
     MEMORY_PORT_START,
     POOLS,
@@ -300,9 +301,22 @@ def engine_volumes(ctx: WorkerContext) -> tuple[list[dict[str, Any]], list[dict[
 REFERENCE_MODELS = ("tiny", "smollm2")
 
 
+def check_transfer_backend(engine: str, backend: str) -> None:
+    """P/D whose hand-off moves no KV still answers -- the decode pod recomputes the prompt --
+    so it would pass every health check while doubling the prefill work: refuse it."""
+    movers = ENGINE_TRANSFER_BACKENDS.get(engine, ())
+    if backend not in movers:
+        raise SpecError("spec.kvCache.transferBackend",
+                        f"spec.engine.type {engine} with spec.kvCache.transferBackend {backend} "
+                        "runs P/D that moves no KV from prefill to decode pods (the decode pod "
+                        f"would recompute every prompt): {engine} moves KV with "
+                        f"{' or '.join(movers)}, its default when transferBackend is unset")
+
+
 def validate_engine(spec: dict[str, Any]) -> None:
     """Cross-field rules of the engines (checked after the pools' own rules)."""
     engine, kv, model = spec["engine"]["type"], spec["kvCache"], spec["model"]
+    check_transfer_backend(engine, kv["transferBackend"])
     scheme = kv["hashScheme"]
     if engine in ("vllm", "vllm-ascend") and scheme not in PINNED_HASH_SEED_SCHEMES:
         # LMCache inside vLLM chains Python's hash() (or vLLM's), never blake3: the pods would

@@ -109,6 +109,50 @@ setting = settings_option(ProxySettings)
               "turn to its pod, which then moves its KV to DRAM: at once, or, where the pod's "
               "scheduler predicts admissions (a ShadowScheduler), when it predicts the turn for "
               "its next step.")
+@setting("--max-model-len", type=click.IntRange(min=2),
+         help="The model's context length in tokens: a turn whose max_tokens alone exceeds it, "
+              "or whose token-id prompt plus max_tokens does, gets a 400 naming the field "
+              "before any pod works on it (a text prompt is left to the engine, which "
+              "tokenizes it). Unset: the largest max_model_len the pods list in GET /v1/models.")
+@setting("--stall-detection/--no-stall-detection",
+         help="Move a turn off a pod that goes silent past its stage's deadline (below), as "
+              "off a dead one, and route nothing to that pod until it answers GET /v1/models "
+              "again. A stream is moved only while no token reached the caller; after that it "
+              "ends with an error event (code stalled), which the caller may retry.")
+@setting("--stall-prefill-first-token", "stall_prefill_first_token_s",
+         type=click.FloatRange(min=0, min_open=True),
+         help="Seconds a pod computing a prompt (P/D's prefill call, or a turn run whole) may "
+              "take to its first token. Unset: adaptive (--stall-multiple).")
+@setting("--stall-prefill-inter-token", "stall_prefill_inter_token_s",
+         type=click.FloatRange(min=0, min_open=True),
+         help="Seconds between two streamed tokens of a turn run whole on one pod. Unset: "
+              "adaptive.")
+@setting("--stall-decode-first-token", "stall_decode_first_token_s",
+         type=click.FloatRange(min=0, min_open=True),
+         help="Seconds a P/D decode pod may take to its first token (its KV pull included). "
+              "Unset: adaptive.")
+@setting("--stall-decode-inter-token", "stall_decode_inter_token_s",
+         type=click.FloatRange(min=0, min_open=True),
+         help="Seconds between two streamed tokens of a P/D decode pod. Unset: adaptive.")
+@setting("--stall-multiple", type=click.FloatRange(min=1),
+         help="Adaptive deadlines: this multiple of the P99 of the last 512 observed first "
+              "tokens (or inter-token gaps) of the stage, never under the floor.")
+@setting("--stall-first-token-floor", "stall_first_token_floor_s",
+         type=click.FloatRange(min=0, min_open=True),
+         help="Adaptive first-token deadlines are never shorter than this (seconds).")
+@setting("--stall-inter-token-floor", "stall_inter_token_floor_s",
+         type=click.FloatRange(min=0, min_open=True),
+         help="Adaptive inter-token deadlines are never shorter than this (seconds).")
+@setting("--stall-first-token-initial", "stall_first_token_initial_s",
+         type=click.FloatRange(min=0, min_open=True),
+         help="Adaptive first-token deadline until --stall-min-samples are observed (seconds).")
+@setting("--stall-inter-token-initial", "stall_inter_token_initial_s",
+         type=click.FloatRange(min=0, min_open=True),
+         help="Adaptive inter-token deadline until --stall-min-samples are observed (seconds).")
+@setting("--stall-min-samples", type=click.IntRange(min=1),
+         help="Observations of a stage's latency before its adaptive deadline follows them.")
+@setting("--probe-interval", "probe_interval_s", type=click.FloatRange(min=0, min_open=True),
+         help="Seconds between the GET /v1/models probes of a stalled pod.")
 @log_options(setting)
 def command(**kwargs: object) -> None:
     """Run the proxy: OpenAI API in, each turn routed to where its KV already is."""

@@ -51,3 +51,14 @@ class ProxyMetrics:
                                      "Turns after a tool call: prefetch fired before arrival "
                                      "(warm) or not (cold).", ["outcome"], registry=registry)
         self.sessions = Gauge("proxy_sessions", "Sessions remembered.", registry=registry)
+        self.stalls = Counter("proxy_stalls_total",
+                              "Pods that took a turn and went silent past a stall deadline, "
+                              "by stage (prefill, decode) and kind (first_token, inter_token).",
+                              ["stage", "kind"], registry=registry)
+        self.stall_deadline = Gauge("proxy_stall_deadline_seconds",
+                                    "The stall deadline last applied, by stage and kind (a "
+                                    "flag's, or a multiple of the observed P99).",
+                                    ["stage", "kind"], registry=registry)
+        self.stalled_pods = Gauge("proxy_stalled_pods",
+                                  "Pods out of rotation after a stall, until they answer a "
+                                  "probe.", registry=registry)

@@ -5,7 +5,10 @@ validates it), so FastAPI sees no body model; these routes document the workers'
 models, which the reference worker enforces, plus AgentServing's ``agent_memory`` that the
 proxy takes off before forwarding. Token ids and lengths are bounded by the model behind the
 proxy, which its schema cannot know: a worker answers 400 with code
-``token_id_out_of_vocabulary`` or ``context_length_exceeded`` there.
+``token_id_out_of_vocabulary`` or ``context_length_exceeded`` there. The proxy answers
+``context_length_exceeded`` itself, before routing, where it is certain without a tokenizer
+(``context_limit``): ``max_tokens`` past the context alone, or a token-id prompt plus
+``max_tokens`` past it.
 """
 
 from __future__ import annotations

@@ -7,6 +7,12 @@ decode pool, the prefill pod does both. A turn whose decode pod already holds th
 context and would compute only a few prompt tokens skips the prefill pod (``disagg``). A pod
 that fails before the caller saw a byte is retried on the next pod of the policy's ranking; the
 caller always gets an answer or an OpenAI-shaped error, never silence.
+
+Before any of it, a turn that cannot finish within the model's context is refused
+(``context_limit``). A pod that takes a request and goes silent past its stage's deadline
+(``stalls``) fails over as a dead pod does and is kept out of rotation until it answers a
+probe: a stream is moved only while nothing reached the caller (its first token is read before
+the answer starts), after which it ends with an error event whose code is ``stalled``.
 """
 
 from __future__ import annotations
@@ -14,10 +20,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -39,6 +45,7 @@ from agentserving.core.schemas import (
 )
 from agentserving.core.service import ApiError
 from agentserving.proxy import memory_hooks
+from agentserving.proxy.context_limit import context_error
 from agentserving.proxy.disagg import (
     Placement,
     PromptSize,
@@ -55,19 +62,25 @@ from agentserving.proxy.residency_replica import ResidencyReplica
 from agentserving.proxy.routing import Candidate, LeastLoaded, RouteInput, RoutingPolicy
 from agentserving.proxy.sessions import SessionState, SessionTable, session_key
 from agentserving.proxy.settings import ProxySettings
+from agentserving.proxy.stalls import StallDeadlines, policy_from
 from agentserving.proxy.tool_gaps import ToolGapPredictor
 from agentserving.proxy.upstream import (
     UPSTREAM_ERRORS,
+    InterTokenStall,
+    Stalled,
     StreamReply,
     TurnOutcome,
     UpstreamFailed,
     open_stream,
+    open_watched_stream,
     patch_cached_tokens,
     post_json,
+    post_watched,
     relay_sse,
 )
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 H_PREFILL = "x-agentserving-prefill-pod"
 H_DECODE = "x-agentserving-decode-pod"
@@ -78,6 +91,7 @@ H_PD = "x-agentserving-pd"  # "disaggregated", or "local": prefilled on the deco
 # the pods a turn was moved off before it was answered (comma-separated, in order): a caller
 # (or a fault bench) can tell a turn saved by a retry from one that never met a failure
 H_RETRIED = "x-agentserving-retried"
+PROBE_TIMEOUT_S = 1.0  # a pod's GET /v1/models (its context length; a stalled pod's return)
 
 
 Attempt = tuple[Candidate, Candidate | None]  # (pod that prefills, decode pod or None)
@@ -116,6 +130,7 @@ class Turn:
     started: float = field(default_factory=time.perf_counter)
     headers: dict[str, str] = field(default_factory=dict)
     queued_prompt: QueuedPrompt | None = None  # a stream's prompt, until its first token
+    last_resort: bool = False  # the attempt under way is the turn's last: no stall deadline
 
     def prompt_computed(self) -> None:
         if self.queued_prompt is not None:
@@ -155,9 +170,15 @@ class Orchestrator:
         self.activity = PodActivity(settings.activity_half_life_s)
         self._prefetch_tasks: dict[str, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
+        self.stalls = StallDeadlines(policy_from(settings))
+        self._prober: asyncio.Task | None = None
+        self._stall_signals: dict[str, asyncio.Event] = {}  # set when the pod is found stalled
+        self._context_asked = False
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, turn: Turn) -> JSONResponse | StreamingResponse:
+        self._start_prober()
+        await self._check_context(turn)
         state = self.sessions.get(turn.session_key) if turn.session_key else SessionState()
         self.metrics.sessions.set(len(self.sessions))
         await self._adopt_shared_route(turn, state)
@@ -179,6 +200,35 @@ class Orchestrator:
         if turn.stream:
             return await self._run_streaming(turn, state, attempts)
         return await self._run_blocking(turn, state, attempts)
+
+    async def _check_context(self, turn: Turn) -> None:
+        """A 400 naming the field for a turn that fits no pod's context (``context_limit``).
+        The context length is the flag's, else the pods': asked once up front when no pod's
+        is known yet, then kept current by the prober."""
+        limit = self.settings.max_model_len or self.pool.max_model_len()
+        if limit is None and not self._context_asked:
+            self._context_asked = True
+            await self._ensure_pods()
+            await self.pool.probe(self.http, PROBE_TIMEOUT_S)
+            limit = self.pool.max_model_len()
+        error = context_error(turn.endpoint, turn.body, turn.prompt_size, limit)
+        if error is not None:
+            self.metrics.failures.labels("context_length").inc()
+            raise error
+
+    def _start_prober(self) -> None:
+        if self._prober is None or self._prober.done():
+            self._prober = self._spawn(self._probe_forever())
+
+    async def _probe_forever(self) -> None:
+        """Stalled pods back in rotation once they answer; context lengths learned."""
+        while True:
+            await asyncio.sleep(self.settings.probe_interval_s)
+            try:
+                await self.pool.probe(self.http, PROBE_TIMEOUT_S)
+            except Exception as exc:  # a probe round must never end the prober
+                log.warning("probe_round_failed", error=repr(exc))
+            self.metrics.stalled_pods.set(len(self.pool.stalled()))
 
     def _work_placed(self, turn: Turn, state: SessionState, prefill: Candidate,
                      decode: Candidate | None) -> tuple[str, float]:
@@ -310,7 +360,12 @@ class Orchestrator:
         ``Turn.prompt_computed``)."""
         last_error = "no attempt made"
         failed: set[str] = set()
-        for prefill, decode in untried(attempts, failed):
+        for i, (prefill, decode) in enumerate(attempts):
+            if prefill.name in failed or (decode is not None and decode.name in failed):
+                continue
+            # the last pods left get no stall deadline: a turn is never lost to deadlines
+            # alone (an unusually long prompt is slow on every pod, not stalled)
+            turn.last_resort = next(untried(attempts[i + 1:], failed), None) is None
             try:
                 if decode is None:
                     queued = self.pool.queue_prompt(
@@ -405,9 +460,16 @@ class Orchestrator:
             for chunk in tail:
                 yield chunk
         except UPSTREAM_ERRORS as exc:  # the pod died mid-stream: tell the caller, in-band
-            self.pool.mark_failed(serving.name)
-            self.metrics.failures.labels("mid_stream").inc()
-            yield _sse_error(f"worker {serving.name} failed mid-stream: {exc!r}")
+            if isinstance(exc, InterTokenStall):  # tokens reached the caller: no moving it
+                self._stalled(serving.name, "prefill" if decode is None else "decode",
+                              "inter_token")
+                self.metrics.failures.labels("stalled").inc()
+                yield _sse_error(f"worker {serving.name} stalled mid-stream: no token within "
+                                 f"{exc.deadline_s:.3g}s", code="stalled")
+            else:
+                self.pool.mark_failed(serving.name)
+                self.metrics.failures.labels("mid_stream").inc()
+                yield _sse_error(f"worker {serving.name} failed mid-stream: {exc!r}")
         finally:
             turn.prompt_computed()
             self.pool.release(serving.name)
@@ -482,13 +544,75 @@ class Orchestrator:
         self.metrics.routed.labels(stage, pod.name, self.policy.name).inc()
         self.pool.acquire(pod.name)
         try:
-            return await fn(self.http, pod.name, pod.url + turn.endpoint, body,
-                            turn.upstream_headers)
+            if not self.settings.stall_detection or turn.last_resort:
+                return await fn(self.http, pod.name, pod.url + turn.endpoint, body,
+                                turn.upstream_headers)
+            return await self._watched(pod, "decode" if stage == "decode" else "prefill",
+                                       fn, body, turn)
+        except Stalled as exc:  # out until it answers a probe, not for a cool-down
+            self._stalled(pod.name, "decode" if stage == "decode" else "prefill", exc.kind)
+            raise
         except UpstreamFailed:
             self.pool.mark_failed(pod.name)
             raise
         finally:
             self.pool.release(pod.name)
+
+    async def _watched(self, pod: Candidate, stage: str, fn, body: dict[str, Any], turn: Turn
+                       ) -> Any:  # type: ignore[no-untyped-def]
+        """One upstream call under its stage's stall deadlines, feeding them what it observes:
+        a stream its first token and gaps; a blocking answer of n tokens is allowed the
+        first-token deadline plus n inter-token ones (unbounded without max_tokens)."""
+        first, gap = self._deadline(stage, "first_token"), self._deadline(stage, "inter_token")
+        url = pod.url + turn.endpoint
+        if fn is open_stream:
+            reply = await self._unless_stalled(pod.name, open_watched_stream(
+                self.http, pod.name, url, body, turn.upstream_headers, first, gap,
+                on_gap=lambda s: self.stalls.observe(stage, "inter_token", s)))
+            if reply.is_success and reply.first_token_s is not None:
+                self.stalls.observe(stage, "first_token", reply.first_token_s)
+            return reply
+        n = body.get("max_completion_tokens", body.get("max_tokens"))
+        deadline = first + gap * n if isinstance(n, int) and n > 0 else None
+        t0 = time.perf_counter()
+        reply = await self._unless_stalled(pod.name, post_watched(
+            self.http, pod.name, url, body, turn.upstream_headers, deadline))
+        if stage == "prefill" and n == 1 and reply.is_success:  # P/D's prefill call
+            self.stalls.observe(stage, "first_token", time.perf_counter() - t0)
+        return reply
+
+    async def _unless_stalled(self, pod: str, call: Coroutine[Any, Any, T]) -> T:
+        """``call``, unless another turn finds ``pod`` stalled first: then ``Stalled`` at once.
+        A blocking answer shows no token before its last, so its own deadline is long (a
+        first token plus one gap per token); the first stream to miss its first token on the
+        same pod moves it sooner."""
+        signal = self._stall_signals.setdefault(pod, asyncio.Event())
+        task, waiter = asyncio.ensure_future(call), asyncio.ensure_future(signal.wait())
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        finally:
+            waiter.cancel()
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise Stalled(pod, "first_token", time.perf_counter() - t0)
+
+    def _deadline(self, stage: str, kind: str) -> float:
+        deadline = self.stalls.deadline(stage, kind)
+        self.metrics.stall_deadline.labels(stage, kind).set(deadline)
+        return deadline
+
+    def _stalled(self, pod: str, stage: str, kind: str) -> None:
+        self.metrics.stalls.labels(stage, kind).inc()
+        self.pool.mark_stalled(pod)
+        if (signal := self._stall_signals.pop(pod, None)) is not None:
+            signal.set()  # the other turns waiting on it move too
+        self.metrics.stalled_pods.set(len(self.pool.stalled()))
 
     def _retrying(self, exc: UpstreamFailed) -> None:
         self.metrics.retries.labels("upstream").inc()
@@ -678,6 +802,6 @@ def _json_or_error(content: bytes) -> dict[str, Any]:
     return {"error": {"message": content.decode(errors="replace")[:500], "type": "upstream_error"}}
 
 
-def _sse_error(message: str) -> bytes:
-    body = {"error": {"message": message, "type": "upstream_error", "code": "mid_stream_failure"}}
+def _sse_error(message: str, code: str = "mid_stream_failure") -> bytes:
+    body = {"error": {"message": message, "type": "upstream_error", "code": code}}
     return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()

@@ -21,9 +21,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import aiohttp
+
 from agentserving.core.clients import KvindexClient, ServiceUnavailable
 from agentserving.core.logging import get_logger
 from agentserving.core.schemas import PodRole
+from agentserving.proxy.jsonio import loads
 from agentserving.proxy.routing import Candidate
 
 log = get_logger(__name__)
@@ -40,6 +43,9 @@ class PodState:
     inflight: int = 0
     failed_until: float = 0.0
     queued_prompt_tokens: int = 0
+    max_model_len: int | None = None  # from its GET /v1/models
+    stalled: bool = False  # went silent past a stall deadline; until it answers a probe
+    probed_at: float | None = None
 
     def candidate(self) -> Candidate:
         return Candidate(self.name, self.url, self.inflight, self.queued_prompt_tokens)
@@ -103,6 +109,8 @@ class PodPool:
             if old is not None:
                 state.inflight, state.failed_until = old.inflight, old.failed_until
                 state.queued_prompt_tokens = old.queued_prompt_tokens
+                state.max_model_len, state.stalled = old.max_model_len, old.stalled
+                state.probed_at = old.probed_at
             current[reg.pod] = state
         if not current and self._pods and self._keep_last_known():
             return True
@@ -129,7 +137,7 @@ class PodPool:
     # -- views
     def _healthy(self, pods: list[PodState]) -> list[PodState]:
         now = time.monotonic()
-        ok = [p for p in pods if p.failed_until <= now]
+        ok = [p for p in pods if p.failed_until <= now and not p.stalled]
         return ok or pods  # all recently failed: try them anyway rather than refuse
 
     def prefill_candidates(self) -> list[Candidate]:
@@ -180,3 +188,52 @@ class PodPool:
     def mark_failed(self, name: str) -> None:
         if (pod := self._find(name)) is not None:
             pod.failed_until = time.monotonic() + FAILURE_COOLDOWN_S
+
+    def mark_stalled(self, name: str) -> None:
+        """Out of rotation until it answers a probe (``probe``): unlike a failed pod, a
+        stalled one is not tried again after a cool-down, since it would take the turn and
+        go silent again."""
+        if (pod := self._find(name)) is not None and not pod.stalled:
+            pod.stalled = True
+            log.warning("pod_stalled", pod=name)
+
+    def stalled(self) -> list[str]:
+        return sorted(p.name for p in self._pods.values() if p.stalled)
+
+    def max_model_len(self) -> int | None:
+        """The largest context a pod reports: a turn past it fits no pod."""
+        return max((p.max_model_len for p in self._pods.values() if p.max_model_len),
+                   default=None)
+
+    # -- probes
+    async def probe(self, http: aiohttp.ClientSession, timeout_s: float,
+                    unknown_every_s: float = 30.0) -> None:
+        """Ask ``GET /v1/models`` of every stalled pod (one that answers is back in rotation)
+        and of every pod whose context length is unknown (at most every
+        ``unknown_every_s``): the pods answer it on every engine, and it carries their
+        ``max_model_len``."""
+        now = time.monotonic()
+        due = [p for p in self._pods.values() if p.stalled or (
+            p.max_model_len is None and (p.probed_at is None
+                                         or now - p.probed_at >= unknown_every_s))]
+        await asyncio.gather(*(self._probe_one(http, p, timeout_s) for p in due))
+
+    async def _probe_one(self, http: aiohttp.ClientSession, pod: PodState,
+                         timeout_s: float) -> None:
+        pod.probed_at = time.monotonic()
+        try:
+            async with http.get(pod.url + "/v1/models",
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                if resp.status != 200:
+                    return
+                payload = loads(await resp.read())
+        except (TimeoutError, aiohttp.ClientError, ValueError):
+            return
+        lengths = [m.get("max_model_len") for m in (payload.get("data") or [])
+                   if isinstance(m, dict)] if isinstance(payload, dict) else []
+        known = [n for n in lengths if isinstance(n, int) and n > 1]
+        if known:
+            pod.max_model_len = max(known)
+        if pod.stalled:
+            pod.stalled = False
+            log.info("pod_answers_again", pod=pod.name)

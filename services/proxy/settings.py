@@ -80,5 +80,22 @@ class ProxySettings(BaseModel):
     session_idle_ttl_s: float = Field(
         default=3600.0, ge=0, description="Forget a session's routing state this long after "
         "its last turn (as the kvindex's --session-idle-ttl expires its session); 0: never.")
+    max_model_len: int | None = Field(
+        default=None, gt=1, description="The model's context length in tokens (None: the "
+        "largest the pods report in GET /v1/models).")
+    stall_detection: bool = True
+    stall_prefill_first_token_s: float | None = Field(default=None, gt=0)
+    stall_prefill_inter_token_s: float | None = Field(default=None, gt=0)
+    stall_decode_first_token_s: float | None = Field(default=None, gt=0)
+    stall_decode_inter_token_s: float | None = Field(default=None, gt=0)
+    stall_multiple: float = Field(default=5.0, ge=1)
+    stall_first_token_floor_s: float = Field(default=5.0, gt=0)
+    stall_inter_token_floor_s: float = Field(default=2.0, gt=0)
+    stall_first_token_initial_s: float = Field(default=30.0, gt=0)
+    stall_inter_token_initial_s: float = Field(default=10.0, gt=0)
+    stall_min_samples: int = Field(default=20, ge=1)
+    probe_interval_s: float = Field(
+        default=1.0, gt=0, description="Seconds between GET /v1/models probes of a stalled "
+        "pod (it routes again once it answers).")
     log_level: str = "info"
     log_json: bool = True

@@ -11,7 +11,8 @@ whole prompt, and aiohttp spends about a quarter of httpx's CPU per call (0.2 vs
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,26 @@ class UpstreamFailed(Exception):
         self.reason = reason
 
 
+class Stalled(UpstreamFailed):
+    """The pod took the request and went silent past a deadline (``kind``: first_token or
+    inter_token): retried elsewhere as a failed pod is, and kept out of rotation."""
+
+    def __init__(self, pod: str, kind: str, deadline_s: float) -> None:
+        super().__init__(pod, f"stalled: no {kind.replace('_', ' ')} within {deadline_s:.3g}s")
+        self.kind = kind
+        self.deadline_s = deadline_s
+
+
+class InterTokenStall(asyncio.TimeoutError):
+    """A stream's next line did not come within its inter-token deadline (one of
+    ``UPSTREAM_ERRORS``: a stream that stalls ends as one whose pod died)."""
+
+    def __init__(self, pod: str, deadline_s: float) -> None:
+        super().__init__(f"{pod}: stalled: no token within {deadline_s:.3g}s")
+        self.pod = pod
+        self.deadline_s = deadline_s
+
+
 @dataclass
 class Reply:
     """A worker's whole answer."""
@@ -61,12 +82,22 @@ class Reply:
 
 
 class StreamReply:
-    """A worker's answer whose body is still to be read, line by line."""
+    """A worker's answer whose body is still to be read, line by line. With an inter-token
+    deadline, a line that does not come in time raises ``InterTokenStall``; ``on_gap`` is told
+    each gap between two ``data:`` lines (the latencies the adaptive deadlines follow)."""
 
-    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse, pod: str = "",
+                 inter_token_s: float | None = None,
+                 on_gap: Callable[[float], None] | None = None) -> None:
         self._resp = resp
         self.status_code = resp.status
         self.headers: Mapping[str, str] = resp.headers
+        self.pod = pod
+        self.inter_token_s = inter_token_s
+        self.on_gap = on_gap
+        self.first_token_s: float | None = None  # from the request to the first data line
+        self._early: list[str] = []  # lines read before the body was handed on
+        self._lines: AsyncIterator[str] | None = None
 
     @property
     def is_success(self) -> bool:
@@ -78,9 +109,49 @@ class StreamReply:
     async def aclose(self) -> None:
         self._resp.release()
 
+    def abort(self) -> None:
+        """Drop the connection: the pod may still be writing (or stopped mid-answer)."""
+        self._resp.close()
+
+    async def first_event(self) -> None:
+        """Read up to the first ``data:`` line (the first token), keeping what was read for
+        ``aiter_lines``. The caller bounds it with the first-token deadline."""
+        lines = self._raw_lines()
+        self._lines = lines
+        async for line in lines:
+            self._early.append(line)
+            if line.startswith("data:"):
+                return
+
     async def aiter_lines(self) -> AsyncIterator[str]:
         """Lines without their ``\n`` / ``\r\n``; raises ``UPSTREAM_ERRORS`` if the worker
-        goes away mid-stream."""
+        goes away mid-stream, ``InterTokenStall`` if it goes silent past the deadline."""
+        for line in self._early:
+            yield line
+        self._early = []
+        lines = self._lines if self._lines is not None else self._raw_lines()
+        last = time.perf_counter()
+        while True:
+            try:
+                if self.inter_token_s is None:
+                    line = await anext(lines)
+                else:
+                    line = await asyncio.wait_for(anext(lines), self.inter_token_s)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:  # the deadline's, or the client's own timeout
+                if self.inter_token_s is None or \
+                        time.perf_counter() - last < self.inter_token_s:
+                    raise
+                raise InterTokenStall(self.pod, self.inter_token_s) from None
+            if line.startswith("data:"):
+                now = time.perf_counter()
+                if self.on_gap is not None and line[5:].strip() != "[DONE]":
+                    self.on_gap(now - last)
+                last = now
+            yield line
+
+    async def _raw_lines(self) -> AsyncIterator[str]:
         buf = b""
         async for data in self._resp.content.iter_any():
             buf += data
@@ -119,7 +190,54 @@ async def open_stream(client: aiohttp.ClientSession, pod: str, url: str, body: d
             text = ""
         resp.release()
         raise UpstreamFailed(pod, f"HTTP {resp.status}: {text}")
-    return StreamReply(resp)
+    return StreamReply(resp, pod)
+
+
+async def post_watched(client: aiohttp.ClientSession, pod: str, url: str, body: dict[str, Any],
+                       headers: Mapping[str, str] | None, deadline_s: float | None) -> Reply:
+    """``post_json``, or ``Stalled`` when the whole answer takes longer than ``deadline_s``
+    (a blocking answer shows no token before its last)."""
+    if deadline_s is None:
+        return await post_json(client, pod, url, body, headers)
+    try:  # post_json turns the client's own timeouts into UpstreamFailed: this one is ours
+        return await asyncio.wait_for(post_json(client, pod, url, body, headers), deadline_s)
+    except TimeoutError:
+        raise Stalled(pod, "first_token", deadline_s) from None
+
+
+async def open_watched_stream(client: aiohttp.ClientSession, pod: str, url: str,
+                              body: dict[str, Any], headers: Mapping[str, str] | None,
+                              first_token_s: float, inter_token_s: float,
+                              on_gap: Callable[[float], None] | None = None) -> StreamReply:
+    """``open_stream`` that also reads up to the first token, within ``first_token_s``
+    (``Stalled`` past it), and whose later lines must come within ``inter_token_s``. Nothing
+    has reached the caller when it returns, so any failure up to the first token -- a pod
+    that dies, one that stalls -- can still move the turn to another pod unseen."""
+    t0 = time.perf_counter()
+    opened: list[StreamReply] = []
+
+    async def first_token() -> StreamReply:
+        reply = await open_stream(client, pod, url, body, headers)
+        opened.append(reply)
+        if reply.is_success:
+            try:
+                await reply.first_event()
+            except UPSTREAM_ERRORS as exc:
+                raise UpstreamFailed(pod, f"before the first token: "
+                                     f"{type(exc).__name__}: {exc}") from exc
+        return reply
+
+    try:
+        reply = await asyncio.wait_for(first_token(), first_token_s)
+    except BaseException as exc:
+        for r in opened:
+            r.abort()
+        if isinstance(exc, asyncio.TimeoutError):
+            raise Stalled(pod, "first_token", first_token_s) from None
+        raise
+    reply.first_token_s = time.perf_counter() - t0
+    reply.inter_token_s, reply.on_gap = inter_token_s, on_gap
+    return reply
 
 
 @dataclass

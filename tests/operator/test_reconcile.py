@@ -136,6 +136,20 @@ def test_invalid_spec_writes_degraded_and_raises(settings):
     assert "spec.kvindex.replicas" in degraded["message"]
 
 
+def test_vllm_pd_that_moves_no_kv_is_an_invalid_spec(settings):
+    kube = FakeKube()
+    kube.resource = body({"model": {"name": "m"}, "engine": {"type": "vllm"},
+                          "kvCache": {"transferBackend": "tcp"}})
+    with pytest.raises(SpecError):
+        reconcile.reconcile(kube, settings, kube.resource)
+    assert kube.objects == {}  # no pool that would recompute every prompt
+    written, _ = kube.status_writes[-1]
+    degraded = next(c for c in written["conditions"] if c["type"] == "Degraded")
+    assert degraded["reason"] == "InvalidSpec"
+    assert "spec.engine.type vllm" in degraded["message"]
+    assert "spec.kvCache.transferBackend tcp" in degraded["message"]
+
+
 def test_refresh_is_conditional_and_retries_on_conflict(settings):
     kube = FakeKube()
     kube.resource = body({"model": {"name": "tiny"}})

@@ -348,7 +348,46 @@ def test_lmcache_server_backend_runs_the_kv_server_and_points_vllm_pods_at_it(se
     for role in ("prefill", "decode"):
         served = vllm_serve_of(worker(kids, role))
         assert served["env"]["LMCACHE_REMOTE_URL"] == "lm://demo-kvserver.ns1.svc:65432"
-    assert ("Deployment", "demo-kvserver") not in children(NVIDIA, settings)  # tcp: none
+    # unset, a vllm spec gets the backend vLLM moves KV with; the reference engine none
+    assert ("Deployment", "demo-kvserver") in children(NVIDIA, settings)
+    assert ("Deployment", "demo-kvserver") not in children({"model": {"name": "tiny"}},
+                                                          settings)
+
+
+@pytest.mark.parametrize(("engine", "backend"), [("reference", "tcp"),
+                                                 ("vllm", "lmcache-server"),
+                                                 ("vllm-ascend", "tcp")])
+def test_unset_transfer_backend_is_the_one_the_engine_moves_kv_with(engine, backend):
+    from agentserving.operator.builders.common import with_engine_defaults
+    from agentserving.operator.builders.engines import check_transfer_backend
+
+    spec = with_engine_defaults(defaulted({"model": {"name": "m"}, "engine": {"type": engine}}))
+    assert spec["kvCache"]["transferBackend"] == backend
+    check_transfer_backend(engine, backend)  # and it passes the check
+
+
+@pytest.mark.parametrize(("engine", "backend"), [("vllm", "tcp"),
+                                                 ("reference", "lmcache-server"),
+                                                 ("vllm-ascend", "lmcache-server")])
+def test_a_transfer_backend_that_moves_no_kv_is_refused_naming_both_fields(engine, backend):
+    from agentserving.operator.builders.common import SpecError
+    from agentserving.operator.builders.engines import check_transfer_backend
+
+    with pytest.raises(SpecError) as err:
+        check_transfer_backend(engine, backend)
+    assert err.value.field_path == "spec.kvCache.transferBackend"
+    assert f"spec.engine.type {engine} " in str(err.value)
+    assert f"spec.kvCache.transferBackend {backend} " in str(err.value)
+    assert "moves no KV" in str(err.value)
+
+
+def test_vllm_on_tcp_is_refused_before_anything_is_built(settings):
+    from agentserving.operator.builders.common import SpecError
+
+    with pytest.raises(SpecError) as err:
+        children({**NVIDIA, "kvCache": {**NVIDIA["kvCache"], "transferBackend": "tcp"}},
+                 settings)
+    assert err.value.field_path == "spec.kvCache.transferBackend"
 
 
 def test_lmcache_server_backend_is_for_vllm_only(settings):

@@ -167,6 +167,8 @@ def command(**kwargs: object) -> None:
     if settings.engine == "vllm":
         from agentserving.engine.vllm.serve_command import VllmConfigError, build, exec_vllm
 
+        if (why := _dram_floor_error(settings)) is not None:
+            raise click.BadParameter(why, param_hint="--cpu-cache-gib")
         try:
             if print_command:
                 command = build(settings)
@@ -179,6 +181,20 @@ def command(**kwargs: object) -> None:
         raise click.UsageError("--print-command: only the vLLM engine has it (--engine vllm)")
     configure_logging(settings.log_level, settings.log_json)
     sys.exit(run(settings))
+
+
+def _dram_floor_error(settings: WorkerSettings) -> str | None:
+    """``dram_floor_error`` for a named model whose folder is prepared (its config.json gives
+    the KV chunk's size); None for any other model, or no LMCache tiers."""
+    from agentserving.engine.kv.disk_probe import model_chunk_bytes
+    from agentserving.engine.model.folders import folder_of
+    from agentserving.engine.vllm.serve_command import dram_floor_error
+
+    folder = folder_of(settings.model, seed=settings.seed)
+    if settings.vllm_kv_connector == "none" or folder is None \
+            or not (folder / "config.json").exists():
+        return None
+    return dram_floor_error(settings, model_chunk_bytes(folder, settings.chunk_size))
 
 
 def settings_from_params(params: dict[str, object]) -> WorkerSettings:

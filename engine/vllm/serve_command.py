@@ -138,6 +138,31 @@ def check_settings(settings: WorkerSettings) -> None:
                               "lm://HOST:PORT (an LMCache server)")
 
 
+# LMCache stages every chunk it stores or reads from disk in its CPU tier: a tier that cannot
+# hold this many requests' whole KV at once leaves a retrieve waiting for room that only the
+# retrieve itself would free ("No eviction candidates found in local cpu backend"), and vLLM's
+# engine core dies when its step times out (found with --cpu-cache-gib 0.06 and 8064-token
+# prompts of the tiny model: 2 MiB per 256-token chunk).
+DRAM_FLOOR_REQUESTS = 2
+
+
+def dram_floor_error(settings: WorkerSettings, chunk_bytes: int) -> str | None:
+    """Why ``--cpu-cache-gib`` is too small for LMCache to serve ``--max-model-len`` prompts of
+    a model whose KV chunk is ``chunk_bytes``; None when it is not (or the context is unset)."""
+    if not settings.max_model_len or chunk_bytes <= 0:
+        return None
+    chunks = -(-settings.max_model_len // settings.chunk_size)
+    need = DRAM_FLOOR_REQUESTS * chunks * chunk_bytes
+    have = int(settings.cpu_cache_gib * (1 << 30))
+    if have >= need:
+        return None
+    return (f"{settings.cpu_cache_gib:g} GiB holds {have // chunk_bytes} KV chunks of "
+            f"{chunk_bytes / (1 << 20):g} MiB; LMCache stages every stored or disk-read chunk "
+            f"in it, and {DRAM_FLOOR_REQUESTS} prompts of --max-model-len "
+            f"{settings.max_model_len} need {DRAM_FLOOR_REQUESTS * chunks}: at least "
+            f"{need / (1 << 30):.3f} GiB")
+
+
 def lmcache_env(settings: WorkerSettings) -> dict[str, str]:
     """LMCache's configuration as its ``LMCACHE_*`` environment variables."""
     env = {

@@ -190,8 +190,8 @@ def test_turns_after_a_tool_gap_are_those_whose_tool_ran_long_enough():
     assert [gap_before_s(turns, i) for i in range(4)] == [0.0, 2.0, 0.0, 0.1]
     recs = [{"session_id": "s", "turn": i, "ok": True, "start_s": 0.0, "end_s": 1.0,
              "ttft_s": ttft, "gap_before_s": gap, "prompt_tokens": 10}
-            for i, (gap, ttft) in enumerate([(0.0, 9.0), (AFTER_GAP_S, 0.3), (2.0, 0.5),
-                                             (AFTER_GAP_S / 2, 7.0)])]
+            for i, (gap, ttft) in enumerate([(0.0, 9.0), (AFTER_GAP_S + 0.05, 0.3), (2.0, 0.5),
+                                             (AFTER_GAP_S, 7.0)])]
     s = summarize(recs, sessions_planned=1, turns_planned=4)
     assert s["after_gap_turns"] == 2 and s["ttft_p50_after_gap_s"] == 0.4
 

@@ -399,3 +399,21 @@ def test_force_next_leaves_only_the_forced_id_and_never_breaks_a_row() -> None:
     assert int(teacher_forcing.force_next((4, 9), [4], row.clone()).argmax()) == 9
     assert torch.equal(teacher_forcing.force_next((4, 9), [4, 9], row.clone()), row)  # past
     assert torch.equal(teacher_forcing.force_next((40,), [], row.clone()), row)  # no such id
+
+
+def test_a_cpu_tier_too_small_for_lmcache_to_stage_two_prompts_is_refused() -> None:
+    two_mib = 2 << 20  # the tiny model's 256-token chunk
+    assert serve_command.dram_floor_error(WorkerSettings(max_model_len=8064), two_mib) is None
+    why = serve_command.dram_floor_error(
+        WorkerSettings(max_model_len=8064, cpu_cache_gib=0.06), two_mib)
+    assert why is not None and "holds 30 KV chunks" in why and "need 64" in why
+    assert serve_command.dram_floor_error(WorkerSettings(cpu_cache_gib=0.06), two_mib) is None
+    # through the worker's command line, the model's own KV size read from its folder
+    from agentserving.engine.model.folders import prepare
+
+    prepare("tiny")
+    args = ["worker", "--engine", "vllm", "--max-model-len", "8064", "--print-command"]
+    refused = CliRunner().invoke(main, [*args, "--cpu-cache-gib", "0.06"])
+    assert refused.exit_code == 2 and "--cpu-cache-gib" in refused.output
+    assert "0.125 GiB" in refused.output
+    assert CliRunner().invoke(main, [*args, "--cpu-cache-gib", "0.13"]).exit_code == 0

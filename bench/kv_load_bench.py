@@ -226,7 +226,7 @@ def _queued_disk_rows(args: argparse.Namespace, parts: Any, sessions: list[list[
 def _queued_disk_run(args: argparse.Namespace, parts: Any, sessions: list[list[int]],
                      mode: str, round_: int) -> dict[str, Any]:
     """Queue every session's next turn at once (disk-only prefixes), step until done."""
-    from agentserving.engine.scheduler.policy import make_policy
+    from agentserving.engine.scheduler.registry import make_policy
     from testkit.worker import prompt, request
 
     core, store = parts.core, parts.store

@@ -46,6 +46,15 @@ def _evict_cpu(parts, wire):
     parts.store.evict(wire, parts.store.resolve_locations(["cpu"]))
 
 
+def _flip_on_disk(store, chunk: str, offset: int | None, mask: int) -> str:
+    """XOR one byte of ``chunk``'s disk file (``offset`` None: its middle); the file's path."""
+    path = store.disk_path(chunk)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2 if offset is None else offset] ^= mask
+    open(path, "wb").write(data)
+    return path
+
+
 def test_store_then_load_from_dram_and_from_disk_bit_exact(filled):
     parts, ids, layers, ints, wire = filled
     store = parts.store
@@ -82,10 +91,7 @@ def test_flipped_bit_on_disk_is_detected_and_never_served(filled):
     parts, ids, layers, ints, wire = filled
     store = parts.store
     _evict_cpu(parts, wire)
-    path = store.disk_path(wire[1])
-    data = bytearray(open(path, "rb").read())
-    data[len(data) // 2] ^= 0x10
-    open(path, "wb").write(data)
+    path = _flip_on_disk(store, wire[1], None, 0x10)
     res = store.load_prefix(ints)
     assert res.corrupt == [wire[1]]
     assert res.num_tokens == 256 and _same(layers, res.layers, 256)
@@ -156,10 +162,7 @@ def test_prefetch_refuses_a_corrupt_chunk(filled):
     parts, ids, layers, ints, wire = filled
     store = parts.store
     _evict_cpu(parts, wire)
-    path = store.disk_path(wire[0])
-    data = bytearray(open(path, "rb").read())
-    data[7] ^= 0xFF
-    open(path, "wb").write(data)
+    _flip_on_disk(store, wire[0], 7, 0xFF)
     status = _wait(store.prefetch(wire, None))
     assert status.state == "done" and status.corrupt == 1 and status.loaded == 2
     assert store.tier_of(parts.keys.key(ints[0])) is None

@@ -58,12 +58,11 @@ import httpx
 from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from bench.common import percentile, write_result
 from bench.common import progress as common_progress
-from testkit.servers import RedisServer, free_port, service_process
+from testkit.servers import AGENTSERVING, RedisServer, free_port, service_process
 
 NAME = "control_plane_load"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
 ROOT = Path(__file__).resolve().parents[1]
-AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 MODEL = "standin"
 TARGET_ERRORS = 0
 TARGET_ADDED_P99_MS = 10.0

@@ -27,9 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from bench.common import percentile, write_result
-from testkit.servers import free_port, service_process
-
-AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
+from testkit.servers import AGENTSERVING, free_port, service_process
 
 
 def make_upstream() -> FastAPI:

@@ -12,13 +12,11 @@ as in ``openai_protocol``.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from agentserving.core.openai_protocol import TOKEN_ID_SCHEMA, ChatMessage, Int
-
-TokenId = Annotated[Int, Field(ge=TOKEN_ID_SCHEMA["minimum"], le=TOKEN_ID_SCHEMA["maximum"])]
+from agentserving.core.openai_protocol import ChatMessage, TokenId
 
 
 class _Body(BaseModel):
@@ -26,7 +24,10 @@ class _Body(BaseModel):
 
 
 class TokenizeCompletionRequest(_Body):
-    """Tokenize ``prompt`` as a completion's prompt."""
+    """Tokenize ``prompt`` as a completion's prompt (a body with ``messages`` is the chat
+    form, whatever else it holds: the schema says so, keeping the two forms apart)."""
+
+    model_config = ConfigDict(json_schema_extra={"not": {"required": ["messages"]}})
 
     model: str | None = None
     prompt: str
@@ -49,6 +50,14 @@ class TokenizeChatRequest(_Body):
         False, description="Add special tokens besides the template's (it writes its own).")
     return_token_strs: bool | None = Field(
         False, description="Also answer each token's string (`token_strs`).")
+
+    # continue_final_message: true needs add_generation_prompt: false, given (it defaults
+    # to true); the validator below says so in a 400, this in the schema
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"properties": {"continue_final_message": {"const": True}},
+               "required": ["continue_final_message"]},
+        "then": {"properties": {"add_generation_prompt": {"const": False}},
+                 "required": ["add_generation_prompt"]}})
 
     @field_validator("continue_final_message")
     @classmethod

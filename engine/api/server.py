@@ -90,6 +90,7 @@ def _narrow_to_model(app: FastAPI, vocab_size: int) -> None:
             narrow(props["forced_output_token_ids"])
             if "prompt" in props:
                 narrow(props["prompt"])
+        narrow(schema["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"])
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -92,7 +92,7 @@ def install_tokenization_routes(app: FastAPI, tokenizer: Tokenizer, model_name: 
                            code="model_not_found")
 
     @app.post("/tokenize", tags=["vllm"], response_model=TokenizeResponse,
-              openapi_extra=TOKENIZE_BODY, responses=error_responses(400, 404, 503),
+              openapi_extra=TOKENIZE_BODY, responses=error_responses(400, 404, 413, 503),
               summary="A prompt's (or chat's, templated) token ids, as vLLM's /tokenize.")
     async def tokenize(request: Request) -> TokenizeResponse:
         try:
@@ -106,7 +106,7 @@ def install_tokenization_routes(app: FastAPI, tokenizer: Tokenizer, model_name: 
                                 token_strs=tokenizer.token_strs(ids)
                                 if req.return_token_strs else None)
 
-    @app.post("/detokenize", tags=["vllm"], responses=error_responses(400, 404),
+    @app.post("/detokenize", tags=["vllm"], responses=error_responses(400, 404, 413),
               summary="The text of token ids, special tokens written out, as vLLM's.")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         same_model(body.model)

@@ -142,7 +142,7 @@ def install_engine_routes(app: FastAPI, registry: CollectorRegistry,
         return body, principal.tenant if principal else None
 
     @router.post("/tokenize", response_model=TokenizeResponse, openapi_extra=TOKENIZE_BODY,
-                 responses={**error_responses(400, 401, 404), **_UNAVAILABLE},
+                 responses={**error_responses(400, 401, 404, 413), **_UNAVAILABLE},
                  summary="A prompt's (or chat's, templated) token ids, from a pod of the "
                          "model: vLLM's /tokenize.")
     async def tokenize(request: Request) -> Response:
@@ -151,7 +151,7 @@ def install_engine_routes(app: FastAPI, registry: CollectorRegistry,
 
     @router.post("/detokenize", response_model=DetokenizeResponse,
                  openapi_extra=turn_body(DetokenizeRequest),
-                 responses={**error_responses(400, 401, 404), **_UNAVAILABLE},
+                 responses={**error_responses(400, 401, 404, 413), **_UNAVAILABLE},
                  summary="The text of token ids, from a pod of the model: vLLM's /detokenize.")
     async def detokenize(request: Request) -> Response:
         body, tenant = await read(request, "tokens")

@@ -5,6 +5,8 @@ The tests that kill workers run last."""
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -123,6 +125,21 @@ def test_version_health_and_openapi(fleet):
     assert r.status_code == 200 and r.content == b""
     paths = httpx.get(fleet.proxy.url + "/openapi.json", timeout=30).json()["paths"]
     assert {"/tokenize", "/detokenize", "/version", "/health"} <= set(paths)
+
+
+def test_api_keys_guard_tokenize_and_leave_the_probes_open(fleet, tmp_path):
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"keys": [{"key": "sk-tenant-a-0001", "tenant": "a"}]}))
+    proxy = fleet.start_proxy("--prefill", fleet.workers["w1"].url, "--api-keys", str(keys),
+                              name="proxy-keys")
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [5]})):
+        r = httpx.post(proxy.url + path, json=body, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        r = httpx.post(proxy.url + path, json=body, timeout=30,
+                       headers={"authorization": "Bearer sk-tenant-a-0001"})
+        assert r.status_code == 200, r.text
+    assert httpx.get(proxy.url + "/version", timeout=30).status_code == 200
+    assert httpx.get(proxy.url + "/health", timeout=30).status_code == 200
 
 
 def test_a_dead_pod_fails_over_then_none_is_a_503(fleet):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import write_result
+from bench.common import add_out_args, write_result
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -24,9 +24,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode-tokens", type=int, default=16, help="Decode steps after it.")
     parser.add_argument("--reps", type=int, default=3, help="Repetitions; the best is kept.")
     parser.add_argument("--threads", type=int, default=1, help="torch threads.")
-    parser.add_argument("--quick", action="store_true", help="Smoke sizes (CI).")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/attention.json"),
-                        help="Where to write the JSON result.")
+    add_out_args(parser, Path("bench/results/attention.json"))
     args = parser.parse_args(argv)
     if args.quick:
         args.prompt_tokens, args.step_tokens, args.decode_tokens, args.reps = 512, 256, 4, 1

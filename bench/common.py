@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import platform
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,24 +26,28 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
 
 
+def add_out_args(parser: argparse.ArgumentParser, out: Path, quick: str | None = None,
+                 plot: bool = False) -> None:
+    """The flags every bench has: --quick (``quick`` says what it shrinks to) and --out (with
+    ``plot``, the PNG goes beside it)."""
+    parser.add_argument("--quick", action="store_true",
+                        help="Smoke sizes (CI)" + (f": {quick}." if quick else "."))
+    parser.add_argument("--out", type=Path, default=out, help=f"Where the JSON results go "
+                        f"(default {out}" + ("; the plot beside it, .png)." if plot else ")."))
+
+
 def add_run_args(parser: argparse.ArgumentParser, quick: str, out: Path,
                  plot: bool = False) -> None:
-    """The flags every fleet bench ends with: --quick (``quick`` says what it shrinks to),
-    --no-progress, --out (with ``plot``, the PNG goes beside it)."""
-    parser.add_argument("--quick", action="store_true", help=f"Smoke sizes (CI): {quick}.")
+    """The flags every fleet bench ends with: ``add_out_args``'s and --no-progress."""
+    add_out_args(parser, out, quick, plot)
     parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
-    parser.add_argument("--out", type=Path, default=out, help="Where the JSON results go" + (
-        " (the plot beside it, .png)." if plot else "."))
 
 
 def session_parser(prog: str, description: str, default_out: Path) -> argparse.ArgumentParser:
     """The long-session benches' flags: --out, --quick, --context, --reps (a bench adds its
     own, then calls ``finish_session_args`` on what it parsed)."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
-    parser.add_argument("--out", type=Path, default=default_out,
-                        help=f"where to write the JSON results (default {default_out})")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke sizes: a 4 k-token context, one repetition")
+    add_out_args(parser, default_out, "a 4 k-token context, one repetition")
     parser.add_argument("--context", type=int, default=None,
                         help="turn-1 prompt tokens (default 16384; 4096 with --quick)")
     parser.add_argument("--reps", type=int, default=None,
@@ -53,6 +59,22 @@ def finish_session_args(args: argparse.Namespace) -> argparse.Namespace:
     args.context = args.context or (4096 if args.quick else 16384)
     args.reps = args.reps or (1 if args.quick else 3)
     return args
+
+
+def finish_session_bench(name: str, args: argparse.Namespace, ttft: dict[str, Any],
+                         pd: dict[str, Any], started: float,
+                         environment: dict[str, Any] | None = None, **fields: Any) -> int:
+    """Write a long-session bench's result (the second turn's TTFT by where its prefix came
+    from, the P/D hand-off, and how they were measured: ``fields``, the engine and the model)
+    to ``args.out``; the exit status is 1 when the P/D decode differed from one pod's (the
+    check these benches make)."""
+    write_result(args.out, {
+        "bench": name, "quick": args.quick, **fields, "context_tokens": args.context,
+        "reps": args.reps, "second_turn": ttft, "pd_transfer": pd,
+        "environment": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                        **(environment or {})},
+        "seconds": round(time.time() - started, 1)})
+    return 0 if pd["decode_equals_single_pod"] else 1
 
 
 def wait_on_disk(memory_url: str, hashes: list[str], timeout_s: float = 120.0) -> None:

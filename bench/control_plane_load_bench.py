@@ -56,14 +56,13 @@ from typing import Any
 import httpx
 
 from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
-from bench.common import percentile, write_result
+from bench.common import add_out_args, percentile, write_result
 from bench.common import progress as common_progress
-from testkit.servers import RedisServer, free_port, service_process
+from testkit.servers import AGENTSERVING, RedisServer, free_port, service_process
 
 NAME = "control_plane_load"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
 ROOT = Path(__file__).resolve().parents[1]
-AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 MODEL = "standin"
 TARGET_ERRORS = 0
 TARGET_ADDED_P99_MS = 10.0
@@ -85,10 +84,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         epilog="Defaults: 1,000 sessions x 6 turns, 3,000-token first turns, 300-token appends, "
                "5 s think, 10 s ramp; --quick: 50 x 3, 2,000 / 200 tokens, 0.2 s think, 1 s "
                "ramp. A flag given explicitly wins over either.")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help=f"where to write the JSON results (default {DEFAULT_OUT})")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke sizes (CI): 50 sessions x 3 turns, well under a minute")
+    add_out_args(parser, DEFAULT_OUT, "50 sessions x 3 turns, well under a minute")
     parser.add_argument("--sessions", type=int, default=None,
                         help="concurrent agent sessions (default 1000; 50 with --quick)")
     parser.add_argument("--turns", type=int, default=None,

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from bench.common import percentile, write_result
+from bench.common import add_out_args, percentile, write_result
 
 TIERS = ("dram", "disk_buffered", "disk_direct")
 
@@ -40,9 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix", type=int, default=4096, help="Cached prefix tokens per session "
                    "(whole 256-token chunks).")
     p.add_argument("--rounds", type=int, default=3, help="Reloads of every prefix per tier.")
-    p.add_argument("--quick", action="store_true", help="Smoke sizes (CI): 3 sessions of "
-                   "1,024 tokens, one round.")
-    p.add_argument("--out", type=Path, default=Path("bench/results/disk_tier.json"))
+    add_out_args(p, Path("bench/results/disk_tier.json"), "3 sessions of 1,024 tokens, one round")
     args = p.parse_args(argv)
     if args.quick:
         args.sessions, args.prefix, args.rounds = 3, 1024, 1

@@ -54,7 +54,7 @@ from agentserving.replay.fleet.process import ManagedProcess
 from agentserving.replay.fleet.supervisor import Fleet
 from agentserving.replay.fleet.topology import FleetSpec, build
 from bench import fault_injection as act
-from bench.common import progress, write_result
+from bench.common import add_out_args, progress, write_result
 from bench.fault_client import Hooks, replay
 from bench.fault_plan import (
     FAULTS,
@@ -79,11 +79,8 @@ MODEL = "tiny"
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench faults",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help=f"where to write the JSON results (default {DEFAULT_OUT})")
-    parser.add_argument("--quick", action="store_true",
-                        help=f"smoke sizes: 3 sessions x 3 turns, fault(s) "
-                             f"{','.join(QUICK_FAULTS)} only")
+    add_out_args(parser, DEFAULT_OUT,
+                 f"3 sessions x 3 turns, fault(s) {','.join(QUICK_FAULTS)} only")
     parser.add_argument("--faults", default=None,
                         help=f"comma-separated subset of {','.join(FAULTS)} (default: all; "
                              f"with --quick: {','.join(QUICK_FAULTS)})")

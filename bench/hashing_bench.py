@@ -15,15 +15,14 @@ from pathlib import Path
 import numpy as np
 
 from agentserving.core.hashing import ChunkHasher, HashScheme
-from bench.common import write_result
+from bench.common import add_out_args, write_result
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench hashing", description=__doc__)
     parser.add_argument("--tokens", type=int, default=131_072, help="Prompt length in tokens.")
     parser.add_argument("--repeats", type=int, default=200, help="Timed runs per case.")
-    parser.add_argument("--quick", action="store_true", help="Smoke sizes (CI).")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/hashing.json"))
+    add_out_args(parser, Path("bench/results/hashing.json"))
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats = 10

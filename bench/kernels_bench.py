@@ -32,7 +32,7 @@ import torch
 
 from agentserving.kernels import gather_blocks, prefill_mask, split_stacked, triton_available
 from agentserving.kernels import reference as ref
-from bench.common import write_result
+from bench.common import add_out_args, write_result
 
 # HBM peak (bytes/s) by device-name substring; None when unknown.
 PEAK_BW = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L40S": 0.864e12, "A10": 0.6e12,
@@ -54,8 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch CPU threads (1: multi-threaded copies on a shared, busy "
                              "host measured 10x noise from thread contention).")
-    parser.add_argument("--quick", action="store_true", help="Smoke sizes (CI).")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/kernels.json"))
+    add_out_args(parser, Path("bench/results/kernels.json"))
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.kv_heads, args.head_dim = 5, 2, 64

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from bench.common import percentile, write_result
+from bench.common import add_out_args, percentile, write_result
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -56,10 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--contexts", default="1024,4096,16384", help="Decode contexts.")
     p.add_argument("--decode-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=1, help="torch threads (shared host: 1).")
-    p.add_argument("--quick", action="store_true", help="Smoke sizes (CI).")
+    add_out_args(p, Path("bench/results/kv_load.json"))
     p.add_argument("--sections", default="load,decode,pull",
                    help="Comma-separated subset of load,decode,pull.")
-    p.add_argument("--out", type=Path, default=Path("bench/results/kv_load.json"))
     args = p.parse_args(argv)
     if args.quick:
         args.prefix, args.turns, args.contexts, args.decode_tokens = 2048, 4, "1024,4096", 8
@@ -226,7 +225,7 @@ def _queued_disk_rows(args: argparse.Namespace, parts: Any, sessions: list[list[
 def _queued_disk_run(args: argparse.Namespace, parts: Any, sessions: list[list[int]],
                      mode: str, round_: int) -> dict[str, Any]:
     """Queue every session's next turn at once (disk-only prefixes), step until done."""
-    from agentserving.engine.scheduler.policy import make_policy
+    from agentserving.engine.scheduler.registry import make_policy
     from testkit.worker import prompt, request
 
     core, store = parts.core, parts.store

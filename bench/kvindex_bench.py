@@ -44,7 +44,7 @@ from agentserving.core.schemas import (
 from agentserving.kvindex.index.base import Index
 from agentserving.kvindex.index.memory import InMemoryIndex
 from agentserving.kvindex.index.redis import RedisIndex
-from bench.common import progress, write_result
+from bench.common import add_out_args, progress, write_result
 
 NAME = "kvindex"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
@@ -60,10 +60,7 @@ QUICK = {"pods": 16, "total_chunks": 32_768, "chain": 512, "batch": 512,
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.kvindex_bench",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                        help=f"where to write the JSON results (default {DEFAULT_OUT})")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke sizes for CI: 32 k chunks, 200 lookups, 16 k events")
+    add_out_args(parser, DEFAULT_OUT, "32 k chunks, 200 lookups, 16 k events")
     parser.add_argument("--redis-url", default=None,
                         help="an existing Redis to use (its keys under --key-prefix are "
                              "deleted); default: start a private redis-server")

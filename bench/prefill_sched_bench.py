@@ -40,7 +40,7 @@ from agentserving.prefill.policies import FcfsChunk, FcfsNoChunk, LongcapDynamic
 from agentserving.prefill.shadow import SEED_003_N1, ShadowScheduler, StepTimeModel
 from agentserving.sim.prefill_pod import Env, replay, service_estimate
 from agentserving.sim.prefill_trace import Turn, make_trace, trace_summary
-from bench.common import write_result
+from bench.common import add_out_args, write_result
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -74,8 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "split (vLLM-like, as in seed 003).")
     p.add_argument("--calibration", type=Path, default=None,
                    help="Reuse the calibration of an earlier result JSON (no measuring).")
-    p.add_argument("--quick", action="store_true", help="Smoke sizes (CI).")
-    p.add_argument("--out", type=Path, default=Path("bench/results/prefill_sched.json"))
+    add_out_args(p, Path("bench/results/prefill_sched.json"))
     a = p.parse_args(argv)
     if a.quick:
         a.requests = 1000

@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from bench.common import progress, write_result
+from bench.common import add_out_args, progress, write_result
 
 DEFAULT_SRC = Path("../shared/data/mini-swe-agent/deepseek-swebench-pr814.tar.gz")
 
@@ -40,9 +40,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2", help="whose tokenizer and chat template")
     p.add_argument("--sessions", type=int, default=None,
                    help="only the first N runs (default: all; 8 with --quick)")
-    p.add_argument("--quick", action="store_true", help="smoke sizes: 8 runs")
+    add_out_args(p, Path("bench/results/prefix_stability.json"), "8 runs")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--out", type=Path, default=Path("bench/results/prefix_stability.json"))
     args = p.parse_args(argv)
     if args.sessions is None and args.quick:
         args.sessions = 8

@@ -33,9 +33,8 @@ from pathlib import Path
 import httpx
 
 from bench.common import add_run_args, percentile, progress, write_result
-from testkit.servers import free_port, free_port_run, service_process
+from testkit.servers import AGENTSERVING, free_port, free_port_run, service_process
 
-AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 WORKERS = ("w0", "w1", "w2", "w3")
 # path -> (prefill pods, proxy flags)
 PATHS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {

@@ -26,10 +26,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from bench.common import percentile, write_result
-from testkit.servers import free_port, service_process
-
-AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
+from bench.common import add_out_args, percentile, write_result
+from testkit.servers import AGENTSERVING, free_port, service_process
 
 
 def make_upstream() -> FastAPI:
@@ -72,8 +70,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench proxy_cpu", description=__doc__)
     parser.add_argument("--turns", type=int, default=400)
     parser.add_argument("--prompt-tokens", type=int, default=5000)
-    parser.add_argument("--quick", action="store_true", help="Smoke sizes (CI).")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/proxy_cpu.json"))
+    add_out_args(parser, Path("bench/results/proxy_cpu.json"))
     parser.add_argument("--serve-upstream", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:

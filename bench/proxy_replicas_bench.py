@@ -39,9 +39,8 @@ from pathlib import Path
 import httpx
 
 from bench.common import add_run_args, percentile, progress, write_result
-from testkit.servers import free_port, service_process
+from testkit.servers import AGENTSERVING, free_port, service_process
 
-AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 STANDIN = str(Path(__file__).with_name("standin_worker.py"))
 CHUNK = 256
 REPLICAS = 3

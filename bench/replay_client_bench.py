@@ -24,7 +24,7 @@ from agentserving.replay.ideal import ideal_hit
 from agentserving.replay.mooncake import MooncakeOptions, read_mooncake
 from agentserving.replay.synthetic import generate_preset
 from agentserving.replay.trace import Session, Trace, resolve_all
-from bench.common import write_result
+from bench.common import add_out_args, write_result
 from testkit.servers import ThreadedServer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,8 +33,7 @@ MOONCAKE = ROOT.parent / "shared/data/mooncake/conversation_trace.jsonl"
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench replay_client", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="Smoke sizes (CI).")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/replay_client.json"))
+    add_out_args(parser, Path("bench/results/replay_client.json"))
     return parser.parse_args(argv)
 
 

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import add_out_args
+
 SEED_003 = {"910b3-qwen3-4b": {"req_per_s": 2.075 / 1.213, "prefix_hit_rate": 0.9285,
                                "e2e_p95_s": 94.18 / 275.90, "itl_p99_s": 0.127 / 1.923},
             "910b3-llama8b": {"req_per_s": 2.208 / 1.073, "prefix_hit_rate": 0.9291,
@@ -36,7 +38,7 @@ KEYS = ("req_per_s", "tok_per_s", "prefix_hit_rate", "e2e_p95_s", "e2e_p99_s", "
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench sim", description=__doc__)
-    p.add_argument("--quick", action="store_true")
+    add_out_args(p, Path("bench/results/sim.json"))
     p.add_argument("--real", type=Path, action="append", default=None,
                    help="a real bench report.json (repeatable); default: the newest runs/*")
     p.add_argument("--parts", default="1,2,3")
@@ -47,7 +49,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="part 3's offered load, root sessions/s per pod (default 0.4: what the "
                         "64-pod cluster carries for a whole 100k-session run; at 0.5 its "
                         "queues grow once the KV tiers fill, see docs/sim.md)")
-    p.add_argument("--out", type=Path, default=Path("bench/results/sim.json"))
     return p.parse_args(argv)
 
 

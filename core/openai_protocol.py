@@ -43,6 +43,7 @@ PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_integral)]
 Seed = Annotated[int, Field(ge=_SEED_BOUNDS[0], le=_SEED_BOUNDS[1]),
                BeforeValidator(_integral)]
 TopLogprobs = Annotated[int, Field(ge=0, le=20), BeforeValidator(_integral)]
+TokenId = Annotated[int, Field(ge=0, le=_MAX_TOKEN_ID), BeforeValidator(_integral)]
 
 # What the validators below check, declared in the schema (a fuzzer or client generator reads
 # it). The worker's own OpenAPI narrows token ids to its vocabulary (server.py).

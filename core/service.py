@@ -7,6 +7,7 @@ client shows them as they are, and ``param`` names the offending field (``chunk_
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import BaseModel, ValidationError
 from pydantic.json_schema import models_json_schema
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
@@ -56,6 +58,43 @@ def field_path(loc: Sequence[Any]) -> str:
         else:
             out += f".{part}" if out else str(part)
     return out or "body"
+
+
+def invalid_body(exc: ValidationError) -> ApiError:
+    """The 400 for a body a route validates itself (one of several models, say): the first
+    error's field named, as a validation error of FastAPI's is."""
+    err = exc.errors()[0]
+    param = field_path(err["loc"])
+    return ApiError(400, f"{param}: {err['msg']}", param=param)
+
+
+def json_object(raw: bytes) -> dict[str, Any]:
+    """A body read raw, as a JSON object; else a 400 naming ``body``."""
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise ApiError(400, f"malformed JSON: {exc}", param="body") from exc
+    if not isinstance(body, dict):
+        raise ApiError(400, "body must be a JSON object", param="body")
+    return body
+
+
+def document_models(app: FastAPI, *models: type[BaseModel]) -> None:
+    """Add ``models`` to the app's OpenAPI components: a route that reads its body raw
+    (``openapi_extra``) refers to them there."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = generate()
+        _, defs = models_json_schema([(m, "validation") for m in models],
+                                     ref_template="#/components/schemas/{model}")
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(
+            defs.get("$defs", {}))
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str]:

@@ -15,7 +15,7 @@ from agentserving.engine.kv.paged import KVBlockPool
 from agentserving.engine.kv.store import KVStore, KVStoreConfig
 from agentserving.engine.model.loader import ModelBundle, load_model
 from agentserving.engine.model.runner import ModelRunner
-from agentserving.engine.scheduler.policy import make_policy
+from agentserving.engine.scheduler.registry import make_policy
 from agentserving.engine.settings import WorkerSettings
 
 

@@ -218,7 +218,7 @@ def settings_from_params(params: dict[str, object]) -> WorkerSettings:
         raise click.UsageError("--tensor-parallel-size: only the vLLM engine has it "
                                "(--engine vllm)")
     else:  # refused here rather than in every engine process after the model loaded
-        from agentserving.engine.scheduler.policy import make_policy
+        from agentserving.engine.scheduler.registry import make_policy
 
         try:
             make_policy(settings.scheduler_policy, settings.prefill_chunk_tokens)

@@ -12,6 +12,7 @@ import click
 from agentserving.core.cli import option
 from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.replay.mooncake import MooncakeOptions
+from agentserving.replay.mooncake_cli import mooncake_options
 
 
 def default_run_dir(kind: str) -> Path:
@@ -44,22 +45,14 @@ def default_run_dir(kind: str) -> Path:
         default=600.0, help="Seconds before a turn counts as failed.")
 @option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE,
         help="KV chunk size, for the trace's ideal hit rate.")
-@option("--mooncake-block-tokens", type=click.IntRange(1, 512), default=512,
-        help="Mooncake traces: tokens per hash block (below 512 scales prompts down).")
-@option("--mooncake-max-requests", type=click.IntRange(min=1), default=None,
-        help="Mooncake workloads: only the first N requests (a time window of the trace).")
-@option("--mooncake-max-input", type=click.IntRange(min=1), default=None,
-        help="Mooncake workloads: drop requests with more input tokens (before scaling).")
-@option("--mooncake-max-output", type=click.IntRange(min=1), default=None,
-        help="Mooncake traces: cap every output at N tokens.")
+@mooncake_options(block_tokens=512, max_output=None)
 @option("--api-key", default=None, help="Sent as 'Authorization: Bearer KEY' (proxy with keys).")
 @option("--progress/--no-progress", default=True, help="Show a progress bar.")
 def command(trace_spec: str, target: str, rate: float | None, timestamps: bool,
             limit: int | None, time_scale: float, out_dir: Path | None, seed: int,
             model: str | None, vocab_size: int | None, max_active_sessions: int | None,
-            request_timeout_s: float, chunk_size: int, mooncake_block_tokens: int,
-            mooncake_max_requests: int | None, mooncake_max_input: int | None,
-            mooncake_max_output: int | None, api_key: str | None, progress: bool) -> None:
+            request_timeout_s: float, chunk_size: int, mooncake: MooncakeOptions,
+            api_key: str | None, progress: bool) -> None:
     """Replay a multi-turn agent trace against TARGET with teacher forcing.
 
     Every turn is sent as token ids to /v1/completions (streaming) with the trace's output as
@@ -73,9 +66,7 @@ def command(trace_spec: str, target: str, rate: float | None, timestamps: bool,
 
     if rate is not None and timestamps:
         raise click.UsageError("--rate and --timestamps exclude each other")
-    trace = load_trace(trace_spec, limit=limit, mooncake=MooncakeOptions(
-        block_tokens=mooncake_block_tokens, max_output_tokens=mooncake_max_output,
-        max_requests=mooncake_max_requests, max_input_tokens=mooncake_max_input))
+    trace = load_trace(trace_spec, limit=limit, mooncake=mooncake)
     out_dir = out_dir or default_run_dir("replay")
     opts = ReplayOptions(target=target, model=model, rate=rate, time_scale=time_scale,
                          seed=seed, vocab_size=vocab_size,

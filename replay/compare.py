@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -50,6 +50,10 @@ from agentserving.replay.configs import (
     fleet_spec,
     resolve,
 )
+from agentserving.replay.mooncake_cli import mooncake_options
+
+if TYPE_CHECKING:
+    from agentserving.replay.mooncake import MooncakeOptions
 
 # vLLM's own metric (``vllm:`` dropped) behind each reference-worker metric of the breakdown
 VLLM_WORKER_METRICS = {
@@ -393,14 +397,7 @@ def replay_config(config: str, fleet: Any, trace: Any, run_dir: Path,
              "tokens=0 to send every turn through P/D.")
 @option("--max-active-sessions", type=click.IntRange(min=1), default=None,
         help="At most N sessions in flight.")
-@option("--mooncake-block-tokens", type=click.IntRange(1, 512), default=256,
-        help="Mooncake workloads: tokens per hash block (scales prompts down).")
-@option("--mooncake-max-requests", type=click.IntRange(min=1), default=None,
-        help="Mooncake workloads: only the first N requests (a time window of the trace).")
-@option("--mooncake-max-input", type=click.IntRange(min=1), default=None,
-        help="Mooncake workloads: drop requests with more input tokens (before scaling).")
-@option("--mooncake-max-output", type=click.IntRange(min=1), default=32,
-        help="Mooncake workloads: cap outputs at N tokens.")
+@mooncake_options(block_tokens=256, max_output=32)
 @option("--startup-timeout", "startup_timeout_s", type=click.FloatRange(min=1), default=300.0,
         help="Seconds a worker may take to become healthy.")
 @option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -414,8 +411,7 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
             torch_threads: int, worker_args: tuple[str, ...], prefill_policy: str | None,
             decode_policy: str | None,
             proxy_args: tuple[str, ...], max_active_sessions: int | None,
-            mooncake_block_tokens: int, mooncake_max_requests: int | None,
-            mooncake_max_input: int | None, mooncake_max_output: int, startup_timeout_s: float,
+            mooncake: MooncakeOptions, startup_timeout_s: float,
             run_dir: Path | None, worker_command: str | None, progress: bool) -> None:
     """Replay an agent workload against what users run today and agentserving; report side
     by side.
@@ -427,7 +423,6 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
     which targets were met; `agentserving report RUN_DIR` redraws the plots.
     """
     from agentserving.replay.loader import load_trace
-    from agentserving.replay.mooncake import MooncakeOptions
     from agentserving.replay.report import (
         build_report,
         comparisons_for,
@@ -448,9 +443,7 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
     run_dir.mkdir(parents=True, exist_ok=True)
     if disk_io == "direct" and disk_cache_gib > 0 and (why := direct_io_error(run_dir)):
         raise click.BadParameter(why, param_hint="--disk-io direct")
-    trace = load_trace(workload, limit=limit, mooncake=MooncakeOptions(
-        block_tokens=mooncake_block_tokens, max_output_tokens=mooncake_max_output,
-        max_requests=mooncake_max_requests, max_input_tokens=mooncake_max_input))
+    trace = load_trace(workload, limit=limit, mooncake=mooncake)
     write_trace(trace, run_dir / "workload.jsonl")
     stats = trace_stats(trace)
     click.echo(f"workload {workload}: {stats['sessions']} sessions ({stats['branches']} "

@@ -51,6 +51,7 @@ from agentserving.replay.trace import (
     TraceHeader,
     Turn,
     TurnInput,
+    numbered_lines,
 )
 
 MOONCAKE_BLOCK = 512
@@ -79,22 +80,19 @@ def is_mooncake_line(obj: Any) -> bool:
 
 
 def iter_requests(path: str | Path) -> Iterator[MooncakeRequest]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                req = MooncakeRequest(int(obj["timestamp"]), int(obj["input_length"]),
-                                      int(obj["output_length"]),
-                                      tuple(int(h) for h in obj["hash_ids"]))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise TraceFormatError(f"{path}:{lineno}: not a Mooncake request: {exc}") from exc
-            blocks = -(-req.input_length // MOONCAKE_BLOCK)
-            if req.input_length <= 0 or len(req.hash_ids) != blocks:
-                raise TraceFormatError(f"{path}:{lineno}: {len(req.hash_ids)} hash_ids for "
-                                       f"{req.input_length} tokens (expected {blocks})")
-            yield req
+    for lineno, line in numbered_lines(path):
+        try:
+            obj = json.loads(line)
+            req = MooncakeRequest(int(obj["timestamp"]), int(obj["input_length"]),
+                                  int(obj["output_length"]),
+                                  tuple(int(h) for h in obj["hash_ids"]))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise TraceFormatError(f"{path}:{lineno}: not a Mooncake request: {exc}") from exc
+        blocks = -(-req.input_length // MOONCAKE_BLOCK)
+        if req.input_length <= 0 or len(req.hash_ids) != blocks:
+            raise TraceFormatError(f"{path}:{lineno}: {len(req.hash_ids)} hash_ids for "
+                                   f"{req.input_length} tokens (expected {blocks})")
+        yield req
 
 
 def scaled_length(req: MooncakeRequest, block_tokens: int) -> int:

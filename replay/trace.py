@@ -223,26 +223,31 @@ class Trace(_Model):
 # ------------------------------------------------------------------------------------- files
 
 
+def numbered_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """The non-blank lines of a JSONL file, numbered from 1: the number a format error names."""
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                yield lineno, line
+
+
 def read_trace(path: str | Path) -> Trace:
     """Read an ``agentserving.sessions/v1`` JSONL file; errors name the offending line."""
     header = TraceHeader()
     sessions: list[Session] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                if not isinstance(obj, dict):
-                    raise ValueError("each line must be a JSON object")
-                if "header" in obj:
-                    if sessions:
-                        raise ValueError("the header must be the first line")
-                    header = TraceHeader.model_validate(obj["header"])
-                else:
-                    sessions.append(Session.model_validate(obj))
-            except (ValueError, ValidationError) as exc:
-                raise TraceFormatError(f"{path}:{lineno}: {exc}") from exc
+    for lineno, line in numbered_lines(path):
+        try:
+            obj = json.loads(line)
+            if not isinstance(obj, dict):
+                raise ValueError("each line must be a JSON object")
+            if "header" in obj:
+                if sessions:
+                    raise ValueError("the header must be the first line")
+                header = TraceHeader.model_validate(obj["header"])
+            else:
+                sessions.append(Session.model_validate(obj))
+        except (ValueError, ValidationError) as exc:
+            raise TraceFormatError(f"{path}:{lineno}: {exc}") from exc
     try:
         return Trace(header=header, sessions=sessions)
     except ValidationError as exc:

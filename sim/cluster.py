@@ -41,7 +41,7 @@ from agentserving.engine.scheduler.policy import (
     DECODE_POD_POLICY,
     SchedulerContext,
 )
-from agentserving.engine.scheduler.policy import make_policy as make_engine_policy
+from agentserving.engine.scheduler.registry import make_policy as make_engine_policy
 from agentserving.engine.scheduler.request import RequestState
 from agentserving.kvindex.index.base import rank_prefixes
 from agentserving.kvindex.index.memory import InMemoryIndex

@@ -44,19 +44,9 @@ def draw(out: Path, results: dict[str, SimResult], report: dict[str, Any]) -> li
             if any(ts[key]):
                 axes[1].plot(ts["t"], [v / 2**30 for v in ts[key]],
                              label=f"{name}: {key.removeprefix('moved_bytes_')}")
-    axes[0].set_title("KV tier occupancy (all pods)")
-    axes[0].set_ylabel("GiB")
-    axes[1].set_title("KV transfer volume (cumulative)")
-    axes[1].set_ylabel("GiB")
-    for ax in axes:
-        ax.set_xlabel("simulated seconds")
-        ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out / "plots" / "tiers.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    path = _save_panels(fig, axes, [("KV tier occupancy (all pods)", "GiB"),
+                                    ("KV transfer volume (cumulative)", "GiB")],
+                        "simulated seconds", out / "plots" / "tiers.png")
     return [*files, path]
 
 
@@ -74,15 +64,24 @@ def draw_sweep(path: Path, rows: list[dict[str, Any]]) -> Path:
         label = f"{config} {topo}"
         axes[0].plot([p["ips"] for p in pts], [p["req_per_s"] for p in pts], "o-", label=label)
         axes[1].plot([p["ips"] for p in pts], [p["e2e_p95_s"] for p in pts], "o-", label=label)
-    axes[0].set_title("request throughput")
-    axes[0].set_ylabel("turns/s")
-    axes[1].set_title("E2E P95")
-    axes[1].set_ylabel("seconds")
     axes[1].set_yscale("log")
-    for ax in axes:
-        ax.set_xlabel("offered load (sessions/s, IPS)")
+    return _save_panels(fig, axes, [("request throughput", "turns/s"), ("E2E P95", "seconds")],
+                        "offered load (sessions/s, IPS)", path)
+
+
+def _save_panels(fig: Any, axes: Any, titles: list[tuple[str, str]], xlabel: str,
+                 path: Path) -> Path:
+    """Title and label each panel ((title, y label) each, one x label), grid and legend them
+    alike, and write the figure: the report's plots look as one set."""
+    import matplotlib.pyplot as plt
+
+    for ax, (title, ylabel) in zip(axes, titles, strict=True):
+        ax.set_title(title)
+        ax.set_ylabel(ylabel)
+        ax.set_xlabel(xlabel)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

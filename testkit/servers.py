@@ -26,6 +26,10 @@ from agentserving.core.schemas import MemoryEvictRequest, MemoryPrefetchRequest
 _handed_out: set[int] = set()
 
 
+# the `agentserving` console script of the interpreter running the tests (its venv)
+AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
+
+
 def free_port() -> int:
     """A loopback port that is free now and that the kernel will not hand to a client socket.
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import httpx
 
 from agentserving.engine.model.tokenizer import synthetic_ids
-from testkit.servers import free_port, free_port_run, service_process
+from testkit.servers import AGENTSERVING, free_port, free_port_run, service_process
 
 prompt = synthetic_ids  # the name every test knows
 
@@ -104,7 +103,7 @@ def worker_process(tmp: Path, *args: str, name: str = "worker",
     """Start ``agentserving worker`` on free loopback ports; stop it (and its engines) after."""
     port, memory_port = free_port(), free_port_run(4)
     log_path = tmp / f"{name}.log"
-    cmd = [str(Path(sys.executable).parent / "agentserving"), "worker", "--port", str(port),
+    cmd = [AGENTSERVING, "worker", "--port", str(port),
            "--memory-port-start", str(memory_port), "--pod-name", name,
            "--torch-threads", "1", "--cpu-cache-gib", "0.25", "--log-console", *args]
     with service_process(cmd, f"http://127.0.0.1:{port}/readyz", log_path=log_path,

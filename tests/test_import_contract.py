@@ -154,3 +154,81 @@ def test_no_product_package_imports_the_test_kit(pkg):
     ``make setup`` only: an image or wheel that imported it would fail at the first call."""
     bad = [e for e in package_edges(pkg) if e.target == "testkit"]
     assert not bad, f"{pkg} imports the test kit:\n" + "\n".join(map(str, bad))
+
+
+# ---------------------------------------------------------------- module-level circles
+
+
+def module_name(path: Path) -> str:
+    """The import name of a product file (``services/proxy/app.py`` -> agentserving.proxy.app;
+    a package's ``__init__.py`` is the package)."""
+    pkg, folder = next((p, f) for p, f in FOLDERS.items()
+                       if path.is_relative_to(ROOT / f))
+    parts = [*path.relative_to(ROOT / folder).with_suffix("").parts]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(["agentserving", pkg, *parts])
+
+
+def module_imports(path: Path, modules: set[str]) -> Iterator[tuple[int, str]]:
+    """(line, module of the package) for every import statement in ``path``, function-level
+    and ``TYPE_CHECKING`` ones included: ``from a.b import c`` names the module ``a.b.c``
+    where there is one, else ``a.b``."""
+    me = module_name(path)
+    here = me if path.name == "__init__.py" else me.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in modules:
+                    yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = here.rsplit(".", node.level - 1)[0] if node.level else ""
+            mod = ".".join(filter(None, [base, node.module or ""]))
+            for alias in node.names:
+                sub = f"{mod}.{alias.name}"
+                if sub in modules:
+                    yield node.lineno, sub
+                elif mod in modules:
+                    yield node.lineno, mod
+
+
+def import_graph() -> dict[str, dict[str, int]]:
+    """module -> {module it imports: the line of the first such import}."""
+    files = [p for folder in FOLDERS.values() for p in product_files(folder)]
+    modules = {module_name(p) for p in files}
+    graph: dict[str, dict[str, int]] = {}
+    for path in files:
+        me = module_name(path)
+        for line, target in module_imports(path, modules):
+            if target != me:
+                graph.setdefault(me, {}).setdefault(target, line)
+    return graph
+
+
+def two_module_circles(graph: dict[str, dict[str, int]]) -> list[tuple[str, str]]:
+    """Pairs of modules that import each other (A -> B -> A), each pair once. A package
+    importing its own submodule and that submodule importing the package's ``__init__`` back
+    counts too: either side's import runs the other's half-initialised."""
+    return sorted((a, b) for a, targets in graph.items() for b in targets
+                  if a < b and a in graph.get(b, {}))
+
+
+def test_module_name_and_relative_imports_are_read(tmp_path):
+    path = ROOT / "services/proxy/app.py"
+    assert module_name(path) == "agentserving.proxy.app"
+    assert module_name(ROOT / "services/prefill/policies/__init__.py") == \
+        "agentserving.prefill.policies"
+    modules = {"agentserving.proxy.pods", "agentserving.proxy.routing", "agentserving.proxy"}
+    found = {t for _, t in module_imports(path, modules)}
+    assert "agentserving.proxy.pods" in found
+    assert two_module_circles({"a": {"b": 1}, "b": {"a": 2, "c": 3}, "c": {}}) == [("a", "b")]
+
+
+def test_no_two_modules_import_each_other():
+    """A circle of two modules (function-level imports included: they only postpone it)
+    means one holds a piece the other needs: that piece belongs in a third module both can
+    import, or in the lower of the two."""
+    graph = import_graph()
+    circles = two_module_circles(graph)
+    assert not circles, "modules that import each other:\n" + "\n".join(
+        f"{a} (line {graph[a][b]}) <-> {b} (line {graph[b][a]})" for a, b in circles)

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,9 +14,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentserving.core.hashing import ChunkHasher, HashScheme, chunk_hashes, is_chunk_hash
+from testkit.servers import AGENTSERVING
 
 TOKENS = list(range(600))
-AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 
 
 def test_builtin_vectors_from_the_notes():

@@ -5,17 +5,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from agentserving.core.hashing import chunk_hashes
-from testkit.servers import free_port, redis_server, service_process
+from testkit.servers import AGENTSERVING, free_port, redis_server, service_process
 
-AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 CHAIN = chunk_hashes(list(range(64)), chunk_size=8)
 
 

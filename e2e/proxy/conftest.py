@@ -7,16 +7,13 @@ import contextlib
 import os
 import secrets
 import signal
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from agentserving.core.internal_auth import TOKEN_ENV, auth_headers
-from testkit.servers import free_port, free_port_run, service_process
-
-AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
+from testkit.servers import AGENTSERVING, free_port, free_port_run, service_process
 
 
 @dataclass

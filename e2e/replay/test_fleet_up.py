@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -19,19 +22,30 @@ pytestmark = pytest.mark.skipif(
     reason="`agentserving worker` / `agentserving proxy` are not available yet")
 
 
-def test_up_serves_through_the_proxy_and_stops_clean(tmp_path):
-    run_dir = tmp_path / "up"
-    proc = subprocess.Popen([AGENTSERVING, "up", "--prefill", "1", "--decode", "1",
-                             "--proxy-port", "0", "--disk-cache-gib", "1",
-                             "--run-dir", str(run_dir)],
+@contextlib.contextmanager
+def fleet_up(run_dir: Path, *args: str, timeout_s: float
+             ) -> Iterator[tuple[subprocess.Popen, dict]]:
+    """``agentserving up ARGS`` until the block ends (killed if still running then): the
+    process and the fleet.json it writes once its processes are up."""
+    proc = subprocess.Popen([AGENTSERVING, "up", *args, "--run-dir", str(run_dir)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + timeout_s
         while not (run_dir / "fleet.json").exists():
-            assert proc.poll() is None, proc.stdout.read()
+            assert proc.poll() is None, proc.stdout.read()  # type: ignore[union-attr]
             assert time.monotonic() < deadline
             time.sleep(0.2)
-        fleet = json.loads((run_dir / "fleet.json").read_text())
+        yield proc, json.loads((run_dir / "fleet.json").read_text())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_up_serves_through_the_proxy_and_stops_clean(tmp_path):
+    run_dir = tmp_path / "up"
+    with fleet_up(run_dir, "--prefill", "1", "--decode", "1", "--proxy-port", "0",
+                  "--disk-cache-gib", "1", timeout_s=240) as (proc, fleet):
         assert [p["role"] for p in fleet["processes"]] == ["kvindex", "prefill", "decode",
                                                            "proxy"]
         trace = sessions_from([{"session_id": "s", "turns": [
@@ -56,10 +70,6 @@ def test_up_serves_through_the_proxy_and_stops_clean(tmp_path):
         assert not any(pid_alive(p) for p in pids)
         for p in fleet["processes"]:
             assert (run_dir / "logs" / f"{p['name']}.log").exists()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_up_stops_on_repeated_signals(tmp_path):
@@ -67,24 +77,12 @@ def test_up_stops_on_repeated_signals(tmp_path):
     `up` and everything it started. (A handler that called Event.set once deadlocked when a
     second signal landed inside it -- seen with py-spy; the window is too narrow to hit on
     purpose, so this checks the behaviour, and the handler no longer takes any lock.)"""
-    run_dir = tmp_path / "up"
-    proc = subprocess.Popen([AGENTSERVING, "up", "--prefill", "0", "--decode", "0",
-                             "--run-dir", str(run_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not (run_dir / "fleet.json").exists():
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        pids = [p["pid"] for p in json.loads((run_dir / "fleet.json").read_text())["processes"]]
+    with fleet_up(tmp_path / "up", "--prefill", "0", "--decode", "0", timeout_s=60
+                  ) as (proc, fleet):
+        pids = [p["pid"] for p in fleet["processes"]]
         for _ in range(2000):  # a burst: some land while the handler itself runs
             proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
         assert "SIGTERM: stopping" in out
         assert not any(pid_alive(p) for p in pids)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -19,6 +19,7 @@ import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -51,21 +52,23 @@ class VllmFleet:
     run_dir: Path
     none_hash: int  # LMCache's chain start in the pods (PYTHONHASHSEED=0)
 
-    def spec(self, name: str) -> ProcessSpec:
-        return next(mp.spec for mp in self.fleet.procs if mp.spec.name == name)
+    def _proc(self, name: str) -> Any:
+        return next(mp for mp in self.fleet.procs if mp.spec.name == name)
 
-    def url(self, name: str) -> str:
-        url = self.spec(name).url
-        assert url is not None
-        return url
+    def spec(self, name: str) -> ProcessSpec:
+        return self._proc(name).spec
 
     def log(self, name: str) -> Path:
-        return next(mp.log_path for mp in self.fleet.procs if mp.spec.name == name)
+        return self._proc(name).log_path
+
+    def url(self, name: str, which: str = "url") -> str:
+        """The process's ``url`` (its API) or another address of its spec (``memory_url``)."""
+        url = getattr(self.spec(name), which)
+        assert url is not None, f"{name} has no {which}"
+        return url
 
     def memory_url(self, name: str) -> str:
-        url = self.spec(name).memory_url
-        assert url is not None
-        return url
+        return self.url(name, "memory_url")
 
     @property
     def proxy(self) -> str:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,10 +13,9 @@ import httpx
 import pytest
 
 from agentserving.core.hashing import ChunkHasher
-from testkit.servers import free_port, service_process, wait_until
+from testkit.servers import AGENTSERVING, free_port, service_process, wait_until
 from testkit.worker import metric_sum, metric_value, prompt, worker_process
 
-AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 MAX_LEN = 2048
 
 

@@ -3,7 +3,8 @@ request to an engine process, stream the tokens back.
 
 Routes: ``POST /v1/completions`` (prompt text or token ids), ``POST /v1/chat/completions``,
 ``GET /v1/models``, ``GET /healthz`` (liveness), ``GET /readyz`` (engines loaded),
-``GET /metrics``. Every final response — and the last SSE chunks of a stream — carries
+``GET /metrics``, and vLLM's ``/tokenize``, ``/detokenize``, ``/version``, ``/health``
+(``tokenization``). Every final response — and the last SSE chunks of a stream — carries
 ``kv_transfer_params.chunk_hashes``: the prompt's chunk hashes, the ids the proxy and the
 kvindex use for this session's KV (seed 000). ``usage.prompt_tokens_details.cached_tokens``
 counts prompt tokens whose KV was reused, with a per-tier breakdown beside it.
@@ -37,6 +38,7 @@ from agentserving.core.service import (
 )
 from agentserving.engine import ipc
 from agentserving.engine.api.engine_client import EngineClient, EngineDead
+from agentserving.engine.api.tokenization import install_tokenization_routes
 from agentserving.engine.metrics import NO_TENANT, WorkerMetrics
 from agentserving.engine.model.tokenizer import Tokenizer
 from agentserving.engine.settings import WorkerSettings
@@ -88,6 +90,7 @@ def _narrow_to_model(app: FastAPI, vocab_size: int) -> None:
             narrow(props["forced_output_token_ids"])
             if "prompt" in props:
                 narrow(props["prompt"])
+        narrow(schema["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"])
         return schema
 
     app.openapi = openapi  # type: ignore[method-assign]
@@ -189,6 +192,8 @@ def create_api_app(api: WorkerApi) -> FastAPI:
         turn.tenant = api.metrics.tenants(request.headers.get(TENANT_HEADER), body.cache_salt)
         return await _serve(api, turn, "messages", t0, None)
 
+    install_tokenization_routes(app, api.tokenizer, api.model_name,
+                                lambda: api.max_model_len, engines_serving)
     _narrow_to_model(app, api.tokenizer.vocab_size)
     return app
 

@@ -32,6 +32,7 @@ _SPECIAL_BASE = _BYTE_BASE + 256
 _FIRST_WORD_ID = _SPECIAL_BASE + len(_SPECIALS)
 _SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
 BOS_TEXT = "<s>"  # the BOS of the tiny model's chat template (engine/model/folder.py)
+EOS_TEXT = "</s>"
 TINY_TEMPLATE_ID = "agentserving-tiny"
 
 
@@ -46,6 +47,15 @@ class Tokenizer(Protocol):
     def decoder(self) -> IncrementalDecoder: ...
 
     def decode(self, ids: list[int]) -> str: ...
+
+    def detokenize(self, ids: list[int]) -> str:
+        """The text of ``ids`` with special tokens written out (what ``/detokenize`` answers,
+        as vLLM's does); ``decode`` leaves them out of generated text."""
+        ...
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """Each id's vocabulary entry (``/tokenize`` with ``return_token_strs``)."""
+        ...
 
     def render_chat(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
                     tools: list[dict[str, Any]] | None = None) -> str:
@@ -178,6 +188,20 @@ class ByteTokenizer:
         dec = self.decoder()
         return "".join(dec.push(t) for t in ids) + dec.flush()
 
+    def detokenize(self, ids: list[int]) -> str:
+        dec = _ByteDecoder(named=_NAMED)
+        return "".join(dec.push(t) for t in ids) + dec.flush()
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        """A byte outside printable ASCII as ``<0xNN>`` (sentencepiece's byte pieces)."""
+        out = []
+        for t in ids:
+            piece = _NAMED.get(t) or self.piece(t) or "<unk>"
+            if isinstance(piece, bytes):
+                piece = piece.decode() if 0x20 <= piece[0] < 0x7f else f"<0x{piece[0]:02X}>"
+            out.append(piece)
+        return out
+
 
 _TINY_SPLIT = re.compile("(" + "|".join(re.escape(t) for t in (BOS_TEXT, *_SPECIALS)) + ")")
 
@@ -190,12 +214,16 @@ def _content_text(content: Any) -> str:
     return ""
 
 
+_NAMED = {BOS_ID: BOS_TEXT, EOS_ID: EOS_TEXT}  # the specials generated text leaves out
+
+
 class _ByteDecoder:
-    def __init__(self) -> None:
+    def __init__(self, named: dict[int, str] | None = None) -> None:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._named = named or {}
 
     def push(self, token_id: int) -> str:
-        piece = ByteTokenizer.piece(token_id)
+        piece = self._named.get(token_id) or ByteTokenizer.piece(token_id)
         if isinstance(piece, bytes):
             return self._utf8.decode(piece)
         return self._utf8.decode(b"", final=True) + piece
@@ -265,6 +293,12 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        return [str(t) for t in self._tok.convert_ids_to_tokens(ids)]
 
 
 class _HFDecoder:

@@ -13,7 +13,7 @@ trailing partial chunk, and a request is admitted only while fewer than ``max_ru
 requests hold KV.
 
 New policies (Longcap-FCFS, Dynamic Chunk, the ShadowScheduler in ``services/prefill``)
-implement ``SchedulerPolicy``; ``make_policy`` builds the one the settings name (see there).
+implement ``SchedulerPolicy``; ``registry.make_policy`` builds the one the settings name.
 A policy may also define ``observe_step(plan, seconds)``: the engine calls it after executing
 each plan with the plan's wall time (for step-time models).
 """
@@ -21,9 +21,7 @@ each plan with the plan's wall time (for step-time models).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import time
-import urllib.parse
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -110,43 +108,3 @@ class FcfsPolicy:
 # model of them both take it from here.
 DECODE_POD_POLICY = "fcfs?decode_steps=3"
 DECODE_POD_CHUNK_TOKENS = DEFAULT_CHUNK_SIZE
-
-PolicyFactory = Callable[..., SchedulerPolicy]  # (chunk_tokens, **options) -> policy
-
-POLICIES: dict[str, PolicyFactory] = {
-    "fcfs": lambda chunk_tokens, decode_steps="1", **_opts: FcfsPolicy(
-        chunk_tokens, int(decode_steps)),
-}
-
-
-
-def make_policy(spec: str, chunk_tokens: int) -> SchedulerPolicy:
-    """Build a policy from ``NAME[?opt=value&...]``: a name in ``POLICIES``, one of the prefill
-    role's policies, or ``package.module:Class`` (called with ``chunk_tokens`` and the
-    options)."""
-    name, _, query = spec.partition("?")
-    options = dict(urllib.parse.parse_qsl(query, keep_blank_values=True))
-    factory = POLICIES.get(name)
-    if factory is not None:
-        return factory(chunk_tokens, **options)
-    if ":" in name:
-        module, attr = name.split(":", 1)
-        return getattr(importlib.import_module(module), attr)(chunk_tokens, **options)
-    prefill = _prefill_policies()
-    if name in prefill.ENGINE_POLICIES:
-        return prefill.make_engine_policy(name, chunk_tokens, **options)
-    raise ValueError(f"unknown scheduler policy {name!r}; known: {policy_names()}")
-
-
-def _prefill_policies():
-    """The prefill role's pure policies, adapted to this protocol; imported on first use
-    because the adapter builds on this module's ``StepPlan`` and ``SchedulerContext``."""
-    from agentserving.engine.scheduler import prefill_policies
-
-    return prefill_policies
-
-
-def policy_names() -> list[str]:
-    """Every name ``make_policy`` builds (besides ``module:Class``): what a worker's
-    ``--scheduler-policy`` may name, and the AgentServing CRD's ``schedulerPolicy`` enum."""
-    return sorted(POLICIES) + sorted(_prefill_policies().ENGINE_POLICIES)

@@ -11,7 +11,8 @@ import time
 import torch
 
 from agentserving.core.hashing import ChunkHasher
-from agentserving.engine.scheduler.policy import FcfsPolicy, make_policy
+from agentserving.engine.scheduler.policy import FcfsPolicy
+from agentserving.engine.scheduler.registry import make_policy
 from testkit.worker import prompt, request, run
 
 N = 1100  # 4 full chunks + 76 tokens

@@ -46,6 +46,17 @@ def _evict_cpu(parts, wire):
     parts.store.evict(wire, parts.store.resolve_locations(["cpu"]))
 
 
+def _corrupt_on_disk(parts, wire, i: int, offset: int | None, mask: int) -> str:
+    """Leave the chunks on disk alone (evicted from DRAM) and XOR one byte of chunk ``i``'s
+    file (``offset`` None: its middle); that file's path."""
+    _evict_cpu(parts, wire)
+    path = parts.store.disk_path(wire[i])
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2 if offset is None else offset] ^= mask
+    open(path, "wb").write(data)
+    return path
+
+
 def test_store_then_load_from_dram_and_from_disk_bit_exact(filled):
     parts, ids, layers, ints, wire = filled
     store = parts.store
@@ -81,11 +92,7 @@ def test_direct_io_disk_reads_past_the_page_cache_are_bit_exact(engine_factory, 
 def test_flipped_bit_on_disk_is_detected_and_never_served(filled):
     parts, ids, layers, ints, wire = filled
     store = parts.store
-    _evict_cpu(parts, wire)
-    path = store.disk_path(wire[1])
-    data = bytearray(open(path, "rb").read())
-    data[len(data) // 2] ^= 0x10
-    open(path, "wb").write(data)
+    path = _corrupt_on_disk(parts, wire, 1, None, 0x10)
     res = store.load_prefix(ints)
     assert res.corrupt == [wire[1]]
     assert res.num_tokens == 256 and _same(layers, res.layers, 256)
@@ -154,15 +161,10 @@ def test_prefetch_registers_in_dram_and_unpins_only_disk(filled):
 
 def test_prefetch_refuses_a_corrupt_chunk(filled):
     parts, ids, layers, ints, wire = filled
-    store = parts.store
-    _evict_cpu(parts, wire)
-    path = store.disk_path(wire[0])
-    data = bytearray(open(path, "rb").read())
-    data[7] ^= 0xFF
-    open(path, "wb").write(data)
-    status = _wait(store.prefetch(wire, None))
+    _corrupt_on_disk(parts, wire, 0, 7, 0xFF)
+    status = _wait(parts.store.prefetch(wire, None))
     assert status.state == "done" and status.corrupt == 1 and status.loaded == 2
-    assert store.tier_of(parts.keys.key(ints[0])) is None
+    assert parts.store.tier_of(parts.keys.key(ints[0])) is None
 
 
 def test_keys_round_trip_with_leading_zeros():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 from pathlib import Path
 
 import httpx
@@ -15,7 +14,7 @@ from agentserving.core.clients import KvindexClient
 from agentserving.core.hashing import ChunkHasher
 from agentserving.core.schemas import EventOp, PodRegistration, Tier
 from agentserving.engine.reporter import KvindexReporter, ResidencyBook, group_events
-from testkit.servers import free_port, service_process
+from testkit.servers import AGENTSERVING, free_port, service_process
 
 H = ChunkHasher("blake3", 4).hashes(list(range(40)))  # 10 chained hashes
 
@@ -37,7 +36,7 @@ def test_book_merges_engines_and_reports_pod_level_changes():
 
 @contextlib.contextmanager
 def kvindex(tmp: Path, port: int, name: str):
-    exe = str(Path(sys.executable).parent / "agentserving")
+    exe = AGENTSERVING
     with service_process([exe, "kvindex", "--port", str(port), "--store", "memory",
                           "--lease-ttl", "30"], f"http://127.0.0.1:{port}/healthz",
                          log_path=tmp / f"{name}.log") as proc:

@@ -10,8 +10,6 @@ index held fewer chunks than the pods did. Against a real kvindex process.
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import httpx
 
@@ -19,7 +17,7 @@ from agentserving.core.clients import KvindexClient
 from agentserving.core.hashing import ChunkHasher
 from agentserving.core.schemas import EventBatch, EventBatchResult, PodRegistration
 from agentserving.engine.reporter import KvindexReporter, ResidencyBook
-from testkit.servers import free_port, service_process
+from testkit.servers import AGENTSERVING, free_port, service_process
 
 H = ChunkHasher("blake3", 4).hashes(list(range(40)))  # 10 chained hashes
 
@@ -43,7 +41,7 @@ class ChangesDuringEvents(KvindexClient):
 def test_changes_arriving_while_a_batch_is_sent_reach_the_kvindex(tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    exe = str(Path(sys.executable).parent / "agentserving")
+    exe = AGENTSERVING
 
     async def scenario() -> None:
         book = ResidencyBook(chunk_bytes=10)

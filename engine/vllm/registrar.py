@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from typing import TYPE_CHECKING
 
 from agentserving.core.clients import KvindexClient, NotFound, RequestRejected, ServiceUnavailable
 from agentserving.core.logging import get_logger
 from agentserving.core.schemas import PodRegistration
-
-if TYPE_CHECKING:
-    from agentserving.engine.vllm.registrar_cli import RegistrarSettings
+from agentserving.engine.vllm.registrar_cli import RegistrarSettings, main
 
 log = get_logger(__name__)
 
@@ -80,6 +77,4 @@ async def run(settings: RegistrarSettings) -> None:
 
 
 if __name__ == "__main__":
-    from agentserving.engine.vllm.registrar_cli import main
-
-    main()
+    main(run)

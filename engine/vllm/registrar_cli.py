@@ -5,7 +5,7 @@ fleet render the command line (``argv``) without importing an HTTP client."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import click
@@ -50,6 +50,7 @@ class RegistrarSettings(BaseModel):
 
 
 setting = settings_option(RegistrarSettings)
+Runner = Callable[[RegistrarSettings], Awaitable[None]]
 
 
 def _required(flag: str, help: str) -> Callable[[Any], Any]:  # noqa: A002
@@ -72,9 +73,8 @@ def _required(flag: str, help: str) -> Callable[[Any], Any]:  # noqa: A002
 @setting("--residency", help="Where its residency comes from (label): lmcache-controller, "
                              "vllm-events.")
 @setting("--internal-token", envvar=TOKEN_ENV, metavar="TOKEN", help=TOKEN_HELP)
-def command(**params: Any) -> None:
-    from agentserving.engine.vllm.registrar import run
-
+@click.pass_obj
+def command(run: Runner, **params: Any) -> None:
     asyncio.run(run(RegistrarSettings(**params)))
 
 
@@ -89,5 +89,8 @@ def argv(values: dict[str, Any], python: str = "python") -> list[str]:
     return [python, "-m", MODULE, *settings_argv(command, RegistrarSettings, values)]
 
 
-def main(args: Sequence[str] | None = None) -> None:
-    command.main(args=args, prog_name=PROG, auto_envvar_prefix="AGENTSERVING_REGISTRAR")
+def main(run: Runner, args: Sequence[str] | None = None) -> None:
+    """Parse the command line and ``run`` the settings (the registrar's loop, which passes
+    itself in: this module stays free of it and its HTTP client)."""
+    command.main(args=args, prog_name=PROG, auto_envvar_prefix="AGENTSERVING_REGISTRAR",
+                 obj=run)

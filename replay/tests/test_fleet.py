@@ -19,7 +19,7 @@ from agentserving.replay.fleet.process import FleetError, ProcessSpec
 from agentserving.replay.fleet.supervisor import Fleet
 from agentserving.replay.fleet.topology import FleetSpec, PortAllocator, build
 from agentserving.replay.testing import pid_alive
-from testkit.servers import free_port
+from testkit.servers import AGENTSERVING, free_port
 
 
 def parsed(spec: ProcessSpec) -> dict:
@@ -30,7 +30,6 @@ def parsed(spec: ProcessSpec) -> dict:
     command = main.get_command(None, spec.argv[sub])  # type: ignore[arg-type]
     return command.make_context(spec.argv[sub], list(spec.argv[sub + 1:])).params
 
-AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 
 
 def wait_gone(pids: list[int], timeout_s: float = 10.0) -> list[int]:

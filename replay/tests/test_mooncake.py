@@ -123,3 +123,29 @@ def test_real_trace_sample():
     assert ideal.prompt_tokens == total
     assert ideal.reusable_tokens == reusable
     assert 0.2 < ideal.hit_rate < 0.6
+
+
+def test_the_mooncake_flags_reach_a_command_as_one_options_object():
+    import click
+    from click.testing import CliRunner
+
+    from agentserving.replay.mooncake import MooncakeOptions
+    from agentserving.replay.mooncake_cli import mooncake_options
+
+    seen = []
+
+    @click.command()
+    @click.option("--other", default=1)
+    @mooncake_options(block_tokens=256, max_output=32)
+    def command(other: int, mooncake: MooncakeOptions) -> None:
+        seen.append((other, mooncake))
+
+    assert CliRunner().invoke(command, []).exit_code == 0
+    assert seen[-1] == (1, MooncakeOptions(block_tokens=256, max_output_tokens=32))
+    res = CliRunner().invoke(command, ["--mooncake-block-tokens", "64", "--mooncake-max-input",
+                                       "900", "--mooncake-max-requests", "5", "--other", "2"])
+    assert res.exit_code == 0, res.output
+    assert seen[-1] == (2, MooncakeOptions(max_requests=5, block_tokens=64,
+                                           max_output_tokens=32, max_input_tokens=900))
+    res = CliRunner().invoke(command, ["--mooncake-block-tokens", "513"])
+    assert res.exit_code == 2 and "--mooncake-block-tokens" in res.output

@@ -88,6 +88,15 @@ def test_round_trip(tmp_path):
     assert back.header == TraceHeader(block_size=16, vocab_size=1000, source="test")
 
 
+def assert_names_line(tmp_path, text: str, lineno: int, message: str) -> None:
+    """Reading a trace file of ``text`` fails, naming the file, the line and ``message``."""
+    path = tmp_path / "bad.jsonl"
+    path.write_text(text)
+    with pytest.raises(TraceFormatError) as err:
+        read_trace(path)
+    assert f"{path}:{lineno}:" in str(err.value) and message in str(err.value)
+
+
 @pytest.mark.parametrize("line, message", [
     ('{"session_id": "x", "turns": []}', "at least 1"),
     ('{"session_id": "x", "turns": [{"input": {"length": 3, "token_ids": [1]}, '
@@ -98,11 +107,7 @@ def test_round_trip(tmp_path):
     ('[1, 2]', "JSON object"),
 ])
 def test_bad_lines_are_named(tmp_path, line, message):
-    path = tmp_path / "bad.jsonl"
-    path.write_text('{"header": {"block_size": 16}}\n' + line + "\n")
-    with pytest.raises(TraceFormatError) as err:
-        read_trace(path)
-    assert f"{path}:2:" in str(err.value) and message in str(err.value)
+    assert_names_line(tmp_path, '{"header": {"block_size": 16}}\n' + line + "\n", 2, message)
 
 
 def test_references_are_checked():
@@ -211,11 +216,8 @@ def test_parts_round_trip_and_old_forms_dump_as_before(tmp_path):
     ('{"parts": [{"parts": [{"length": 1}]}]}', "parts.0.parts"),
 ])
 def test_bad_parts_are_named(tmp_path, inp, message):
-    path = tmp_path / "bad.jsonl"
-    path.write_text('{"session_id": "x", "turns": [{"input": ' + inp + ', "output_tokens": 1}]}\n')
-    with pytest.raises(TraceFormatError) as err:
-        read_trace(path)
-    assert f"{path}:1:" in str(err.value) and message in str(err.value)
+    assert_names_line(tmp_path, '{"session_id": "x", "turns": [{"input": ' + inp
+                      + ', "output_tokens": 1}]}\n', 1, message)
 
 
 def test_too_many_blocks_in_a_part_names_the_part():

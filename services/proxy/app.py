@@ -21,6 +21,7 @@ from agentserving.core.service import (
     install_metrics_route,
 )
 from agentserving.proxy.auth import ApiKeys, Principal
+from agentserving.proxy.engine_routes import install_engine_routes
 from agentserving.proxy.jsonio import loads
 from agentserving.proxy.kvindex_http import AioKvindexClient
 from agentserving.proxy.memory_hooks import AgentMemory
@@ -157,6 +158,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
         return {"status": "ready", "prefill_pods": len(pods),
                 "decode_pods": len(orch.pool.decode_candidates())}
 
+    install_engine_routes(app, registry, authenticate)
     document_turn_bodies(app)
     return app
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from testkit.servers import free_port, service_process
+from testkit.servers import AGENTSERVING, free_port, service_process
 from testkit.worker import Worker, worker_process
 
 HERE = Path(__file__).parent
@@ -197,7 +197,6 @@ def fuzz(tmp_path: Path, fuzz_figures: dict[str, dict[str, Any]]):  # type: igno
     return run
 
 
-AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 MAX_MODEL_LEN = 32  # bounds what one schema-valid completion may cost on 2 cores
 
 

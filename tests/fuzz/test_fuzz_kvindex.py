@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import json
-import sys
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,9 +25,8 @@ import pytest
 import redis
 
 from agentserving.core.hashing import ChunkHasher, is_chunk_hash
-from testkit.servers import free_port, redis_server, service_process
+from testkit.servers import AGENTSERVING, free_port, redis_server, service_process
 
-AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 MAX_EXAMPLES = 40
 CHAIN = ChunkHasher(chunk_size=4).hashes(list(range(48)))  # 12 chained hashes
 ANCHOR_POD = "fuzz-seed-pod"  # state for the fuzzer to find (it reads names back)

@@ -108,7 +108,7 @@ def test_crd_and_examples_have_no_duplicate_keys():
 
 def test_scheduler_policy_enum_is_the_workers_policy_registry():
     """One list of policy names: what the worker's --scheduler-policy builds."""
-    from agentserving.engine.scheduler.policy import make_policy, policy_names
+    from agentserving.engine.scheduler.registry import make_policy, policy_names
     from agentserving.operator.builders import ENGINES
     from agentserving.operator.builders.common import (
         ENGINE_PREFETCH_POLICIES,

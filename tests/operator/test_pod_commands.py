@@ -85,7 +85,7 @@ REFERENCE_EXAMPLES = [p for p in EXAMPLES
 @pytest.mark.parametrize("path", REFERENCE_EXAMPLES, ids=[p.name for p in REFERENCE_EXAMPLES])
 def test_reference_worker_runs_the_pools_scheduler_policy(path):
     inst, children = render(path)
-    from agentserving.engine.scheduler.policy import make_policy
+    from agentserving.engine.scheduler.registry import make_policy
 
     for sts in pools(inst, children):
         role = sts["metadata"]["name"].rsplit("-", 1)[1]

@@ -30,6 +30,12 @@ def cond(status, ctype):
     return next(c for c in status["conditions"] if c["type"] == ctype)
 
 
+def state(s: dict, kind: str) -> tuple[str, str]:
+    """(status, reason) of the condition ``kind``."""
+    c = cond(s, kind)
+    return c["status"], c["reason"]
+
+
 def all_pending():
     # Pods that stay Pending (no kubelet, no node) never become ready.
     return {"prefill": workload(1, 0), "decode": workload(2, 0), "proxy": workload(1, 0),
@@ -39,11 +45,9 @@ def all_pending():
 def test_pending_pods_are_reported_honestly():
     s = status_of(all_pending())
     assert s["phase"] == PENDING
-    assert cond(s, "Ready")["status"] == "False"
-    assert cond(s, "Ready")["reason"] == "ComponentsNotReady"
+    assert state(s, "Ready") == ("False", "ComponentsNotReady")
     assert "decode 0/2" in cond(s, "Ready")["message"]
-    assert cond(s, "Progressing")["status"] == "True"
-    assert cond(s, "Progressing")["reason"] == "WaitingForReplicas"
+    assert state(s, "Progressing") == ("True", "WaitingForReplicas")
     assert cond(s, "Degraded")["status"] == "False"
     assert s["decode"] == {"replicas": 2, "readyReplicas": 0, "updatedReplicas": 2,
                            "ready": "0/2", "selector": "a=b"}
@@ -56,10 +60,8 @@ def test_all_ready_is_ready():
          "kvindex": workload(1, 1)}
     s = status_of(w)
     assert s["phase"] == READY
-    assert cond(s, "Ready")["status"] == "True"
-    assert cond(s, "Ready")["reason"] == "AllComponentsReady"
-    assert cond(s, "Progressing")["status"] == "False"
-    assert cond(s, "Progressing")["reason"] == "RolloutComplete"
+    assert state(s, "Ready") == ("True", "AllComponentsReady")
+    assert state(s, "Progressing") == ("False", "RolloutComplete")
 
 
 def test_some_ready_is_progressing():
@@ -91,16 +93,14 @@ def test_child_rollout_in_progress():
     w = {c: workload(1, 1) for c in ("prefill", "decode", "proxy", "kvindex")}
     w["decode"] = workload(2, 2, generation=5, observed=4)
     s = status_of(w)
-    assert cond(s, "Progressing")["status"] == "True"
-    assert cond(s, "Progressing")["reason"] == "RollingOut"
+    assert state(s, "Progressing") == ("True", "RollingOut")
     assert "decode" in cond(s, "Progressing")["message"]
 
 
 def test_failure_is_degraded():
     s = status_of(all_pending(), failure=Failure("InvalidSpec", "spec.kvindex.replicas: no"))
     assert s["phase"] == DEGRADED
-    assert cond(s, "Degraded")["status"] == "True"
-    assert cond(s, "Degraded")["reason"] == "InvalidSpec"
+    assert state(s, "Degraded") == ("True", "InvalidSpec")
     assert cond(s, "Ready")["status"] == "False"
     assert cond(s, "Ready")["message"] == "spec.kvindex.replicas: no"
 
@@ -125,5 +125,4 @@ def test_scaled_to_zero_is_ready():
 def test_failure_without_workloads_has_no_empty_messages():
     s = status_of({}, failure=Failure("InvalidSpec", "spec.x: bad"))
     assert all(c["message"] for c in s["conditions"])
-    assert cond(s, "Progressing")["status"] == "False"
-    assert cond(s, "Progressing")["reason"] == "InvalidSpec"
+    assert state(s, "Progressing") == ("False", "InvalidSpec")

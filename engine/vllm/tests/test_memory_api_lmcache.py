@@ -8,7 +8,6 @@ connector hands to LMCache's storage manager."""
 from __future__ import annotations
 
 import contextlib
-import sys
 from pathlib import Path
 
 import httpx
@@ -25,7 +24,7 @@ from agentserving.engine.vllm.services import (
 )
 from agentserving.engine.vllm.settings import ConnectorSettings
 from agentserving.engine.vllm.storage import LMCacheStorageBackend
-from testkit.servers import free_port, free_port_run, service_process, wait_for_http
+from testkit.servers import AGENTSERVING, free_port, free_port_run, service_process, wait_for_http
 
 from .conftest import CHUNK, random_kv, until
 
@@ -35,7 +34,7 @@ POD = "vllm-demo-decode-0"
 @contextlib.contextmanager
 def kvindex(tmp: Path):
     port = free_port()
-    exe = str(Path(sys.executable).parent / "agentserving")
+    exe = AGENTSERVING
     with service_process([exe, "kvindex", "--port", str(port), "--store", "memory",
                           "--lease-ttl", "30"], f"http://127.0.0.1:{port}/healthz",
                          log_path=tmp / "kvindex.log"):

@@ -16,28 +16,21 @@ from agentserving.engine.vllm.step_times import (
     pooled,
     prometheus_observer,
 )
+from testkit.clock import ManualClock
 
 
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-def _step(clock: StepClock, fake: FakeClock, *, loads: int, waits: list[float],
+def _step(clock: StepClock, fake: ManualClock, *, loads: int, waits: list[float],
           forward: float) -> None:
     clock.begin(loads=loads)
     for w in waits:  # e.g. one synchronous retrieve, or one wait per layer
         with clock.timed():
-            fake.t += w
-    fake.t += forward
+            fake.now += w
+    fake.now += forward
     clock.end()
 
 
 def test_a_step_splits_into_its_kv_wait_and_its_forward() -> None:
-    fake = FakeClock()
+    fake = ManualClock()
     seen = []
     clock = StepClock(clock=fake, on_step=seen.append)
     _step(clock, fake, loads=1, waits=[0.2], forward=1.0)  # a synchronous reload
@@ -54,7 +47,7 @@ def test_a_step_splits_into_its_kv_wait_and_its_forward() -> None:
 
 
 def test_since_keeps_only_the_steps_that_came_after() -> None:
-    fake = FakeClock()
+    fake = ManualClock()
     clock = StepClock(clock=fake)
     _step(clock, fake, loads=1, waits=[1.0], forward=1.0)
     mark = clock.summary()["last_step"]
@@ -65,12 +58,12 @@ def test_since_keeps_only_the_steps_that_came_after() -> None:
 
 
 def test_a_save_without_a_step_is_not_a_step() -> None:
-    clock = StepClock(clock=FakeClock())
+    clock = StepClock(clock=ManualClock())
     assert clock.end() is None and clock.summary()["steps"] == 0
 
 
 def test_pods_pool_their_loading_steps_and_a_pod_takes_its_slowest_rank() -> None:
-    fake = FakeClock()
+    fake = ManualClock()
     a, b = StepClock(clock=fake), StepClock(clock=fake)
     _step(a, fake, loads=1, waits=[0.1], forward=1.0)
     _step(b, fake, loads=1, waits=[0.3], forward=1.0)
@@ -83,7 +76,7 @@ def test_pods_pool_their_loading_steps_and_a_pod_takes_its_slowest_rank() -> Non
 
 def test_steps_feed_prometheus_histograms_by_whether_they_loaded() -> None:
     registry = CollectorRegistry()
-    fake = FakeClock()
+    fake = ManualClock()
     clock = StepClock(clock=fake, on_step=prometheus_observer(registry))
     _step(clock, fake, loads=1, waits=[0.2], forward=1.0)
     _step(clock, fake, loads=0, waits=[], forward=0.5)

@@ -9,14 +9,7 @@ import torch
 
 from agentserving.decode.handoff import wire as handoff_wire
 from agentserving.decode.handoff.source import HandoffRegistry
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from testkit.clock import ManualClock
 
 
 def _layers(n_tokens: int = 10, n_layers: int = 3):
@@ -32,7 +25,7 @@ HEADER = {"model": "tiny", "num_tokens": 10, "num_layers": 3, "num_kv_heads": 2,
 
 
 def test_claim_once_and_expire_unclaimed():
-    clock = Clock()
+    clock = ManualClock(100.0)
     reg = HandoffRegistry(timeout_s=5, clock=clock)
     a = reg.register(HEADER, _layers())
     b = reg.register(HEADER, _layers())
@@ -91,7 +84,7 @@ def test_wire_detects_a_short_stream():
 
 def test_wire_carries_only_the_suffix_after_start_token():
     layers = _layers(n_tokens=10)
-    clock = Clock()
+    clock = ManualClock(100.0)
     reg = HandoffRegistry(timeout_s=5, clock=clock)
     entry = reg.claim(reg.register(HEADER, layers))
     part = entry.suffix(6)

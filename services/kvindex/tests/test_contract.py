@@ -31,6 +31,7 @@ from agentserving.kvindex.index.base import (
 from agentserving.kvindex.index.factory import new_index
 from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStore
 from agentserving.kvindex.index.redis import RedisIndex, RedisSessionStore
+from testkit.clock import ManualClock
 
 pytestmark = pytest.mark.anyio
 
@@ -391,19 +392,9 @@ async def test_references_count_other_live_sessions(sessions: SessionStore) -> N
     assert (await sessions.references([])).refs == {}
 
 
-class Clock:
-    """A clock the test moves: the stores read it for every timestamp and expiry."""
-
-    def __init__(self, now: float = 1_700_000_000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 async def clocked(store: str):  # type: ignore[no-untyped-def]
-    clock = Clock()
+    clock = ManualClock(1_700_000_000.0)
     sessions = (InMemorySessionStore(clock=clock) if store == "memory"
                 else RedisSessionStore(store, clock=clock))
     yield sessions, clock

@@ -20,19 +20,12 @@ from agentserving.kvindex.app import create_app
 from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStore
 from agentserving.kvindex.index.redis import RedisIndex, RedisSessionStore
 from agentserving.kvindex.settings import KvindexSettings
+from testkit.clock import ManualClock
 
 CHAIN = ChunkHasher(chunk_size=4).hashes(list(range(40)))  # 10 chained hashes
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = time.time()
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def kvindex(store: str, clock: Clock | None = None, **settings: object) -> TestClient:
+def kvindex(store: str, clock: ManualClock | None = None, **settings: object) -> TestClient:
     """A kvindex app on ``store`` whose session store reads ``clock`` (the index keeps real
     time: pod leases are not under test)."""
     conf = KvindexSettings(**{"lease_ttl_s": 60, "reap_interval_s": 3600, **settings})
@@ -45,12 +38,12 @@ def kvindex(store: str, clock: Clock | None = None, **settings: object) -> TestC
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> ManualClock:
+    return ManualClock(time.time())
 
 
 @pytest.fixture
-def client(store: str, clock: Clock) -> Iterator[TestClient]:
+def client(store: str, clock: ManualClock) -> Iterator[TestClient]:
     with kvindex(store, clock, session_idle_ttl_s=600) as c:
         yield c
 

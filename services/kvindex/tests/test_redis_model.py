@@ -21,6 +21,7 @@ from agentserving.core.schemas import (
 from agentserving.kvindex.index.base import UnknownPod, eviction_priority, protected_chunks
 from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStore
 from agentserving.kvindex.index.redis import RedisIndex, RedisSessionStore
+from testkit.clock import ManualClock
 from testkit.servers import RedisServer
 
 POOL = [f"{i:02x}" * 4 for i in range(6)]  # six chunk hashes, the chain in this order
@@ -133,14 +134,6 @@ async def run_index_ops(roles: list[PodRole], ops: list[tuple], url: str) -> Non
         await real.close()
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_700_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 async def protection(store: Any) -> dict:
     """What every unforced evict would keep: by each asker, at each priority."""
     out = {}
@@ -155,7 +148,7 @@ async def protection(store: Any) -> dict:
 
 
 async def run_session_ops(ops: list[tuple], url: str, idle_ttl_s: float | None) -> None:
-    clock = Clock()
+    clock = ManualClock(1_700_000_000.0)
     model = InMemorySessionStore(clock=clock)
     real = RedisSessionStore(url, key_prefix=f"prop-{uuid.uuid4().hex[:8]}:", clock=clock)
     try:

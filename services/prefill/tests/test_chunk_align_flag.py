@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentserving.engine.cli import command
-from agentserving.engine.scheduler.policy import make_policy
+from agentserving.engine.scheduler.registry import make_policy
 from agentserving.engine.settings import WorkerSettings
 from agentserving.prefill.policies import FcfsChunk, LongcapDynamic, ReqView, SchedState, advance
 

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -28,9 +26,8 @@ from agentserving.core.schemas import (
     ResidencyEvent,
 )
 from agentserving.proxy.kvindex_http import AioKvindexClient
-from testkit.servers import free_port, service_process
+from testkit.servers import AGENTSERVING, free_port, service_process
 
-AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 H = ChunkHasher("blake3", 4).hashes(list(range(40)))  # 10 chained hashes
 
 

@@ -22,20 +22,13 @@ from agentserving.proxy.routing import (
     make_policy,
 )
 from agentserving.proxy.settings import ProxySettings
+from testkit.clock import ManualClock
 
 from .test_decode_load import _pods_app, _turn
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_pods_activity_is_its_recent_work_each_turn_fading_by_half_life():
-    clock = Clock()
+    clock = ManualClock()
     activity = PodActivity(half_life_s=10.0, clock=clock)
     for _ in range(4):  # an agent in its loop, appends of 500 tokens
         activity.turn_placed("d0", 2048 + 500)

@@ -12,6 +12,7 @@ from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStor
 from agentserving.kvindex.settings import KvindexSettings
 from agentserving.proxy.kvindex_http import AioKvindexClient
 from agentserving.proxy.pods import PodPool
+from testkit.clock import ManualClock
 from testkit.servers import ThreadedServer
 
 LEASE_S = 1.5  # long enough for the first steps on a loaded machine
@@ -22,14 +23,6 @@ def _reg(pod: str) -> PodRegistration:
                            model="m", api_url=f"http://127.0.0.1:1/{pod}")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _names(pool: PodPool) -> list[str]:
     return sorted(c.name for c in pool.prefill_candidates())
 
@@ -37,7 +30,7 @@ def _names(pool: PodPool) -> list[str]:
 def test_an_emptied_registry_keeps_the_last_known_pods_for_the_grace_period():
     server = ThreadedServer(create_kvindex(KvindexSettings(lease_ttl_s=LEASE_S),
                                            InMemoryIndex(), InMemorySessionStore()))
-    clock = Clock()
+    clock = ManualClock()
 
     async def go() -> list[list[str]]:
         kv = AioKvindexClient(server.url, 1.0)

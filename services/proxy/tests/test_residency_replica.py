@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
@@ -23,9 +22,8 @@ from agentserving.core.schemas import (
 )
 from agentserving.proxy.kvindex_http import AioKvindexClient
 from agentserving.proxy.residency_replica import ReplicaMetrics, ResidencyReplica, following
-from testkit.servers import free_port, service_process
+from testkit.servers import AGENTSERVING, free_port, service_process
 
-AGENTSERVING = str(Path(sys.executable).parent / "agentserving")
 CHAIN = ChunkHasher("blake3", 4).hashes(list(range(64)))  # 16 chained hashes
 
 

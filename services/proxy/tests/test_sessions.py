@@ -4,18 +4,11 @@ proxy that runs for days holds only the sessions that are alive."""
 from __future__ import annotations
 
 from agentserving.proxy.sessions import SessionTable
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
+from testkit.clock import ManualClock
 
 
 def test_sessions_idle_past_the_ttl_are_forgotten_the_rest_kept() -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     table = SessionTable(100, idle_ttl_s=60, clock=clock)
     table.get("a").turns = 3
     clock.now += 40
@@ -29,7 +22,7 @@ def test_sessions_idle_past_the_ttl_are_forgotten_the_rest_kept() -> None:
 
 
 def test_a_used_session_moves_to_the_back_and_the_bound_drops_the_least_recent() -> None:
-    clock = Clock()
+    clock = ManualClock(1000.0)
     table = SessionTable(2, idle_ttl_s=None, clock=clock)
     table.get("a")
     table.get("b")

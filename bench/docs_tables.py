@@ -44,6 +44,10 @@ MIX_COMMAND = {"0.5": "agentserving compare --configs "
                        "agentserving-noprefetch"}
 DISK_TIER = "disk-tier.json"
 DISK_TIER_COMMAND = "python -m bench disk_tier"
+ANNOUNCED = "announced-turns.json"
+ANNOUNCED_COMMAND = ("agentserving compare --configs agentserving,agentserving-noprefetch "
+                     "--cpu-cache-gib 0.15 --decode-policy "
+                     "'longcap-dynamic?short_order=shortest&lookahead=5'")
 PREFIX_STABILITY = "prefix-stability.json"
 PREFIX_STABILITY_COMMAND = "python -m bench prefix_stability"
 
@@ -254,6 +258,23 @@ def _disk_tier_table(doc: Doc) -> str:
     return "\n".join(lines)
 
 
+def _announced_table(doc: Doc) -> str:
+    """Turns announced during tool calls: what became of them, and TTFT after a tool gap."""
+    r = _load(doc.root, ANNOUNCED)
+    a = r["shadow"]["agentserving"]["announced"]
+    cand, ablation = r["configs"]["agentserving"], r["configs"]["agentserving-noprefetch"]
+    lines = ["| announced | arrived | read before arrival | read by the N+1 window | read on an "
+             "idle pod | expired | TTFT after a tool gap, P50 (turns) | without prefetch |",
+             "| --- " * 8 + "|",
+             f"| {a['announced']} | {a['arrived']} | {a['prefetched_before_arrival']} | "
+             f"{a['fired_by_window']} | {a['fired_idle']} | {a['expired']} | "
+             f"{_s(cand['ttft_p50_after_gap_s'])} ({cand['after_gap_turns']}) | "
+             f"{_s(ablation['ttft_p50_after_gap_s'])} "
+             f"({_ratio(cand['ttft_p50_after_gap_s'] / ablation['ttft_p50_after_gap_s'])}) |"]
+    lines += ["", _source_line(doc, ANNOUNCED_COMMAND, [(ANNOUNCED, r)])]
+    return "\n".join(lines)
+
+
 def _prefix_stability_table(doc: Doc) -> str:
     r = _load(doc.root, PREFIX_STABILITY)
     labels = {"template as is": "the template as is (the call in `tool_calls`)",
@@ -288,6 +309,7 @@ TABLES: dict[str, Callable[[Doc], str]] = {
                                                   MIX_COMMAND["0.25"], short_ttft=False),
     "disk-tier": _disk_tier_table,
     "prefix-stability": _prefix_stability_table,
+    "announced-turns": _announced_table,
 }
 
 def render(text: str, doc: Doc, tables: dict[str, Callable[[Doc], str]] = TABLES) -> str:

@@ -33,6 +33,9 @@ def default_run_dir(kind: str) -> Path:
         help="Replay only the first N sessions (tasks), with their branches.")
 @option("--time-scale", type=click.FloatRange(min=0), default=1.0,
         help="Multiply every time in the trace (arrivals, turn timestamps, tool gaps) by X.")
+@option("--tool-gap-scale", type=click.FloatRange(min=0), default=1.0,
+        help="Multiply the tool gaps by X on top of --time-scale (a trace compressed at "
+             "import, replayed with its tools as long as they ran).")
 @option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
         help="Output folder for turns.jsonl and summary.json [default: runs/<time>-replay].")
 @option("--seed", type=int, default=0, help="Seed of the Poisson arrivals.")
@@ -49,7 +52,8 @@ def default_run_dir(kind: str) -> Path:
 @option("--api-key", default=None, help="Sent as 'Authorization: Bearer KEY' (proxy with keys).")
 @option("--progress/--no-progress", default=True, help="Show a progress bar.")
 def command(trace_spec: str, target: str, rate: float | None, timestamps: bool,
-            limit: int | None, time_scale: float, out_dir: Path | None, seed: int,
+            limit: int | None, time_scale: float, tool_gap_scale: float,
+            out_dir: Path | None, seed: int,
             model: str | None, vocab_size: int | None, max_active_sessions: int | None,
             request_timeout_s: float, chunk_size: int, mooncake: MooncakeOptions,
             api_key: str | None, progress: bool) -> None:
@@ -69,6 +73,7 @@ def command(trace_spec: str, target: str, rate: float | None, timestamps: bool,
     trace = load_trace(trace_spec, limit=limit, mooncake=mooncake)
     out_dir = out_dir or default_run_dir("replay")
     opts = ReplayOptions(target=target, model=model, rate=rate, time_scale=time_scale,
+                         tool_gap_scale=tool_gap_scale,
                          seed=seed, vocab_size=vocab_size,
                          max_active_sessions=max_active_sessions,
                          request_timeout_s=request_timeout_s, chunk_size=chunk_size,

@@ -55,6 +55,9 @@ class ReplayOptions:
     model: str | None = None  # None: the first model of GET /v1/models, else "tiny"
     rate: float | None = None  # root sessions per second (Poisson); None: trace start times
     time_scale: float = 1.0
+    # tool gaps only, on top of time_scale: a trace whose times were compressed at import
+    # replays its tools as long as they ran, against a fleet slower than the trace's
+    tool_gap_scale: float = 1.0
     seed: int = 0
     vocab_size: int | None = None  # None: the trace header's
     max_active_sessions: int | None = None
@@ -223,7 +226,8 @@ class Replayer:
                             ideal_hit_rate=self.ideal.hit_rate)
         summary["replay"] = {
             "target": self.opts.target, "model": self._model, "rate": self.opts.rate,
-            "time_scale": self.opts.time_scale, "seed": self.opts.seed,
+            "time_scale": self.opts.time_scale, "tool_gap_scale": self.opts.tool_gap_scale,
+            "seed": self.opts.seed,
             "chunk_size": self.opts.chunk_size, "source": self.trace.header.source,
             "max_active_sessions": self.opts.max_active_sessions,
         }
@@ -267,7 +271,12 @@ class Replayer:
             for child in self._children.get((sid, turn.index), []):
                 gap = child.session.parent.gap_s * self.opts.time_scale  # type: ignore[union-attr]
                 self._tg.create_task(self._session(client, child, self.now() + gap))
-            earliest = self.now() + turn.tool_gap_s * self.opts.time_scale
+            earliest = self.now() + turn.tool_gap_s * self._gap_scale
+
+    @property
+    def _gap_scale(self) -> float:
+        """What a trace's tool gap is multiplied by."""
+        return self.opts.time_scale * self.opts.tool_gap_scale
 
     def _fail_children(self, sid: str, from_turn: int) -> None:
         for (parent, turn), children in self._children.items():
@@ -304,7 +313,7 @@ class Replayer:
             parent_session_id=session.parent.session_id if session.parent else None,
             last_turn=turn.index == len(rs.turns) - 1, tool=turn.tool,
             forced_tokens=len(turn.forced_output), appended_tokens=turn.appended,
-            gap_before_s=gap_before_s(rs.turns, turn.index) * self.opts.time_scale,
+            gap_before_s=gap_before_s(rs.turns, turn.index) * self._gap_scale,
             ideal_cached_tokens=self.ideal.per_turn.get((turn.session_id, turn.index), 0),
             source=source if isinstance(source, str) else None,
             reference_prompt_tokens=reference[0] if reference else None,

@@ -356,6 +356,11 @@ def replay_config(config: str, fleet: Any, trace: Any, run_dir: Path,
              + "; ".join(f"{e}: {x}" for e, x in DEFAULT_TIME_SCALE.items())
              + "; on vLLM at the workload's own times its arrivals, not the fleet's "
                "capacity, set agentserving's req/s].")
+@option("--tool-gap-scale", type=click.FloatRange(min=0), default=1.0,
+        help="Multiply the tool gaps by X on top of --time-scale: the bundled traces' times "
+             "were compressed at import (SWE agents' by 0.2) while the tiny model on the CPU "
+             "computes slower than the traces' models did, so their tools return while a "
+             "turn's TTFT is still running; X restores the gaps' share of a turn.")
 @option("--prefill", type=click.IntRange(min=1), default=1,
         help="agentserving: prefill workers.")
 @option("--decode", type=click.IntRange(min=0), default=2,
@@ -406,7 +411,8 @@ def replay_config(config: str, fleet: Any, trace: Any, run_dir: Path,
         help="Run this instead of `agentserving worker` (same flags; tests use a stand-in).")
 @option("--progress/--no-progress", default=True, help="Show progress bars.")
 def command(engine: str, workload: str, limit: int | None, rate: float | None,
-            time_scale: float | None, prefill: int, decode: int, configs: str, model: str,
+            time_scale: float | None, tool_gap_scale: float, prefill: int, decode: int,
+            configs: str, model: str,
             cpu_cache_gib: float, disk_cache_gib: float, disk_io: str, device_kv_blocks: int,
             torch_threads: int, worker_args: tuple[str, ...], prefill_policy: str | None,
             decode_policy: str | None,
@@ -460,7 +466,8 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
         startup_timeout_s=startup_timeout_s,
         worker_command=shlex.split(worker_command) if worker_command else None,
         internal_token=secrets.token_urlsafe(24))
-    replay_opts = dict(rate=rate, time_scale=time_scale, progress=progress,
+    replay_opts = dict(rate=rate, time_scale=time_scale, tool_gap_scale=tool_gap_scale,
+                       progress=progress,
                        max_active_sessions=max_active_sessions,
                        chunk_size=DEFAULT_CHUNK_SIZE)
     summaries: dict[str, dict[str, Any]] = {}
@@ -479,7 +486,7 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
                 "torch_threads": torch_threads, "rate": rate,
                 "prefill_policy": prefill_policy, "decode_policy": decode_policy,
                 "proxy_args": list(proxy_args),
-                "time_scale": time_scale}
+                "time_scale": time_scale, "tool_gap_scale": tool_gap_scale}
     report = build_report(summaries, comparisons=comparisons_for(names),
                           workload={"spec": workload, **stats},
                           machine={"cpus": os.cpu_count(), "platform": platform.platform(),

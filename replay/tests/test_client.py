@@ -89,9 +89,12 @@ def test_records_metrics_cache_and_routing(fake_server, tmp_path, small_trace):
     assert json.loads((tmp_path / "summary.json").read_text())["turns_completed"] == len(recs)
 
 
-def test_a_turn_starts_after_the_previous_one_and_its_tool_gap(fake_server, small_trace):
+@pytest.mark.parametrize("tool_gap_scale", [1.0, 2.0])
+def test_a_turn_starts_after_the_previous_one_and_its_tool_gap(fake_server, small_trace,
+                                                                tool_gap_scale):
     trace = small_trace(sessions=3, gap=0.2)
-    result = run(trace, fake_server, time_scale=0.5)
+    result = run(trace, fake_server, time_scale=0.5, tool_gap_scale=tool_gap_scale)
+    scale = 0.5 * tool_gap_scale
     by_session = defaultdict(list)
     for r in result.records:
         by_session[r.session_id].append(r)
@@ -100,8 +103,10 @@ def test_a_turn_starts_after_the_previous_one_and_its_tool_gap(fake_server, smal
         recs.sort(key=lambda r: r.turn)
         for a, b in zip(recs, recs[1:], strict=False):
             waited = b.start_s - a.end_s
-            assert waited >= gaps[(sid, a.turn)] * 0.5 - 0.005
-            assert waited < gaps[(sid, a.turn)] * 0.5 + 0.15
+            assert waited >= gaps[(sid, a.turn)] * scale - 0.005
+            assert waited < gaps[(sid, a.turn)] * scale + 0.15
+            assert b.gap_before_s == pytest.approx(gaps[(sid, a.turn)] * scale if a.tool
+                                                   else 0.0)
     # branches start after their parent's fork turn
     for s in trace.sessions:
         if s.parent:

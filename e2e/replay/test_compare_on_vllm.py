@@ -24,6 +24,9 @@ def test_plain_vllm_pods_precise_routing_and_agentserving_side_by_side(tmp_path)
                           "--configs", "vllm-rr,vllm-precise,agentserving",
                           "--workload", "bundled:bench-small", "--limit", "3", "--decode", "1",
                           "--device-kv-blocks", "128", "--time-scale", "1.0", "--no-progress",
+                          # the decode pod under the ShadowScheduler too: it takes the turns
+                          # the proxy announces during their tool calls
+                          "--decode-policy", "longcap-dynamic?lookahead=3",
                           "--run-dir", str(run_dir)],
                          capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -58,11 +61,19 @@ def test_plain_vllm_pods_precise_routing_and_agentserving_side_by_side(tmp_path)
     # vLLM's own metrics reached the breakdown: every pod computed some prompt tokens
     for m in (rr, precise):
         assert all(w["computed_prompt_tokens_total"] > 0 for w in m["workers"].values())
-    # the prefill pod ran Longcap under the ShadowScheduler inside vLLM's scheduler and
-    # reported its live N+1 window (the decode pod runs vLLM's own: nothing to report)
-    (pod, live), = cand["scheduler"].items()
-    assert pod.startswith("prefill") and live["policy"] == "shadow(longcap-dynamic)"
+    # both pods ran Longcap under the ShadowScheduler inside vLLM's scheduler and reported
+    # their live N+1 window
+    assert sorted(cand["scheduler"]) == ["decode-0", "prefill-0"]
+    live = cand["scheduler"]["prefill-0"]
+    assert live["policy"] == "shadow(longcap-dynamic)"
     assert live["steps"] > 0 and live["plans"]["requests"] > 0
     window = live["n_plus_1_prediction"]
     assert window["tp"] + window["fp"] + window["fn"] + window["tn"] > 0
+    # the turns after a tool call were announced to the pod holding the session while the
+    # tool ran, and recognised by their chunks when they came (one announced to a pod its
+    # turn then skips never arrives there); the report sums them under `shadow`
+    announced = report["shadow"]["agentserving"]["announced"]
+    assert announced["announced"] >= announced["arrived"] > 0
+    assert announced["fired_by_window"] + announced["fired_idle"] > 0
+    assert cand["after_gap_turns"] > 0 and cand["ttft_p50_after_gap_s"] > 0
     assert "targets met:" in out.stdout

@@ -330,13 +330,15 @@ class ResidencyListing(BaseModel):
 # An announced turn (a prefetch for a request not yet sent): when it is expected, and how much
 # it will compute. A pod whose scheduler predicts admissions (the ShadowScheduler) then starts
 # the read when the turn enters its N+1 window; any other pod reads at once.
-ExpectedInS = Annotated[float | None, Field(
-    default=None, ge=0, le=3600, description="The request needing these chunks is expected in "
-    "this many seconds: a pod whose scheduler predicts admissions reads them when it predicts "
-    "the request's admission within its next step; others read at once.")]
-ExpectedTokens = Annotated[int | None, Field(
-    default=None, ge=1, le=1 << 20, description="With expected_in_s: the prompt tokens the "
-    "expected request will compute past these chunks (default: the pod's estimate).")]
+ExpectedInS = Annotated[
+    Annotated[float, Field(ge=0, le=3600), BeforeValidator(_wire_number)] | None, Field(
+        description="The request needing these chunks is expected in this many seconds: a pod "
+        "whose scheduler predicts admissions reads them when it predicts the request's "
+        "admission within its next step; others read at once.")]
+ExpectedTokens = Annotated[
+    Annotated[int, Field(ge=1, le=1 << 20), BeforeValidator(_wire_int)] | None, Field(
+        description="With expected_in_s: the prompt tokens the expected request will compute "
+        "past these chunks (default: the pod's estimate).")]
 
 
 class PrefetchRequest(Strict):

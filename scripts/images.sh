@@ -117,12 +117,19 @@ build_dockerfile() {
   case "$name" in
     worker|vllm-cpu) index=$(pip_index_url); extra=(--build-arg "TORCH_INDEX_URL=$index") ;;
   esac
-  local blog="$OUT/$name.build.log"
+  local blog="$OUT/$name.build.log" tag old
+  tag=$(tag_of "$name")
+  old=$(bh images -q --no-trunc "$tag" 2>/dev/null | head -1 || true)  # none on a fresh machine
   bh bud --layers --isolation chroot --network host "${PIP_MOUNTS[@]}" \
     --build-arg PYTHON_IMAGE="$BASE_TAG" "${extra[@]}" \
     --ignorefile "$REPO/docker/$name.Dockerfile.dockerignore" \
-    -f "$REPO/docker/$name.Dockerfile" -t "$(tag_of "$name")" "$REPO" >"$blog" 2>&1 \
+    -f "$REPO/docker/$name.Dockerfile" -t "$tag" "$REPO" >"$blog" 2>&1 \
     || { tail -30 "$blog" >&2; log "$name failed: $blog"; exit 1; }
+  # the image the tag named before, now untagged: each rebuild of a changed checkout left
+  # one behind (GBs a day); its layers the new image shares stay
+  if [ -n "$old" ] && [ "$old" != "$(bh images -q --no-trunc "$tag" | head -1)" ]; then
+    bh rmi "$old" >/dev/null 2>&1 || true
+  fi
 }
 
 # Export only when the image changed since the last export (the archive records its ID).

@@ -7,8 +7,7 @@ the cache folder first, so ``teardown`` undoes it after a failed test, Ctrl-C, o
 start, a run that was killed outright (``teardown_stale``). Pods live in ``/kubepods`` cgroups
 outside the test's own process tree: their processes are killed through those cgroups, not
 through the kubelet, so teardown does not depend on the kubelet or containerd still working.
-Facts behind the flags: ../shared/notes/k8s-real-node.md. Needs root (bridge, iptables,
-mounts).
+Needs root (bridge, iptables, mounts).
 """
 
 from __future__ import annotations

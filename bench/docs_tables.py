@@ -44,10 +44,11 @@ MIX_COMMAND = {"0.5": "agentserving compare --configs "
                        "agentserving-noprefetch"}
 DISK_TIER = "disk-tier.json"
 DISK_TIER_COMMAND = "python -m bench disk_tier"
-ANNOUNCED = "announced-turns.json"
+# --tool-gap-scale of each run -> its report
+ANNOUNCED = {1: "announced-turns/gap-scale-1.json", 10: "announced-turns/gap-scale-10.json"}
 ANNOUNCED_COMMAND = ("agentserving compare --configs agentserving,agentserving-noprefetch "
                      "--cpu-cache-gib 0.15 --decode-policy "
-                     "'longcap-dynamic?short_order=shortest&lookahead=5'")
+                     "'longcap-dynamic?short_order=shortest&lookahead=5' --tool-gap-scale X")
 PREFIX_STABILITY = "prefix-stability.json"
 PREFIX_STABILITY_COMMAND = "python -m bench prefix_stability"
 
@@ -259,19 +260,26 @@ def _disk_tier_table(doc: Doc) -> str:
 
 
 def _announced_table(doc: Doc) -> str:
-    """Turns announced during tool calls: what became of them, and TTFT after a tool gap."""
-    r = _load(doc.root, ANNOUNCED)
-    a = r["shadow"]["agentserving"]["announced"]
-    cand, ablation = r["configs"]["agentserving"], r["configs"]["agentserving-noprefetch"]
-    lines = ["| announced | arrived | read before arrival | read by the N+1 window | read on an "
-             "idle pod | expired | TTFT after a tool gap, P50 (turns) | without prefetch |",
-             "| --- " * 8 + "|",
-             f"| {a['announced']} | {a['arrived']} | {a['prefetched_before_arrival']} | "
-             f"{a['fired_by_window']} | {a['fired_idle']} | {a['expired']} | "
-             f"{_s(cand['ttft_p50_after_gap_s'])} ({cand['after_gap_turns']}) | "
-             f"{_s(ablation['ttft_p50_after_gap_s'])} "
-             f"({_ratio(cand['ttft_p50_after_gap_s'] / ablation['ttft_p50_after_gap_s'])}) |"]
-    lines += ["", _source_line(doc, ANNOUNCED_COMMAND, [(ANNOUNCED, r)])]
+    """Turns announced during tool calls: what became of them, what they read, and TTFT after a
+    tool gap against the configuration without prefetch, one row per --tool-gap-scale."""
+    lines = ["| --tool-gap-scale | announced | arrived | reads started: by the N+1 window / on "
+             "an idle pod | started before the turn arrived | disk chunks read | TTFT after a "
+             "tool gap, P50 (turns) | without prefetch |", "| --- " * 8 + "|"]
+    reports = []
+    for scale, name in ANNOUNCED.items():
+        r = _load(doc.root, name)
+        reports.append((name, r))
+        a = r["shadow"]["agentserving"]["announced"]
+        read = r["shadow"]["agentserving"]["prefetch"]["chunks"]
+        cand, ablation = r["configs"]["agentserving"], r["configs"]["agentserving-noprefetch"]
+        ratio = cand["ttft_p50_after_gap_s"] / ablation["ttft_p50_after_gap_s"]
+        lines.append(f"| {scale} | {a['announced']} | {a['arrived']} | "
+                     f"{a['fired_by_window']} / {a['fired_idle']} | "
+                     f"{a['prefetched_before_arrival']} | {read} | "
+                     f"{_s(cand['ttft_p50_after_gap_s'])} "
+                     f"({cand['after_gap_turns']}) | {_s(ablation['ttft_p50_after_gap_s'])} "
+                     f"({_ratio(ratio)}) |")
+    lines += ["", _source_line(doc, ANNOUNCED_COMMAND, reports)]
     return "\n".join(lines)
 
 

@@ -11,6 +11,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -24,26 +26,27 @@ def _mirror(apt_etc: Path) -> subprocess.CompletedProcess[str]:
     return _bash(f'set -euo pipefail; source "{REPO}/scripts/debian.sh"; debian_mirror', env)
 
 
-def test_mirror_from_deb822_sources(tmp_path: Path) -> None:
-    d = tmp_path / "sources.list.d"
-    d.mkdir()
-    (d / "debian.sources").write_text(
-        "Types: deb-src\nURIs: http://src.example.invalid/debian\nSuites: bookworm\n\n"
-        "Types: deb\nURIs: http://mirror.example.invalid/debian\n"
-        "Suites: bookworm bookworm-updates\nComponents: main\n")
-    r = _mirror(tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "http://mirror.example.invalid/debian"
+DEB822 = ("sources.list.d/debian.sources",
+          "Types: deb-src\nURIs: http://src.example.invalid/debian\nSuites: bookworm\n\n"
+          "Types: deb\nURIs: http://mirror.example.invalid/debian\n"
+          "Suites: bookworm bookworm-updates\nComponents: main\n",
+          "http://mirror.example.invalid/debian")
+ONE_LINE = ("sources.list",
+            "# comment\ndeb-src http://src.example.invalid/debian bookworm main\n"
+            "deb [signed-by=/usr/share/keyrings/k.gpg arch=amd64] "
+            "http://list.example.invalid/debian bookworm main\n",
+            "http://list.example.invalid/debian")
 
 
-def test_mirror_from_one_line_list_with_options(tmp_path: Path) -> None:
-    (tmp_path / "sources.list").write_text(
-        "# comment\ndeb-src http://src.example.invalid/debian bookworm main\n"
-        "deb [signed-by=/usr/share/keyrings/k.gpg arch=amd64] http://list.example.invalid/debian "
-        "bookworm main\n")
+@pytest.mark.parametrize(("path", "text", "mirror"), [DEB822, ONE_LINE],
+                         ids=["deb822", "one-line-with-options"])
+def test_the_mirror_is_the_first_bookworm_deb_entry(tmp_path: Path, path: str, text: str,
+                                                    mirror: str) -> None:
+    (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / path).write_text(text)
     r = _mirror(tmp_path)
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == "http://list.example.invalid/debian"
+    assert r.stdout.strip() == mirror
 
 
 def test_no_mirror_is_a_clear_error(tmp_path: Path) -> None:

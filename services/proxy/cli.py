@@ -142,7 +142,10 @@ setting = settings_option(ProxySettings)
          help="Adaptive first-token deadlines are never shorter than this (seconds).")
 @setting("--stall-inter-token-floor", "stall_inter_token_floor_s",
          type=click.FloatRange(min=0, min_open=True),
-         help="Adaptive inter-token deadlines are never shorter than this (seconds).")
+         help="Adaptive inter-token deadlines are never shorter than this (seconds). A stream "
+              "stalled mid-way ends with an error the caller sees, and a busy pod's decodes "
+              "wait out other requests' prefill steps (seconds on a CPU pod): keep it well "
+              "above the longest step.")
 @setting("--stall-first-token-initial", "stall_first_token_initial_s",
          type=click.FloatRange(min=0, min_open=True),
          help="Adaptive first-token deadline until --stall-min-samples are observed (seconds).")

@@ -43,7 +43,6 @@ class AnnouncedTurn:
     cached_tokens: int        # tokens those chunks hold
     new_tokens: int           # tokens it is expected to compute (its append)
     fired: bool = False       # its prefetch started (by the window or as ``due``)
-    fired_by: str = ""        # "window" or "idle"
     read: tuple[str, ...] = ()  # the disk-only chunks its prefetch asked for
 
 
@@ -91,14 +90,22 @@ class ExpectedTurns:
               ) -> list[ReqView]:
         """Each pending turn as it would wait: its prefix cached, its disk-only chunks to
         prefetch (none once its prefetch started: it is not asked for twice)."""
-        out = []
-        for t in self.turns.values():
-            disk = () if t.fired else tuple(
-                h for h, tier in zip(t.hashes, tiers(t.hashes), strict=True)
-                if tier is Tier.DISK)
-            out.append(ReqView(EXPECTED + t.key, t.eta, t.cached_tokens + t.new_tokens,
-                               computed=t.cached_tokens, disk_chunks=disk))
-        return out
+        return [ReqView(EXPECTED + t.key, t.eta, t.cached_tokens + t.new_tokens,
+                        computed=t.cached_tokens, disk_chunks=self._disk_only(t, tiers))
+                for t in self.turns.values()]
+
+    def disk_only(self, key: str, tiers: Callable[[Sequence[str]], Sequence[Tier | None]]
+                  ) -> tuple[str, ...]:
+        """The pending turn ``key``'s chunks on disk only (its view's ``disk_chunks``)."""
+        return self._disk_only(self.turns[key], tiers)
+
+    @staticmethod
+    def _disk_only(t: AnnouncedTurn, tiers: Callable[[Sequence[str]], Sequence[Tier | None]]
+                   ) -> tuple[str, ...]:
+        if t.fired:
+            return ()
+        return tuple(h for h, tier in zip(t.hashes, tiers(t.hashes), strict=True)
+                     if tier is Tier.DISK)
 
     def fire(self, key: str, by: str, read: Sequence[str]) -> AnnouncedTurn | None:
         """Mark ``key``'s prefetch started (``by``: "window" or "idle") for the chunks
@@ -106,7 +113,7 @@ class ExpectedTurns:
         turn = self.turns.get(key)
         if turn is None or turn.fired:
             return None
-        turn.fired, turn.fired_by, turn.read = True, by, tuple(read)
+        turn.fired, turn.read = True, tuple(read)
         if by == "window":
             self.score.fired_by_window += 1
         else:

@@ -235,8 +235,9 @@ class ShadowScheduler:
     def step(self, state: SchedState, expected: Sequence[ReqView] = ()) -> ShadowResult:
         """``expected``: turns announced but not arrived (ids under ``EXPECTED``, ``arrival``
         their predicted arrival on ``state.now``'s clock): the look-ahead lets each join the
-        queue at its arrival, so one predicted for admission within the window is prefetched
-        before it exists. The decision for step N never sees them."""
+        queue at its arrival, and one predicted for admission within the window is in the
+        result's ``window``, for the caller to read for before it exists (``prefetch`` names
+        waiting requests only). The decision for step N never sees them."""
         decision = self.policy.decide(state)
         if self.commit:
             decision = self._keep_commitments(state, decision)
@@ -248,10 +249,11 @@ class ShadowScheduler:
         window = frozenset(rid for rid, pred in predictions.items()
                            if pred.offset <= self.prefetch_window
                            and pred.p_admit >= self.robust)
-        waiting = {w.req_id: w for w in (*state.waiting, *expected)}
+        waiting = {w.req_id: w for w in state.waiting}
         prefetch = []
         for rid in predictions:  # (in prediction order: the caller's I/O order)
-            if rid in window and rid not in self.prefetched:
+            # an announced turn in the window is the caller's to read (it keeps their book)
+            if rid in window and rid in waiting and rid not in self.prefetched:
                 w = waiting[rid]
                 self.prefetched.add(rid)
                 if w.disk_chunks:

@@ -221,8 +221,7 @@ class ShadowGlue:
                 self.observed += 1
         with self._lock:
             self._last_step_at = time.monotonic()
-            for key in self.announced.expire(state.now):
-                self.shadow.prefetched.discard(EXPECTED + key)
+            self.announced.expire(state.now)
             expected = self.announced.views(self._tiers)
         res = self.shadow.step(state, expected)
         # an announced turn in the N+1 window: read for it now (nothing to read when its
@@ -231,8 +230,6 @@ class ShadowGlue:
             if view.req_id in res.window:
                 self._fire_announced(view.req_id[len(EXPECTED):], "window", view.disk_chunks)
         for rid, hashes in res.prefetch:
-            if rid.startswith(EXPECTED):
-                continue  # read above
             if self.hooks is not None:
                 self.hooks.prefetch(rid, hashes)
             self._prefetched[rid] = (rid, hashes)
@@ -272,10 +269,10 @@ class ShadowGlue:
         with self._lock:
             if self._last_step_at is not None and now - self._last_step_at < self.idle_s:
                 return  # stepping: the shadow's window decides
-            due = self.announced.due(now, lead_s)
-            views = {v.req_id: v for v in self.announced.views(self._tiers)}
-        for key in due:
-            self._fire_announced(key, "idle", views[EXPECTED + key].disk_chunks)
+            due = {key: self.announced.disk_only(key, self._tiers)
+                   for key in self.announced.due(now, lead_s)}
+        for key, disk in due.items():
+            self._fire_announced(key, "idle", disk)
 
     def _fire_announced(self, key: str, by: str, hashes: tuple[str, ...]) -> None:
         with self._lock:
@@ -292,7 +289,6 @@ class ShadowGlue:
             turn = self.announced.arrived(hashes)
         if turn is None:
             return
-        self.shadow.prefetched.discard(EXPECTED + turn.key)
         if turn.fired:
             self.shadow.prefetched.add(request_id)
             if turn.read:

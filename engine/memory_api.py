@@ -2,7 +2,8 @@
 
 - Engine process ``k`` (port ``memory_port_start + 1 + k``) acts on its own LMCache tiers:
   ``POST /memory/prefetch`` (asynchronous disk -> DRAM; answers ``prefetch_started`` at
-  once), ``POST /memory/evict`` (named locations, or every tier), plus
+  once), ``POST /memory/evict`` (named locations, or every tier), ``POST /memory/pin`` and
+  ``POST /memory/unpin`` (TTL pins LMCache's own eviction honours, ``engine.kv.pins``), plus
   ``GET /memory/prefetch/{lookup_id}`` (progress) and ``GET /memory/chunks`` (residency). The
   same server carries the P/D hand-off endpoint (``/v1/kv/{transfer_id}``).
 - The API process (port ``memory_port_start``) holds no KV: it forwards each call to every
@@ -37,9 +38,13 @@ from agentserving.core.schemas import (
     MemoryChunks,
     MemoryEvictRequest,
     MemoryEvictResult,
+    MemoryPinRequest,
+    MemoryPinResult,
     MemoryPrefetchRequest,
     MemoryPrefetchResult,
     MemoryPrefetchStatus,
+    MemoryUnpinRequest,
+    MemoryUnpinResult,
     Tier,
 )
 from agentserving.core.service import (
@@ -50,6 +55,7 @@ from agentserving.core.service import (
     install_internal_auth,
     install_metrics_route,
 )
+from agentserving.engine.kv.pins import ChunkPins
 
 KNOWN_LOCATIONS = {*TIER_BACKENDS.values(), *(t.value for t in TIER_BACKENDS)}
 
@@ -102,6 +108,7 @@ class MemoryBackend(Protocol):
 
     keys: ChunkKeysLike
     chunk_bytes: int
+    pins: ChunkPins  # TTL pins the tiers' own eviction honours
 
     @property
     def backends(self) -> list[str]: ...  # LMCache backend names this process has
@@ -166,6 +173,16 @@ def engine_memory_app(store: MemoryBackend, extra_routers: Sequence[APIRouter] =
         evicted, missing = store.evict(req.chunk_hashes, store.resolve_locations(req.locations))
         return MemoryEvictResult(num_evicted=len(evicted), num_missing=len(missing),
                                  missing=missing)
+
+    @app.post("/memory/pin", response_model=MemoryPinResult, responses=error_responses(413))
+    def pin(req: MemoryPinRequest) -> MemoryPinResult:
+        out = store.pins.pin(req.chunk_hashes, req.ttl_s)
+        return MemoryPinResult(num_pinned=out.pinned, num_extended=out.extended,
+                               num_missing=out.missing, num_refused=out.refused)
+
+    @app.post("/memory/unpin", response_model=MemoryUnpinResult, responses=error_responses(413))
+    def unpin(req: MemoryUnpinRequest) -> MemoryUnpinResult:
+        return MemoryUnpinResult(num_unpinned=store.pins.unpin(req.chunk_hashes))
 
     @app.get("/memory/chunks", response_model=MemoryChunks)
     def chunks() -> MemoryChunks:
@@ -273,6 +290,19 @@ def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
         return MemoryEvictResult(num_evicted=sum(p.num_evicted for p in parts),
                                  num_missing=len(missing),
                                  missing=[h for h in req.chunk_hashes if h in missing])
+
+    @app.post("/memory/pin", response_model=MemoryPinResult, responses=error_responses(413))
+    async def pin(req: MemoryPinRequest) -> MemoryPinResult:
+        parts = [MemoryPinResult.model_validate(r)
+                 for r in await fanout.call("POST", "/memory/pin", req)]
+        return MemoryPinResult(**{f: sum(getattr(p, f) for p in parts)
+                                  for f in MemoryPinResult.model_fields})
+
+    @app.post("/memory/unpin", response_model=MemoryUnpinResult, responses=error_responses(413))
+    async def unpin(req: MemoryUnpinRequest) -> MemoryUnpinResult:
+        parts = [MemoryUnpinResult.model_validate(r)
+                 for r in await fanout.call("POST", "/memory/unpin", req)]
+        return MemoryUnpinResult(num_unpinned=sum(p.num_unpinned for p in parts))
 
     @app.get("/memory/chunks", response_model=MemoryChunks)
     async def chunks() -> MemoryChunks:

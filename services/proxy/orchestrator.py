@@ -647,9 +647,11 @@ class Orchestrator:
         state.prefetch_fired_at = None
         if turn.session_id and self.kvindex is not None:
             if turn.memory:
+                pods = [p for p in dict.fromkeys((state.last_pod, state.last_decode_pod)) if p]
                 self._spawn(memory_hooks.after_turn(self.kvindex.for_tenant(turn.tenant),
                                                     turn.session_id, turn.memory,
-                                                    outcome.chunk_hashes, self._record_hook))
+                                                    outcome.chunk_hashes, self._record_hook,
+                                                    pods))
             if self.settings.tool_prefetch and (
                     state.pending_tool is not None or outcome.finish_reason == "tool_calls"):
                 self._schedule_tool_prefetch(turn, state)

@@ -91,6 +91,12 @@ class ChunkKeysLike(Protocol):
     def wire_of_int(self, value: int) -> str: ...
 
 
+class DeviceTier(Protocol):
+    """An engine's own KV pool, reached by chunk hash (``engine.vllm.device_kv``)."""
+
+    def release(self, chunk_hashes: Sequence[str], evict: bool) -> None: ...
+
+
 class PrefetchProgress(Protocol):
     lookup_id: str
     requested: int
@@ -238,9 +244,12 @@ class EngineFanout:
 def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
                           token: str | None = None,
                           announced: Callable[[], Callable[[MemoryPrefetchRequest], bool] | None]
-                          = lambda: None) -> FastAPI:
+                          = lambda: None,
+                          device: Callable[[], DeviceTier | None] = lambda: None) -> FastAPI:
     """``announced()``: the pod scheduler's taker of announced requests (a prefetch with
-    ``expected_in_s``), None while it has none; when it takes one, the read waits for it."""
+    ``expected_in_s``), None while it has none; when it takes one, the read waits for it.
+    ``device()``: the engine's own KV pool as a tier (vLLM's prefix cache), which an unpin
+    and an evict of every tier reach too; None when the engine has none."""
     # every route forwards: an engine process's error comes back as it is (5xx: 503)
     app = FastAPI(title="AgentServing worker memory API", version="v1",
                   responses=error_responses(503))
@@ -284,6 +293,8 @@ def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
               responses=error_responses(400, 413))
     async def evict(req: MemoryEvictRequest) -> MemoryEvictResult:
         check_locations(req.locations, backends)
+        if req.locations is None and (pool := device()) is not None:
+            pool.release(req.chunk_hashes, evict=True)
         parts = [MemoryEvictResult.model_validate(r)
                  for r in await fanout.call("POST", "/memory/evict", req)]
         missing = set.intersection(*(set(p.missing) for p in parts)) if parts else set()
@@ -300,6 +311,8 @@ def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
 
     @app.post("/memory/unpin", response_model=MemoryUnpinResult, responses=error_responses(413))
     async def unpin(req: MemoryUnpinRequest) -> MemoryUnpinResult:
+        if (pool := device()) is not None:
+            pool.release(req.chunk_hashes, evict=False)
         parts = [MemoryUnpinResult.model_validate(r)
                  for r in await fanout.call("POST", "/memory/unpin", req)]
         return MemoryUnpinResult(num_unpinned=sum(p.num_unpinned for p in parts))

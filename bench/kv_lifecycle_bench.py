@@ -40,6 +40,7 @@ from bench.common import add_run_args, percentile, write_result
 
 OUT = Path("bench/results/kv_lifecycle.json")
 TARGET_JCT_RATIO = 1.5  # Continuum: 1.12-3.66x lower delay with pins
+MAX_MODEL_LEN = 8192
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -53,17 +54,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "quick).")
     p.add_argument("--context", type=int, default=3000, help="First turn's prompt tokens.")
     p.add_argument("--append", type=int, default=300, help="Tokens each later turn adds.")
-    p.add_argument("--gap-s", type=float, default=2.0, help="Tool gap between turns, seconds.")
+    p.add_argument("--gap-s", type=float, default=3.0, help="Tool gap between turns, seconds.")
     p.add_argument("--pin-ttl-s", type=float, default=None,
                    help="Pin TTL the pinned run asks for (default 3 x --gap-s).")
     p.add_argument("--flood-tokens", type=int, default=6000,
                    help="Prompt tokens of each one-shot flood request.")
     p.add_argument("--flood-streams", type=int, default=1,
                    help="Flood requests in flight at once.")
-    p.add_argument("--device-blocks", type=int, default=256,
+    p.add_argument("--device-blocks", type=int, default=384,
                    help="vLLM's device KV blocks (--kv-cache-blocks): small, so the flood "
                    "overflows it.")
-    p.add_argument("--cpu-cache-gib", type=float, default=0.25,
+    p.add_argument("--cpu-cache-gib", type=float, default=0.2,
                    help="The pod's LMCache DRAM tier, GiB (no disk tier).")
     p.add_argument("--seed", type=int, default=7)
     add_run_args(p, "3 agents x 3 turns", OUT, plot=True)
@@ -79,7 +80,7 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def fleet_spec(args: argparse.Namespace) -> FleetSpec:
-    worker_args = ["--max-model-len", "16384"]
+    worker_args = ["--max-model-len", str(MAX_MODEL_LEN)]
     if args.engine == "vllm":
         worker_args += ["--enforce-eager", "--kv-cache-blocks", str(args.device_blocks)]
     return FleetSpec(prefill=0, decode=0, both=1, engine=args.engine, model=args.model,

@@ -200,6 +200,7 @@ def kv_transfer_config(settings: WorkerSettings) -> dict[str, object]:
         "report_interval_s": settings.residency_interval_s,
         "handoff_timeout_s": settings.kv_transfer_timeout_s,
         "metrics_max_tenants": settings.metrics_max_tenants,
+        "pin_share": settings.pin_share,
     }
     if settings.kvindex_url:
         extra["kvindex_url"] = settings.kvindex_url

@@ -65,6 +65,8 @@ def _wire_number(value: object) -> object:
 
 # An integer on the wire: pydantic's lax int without its str/bool coercions.
 WireInt = Annotated[int, BeforeValidator(_wire_int)]
+# A number on the wire: 2 and 2.5, never "2" nor true.
+WireNumber = Annotated[float, BeforeValidator(_wire_number)]
 # The bound sits inside, where the schema shows it as "minimum" (outside a union or a mapping's
 # values it would not).
 NonNegWireInt = Annotated[int, Field(ge=0), BeforeValidator(_wire_int)]

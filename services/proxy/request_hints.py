@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -34,13 +35,19 @@ from pydantic import (
     WithJsonSchema,
 )
 
-from agentserving.core.schemas import MAX_PIN_TTL_S, NonNegWireInt, Priority, WireInt
+from agentserving.core.schemas import (
+    MAX_PIN_TTL_S,
+    NonNegWireInt,
+    Priority,
+    WireInt,
+    WireNumber,
+)
 from agentserving.core.service import ApiError, field_path
 from agentserving.proxy.memory_hooks import AgentMemory
 
-_TTL = re.compile(r"(\d+(?:\.\d+)?)([smh])")
+TTL_PATTERN = r"^[1-9][0-9]*[smh]$"
+_TTL = re.compile(TTL_PATTERN)
 _UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0}
-TTL_PATTERN = r"^\d+(\.\d+)?[smh]$"
 
 
 def parse_ttl(value: object) -> object:
@@ -49,20 +56,24 @@ def parse_ttl(value: object) -> object:
     if isinstance(value, bool):
         raise ValueError("expected a duration like '5m', '1h', '30s' or a number of seconds")
     if isinstance(value, str):
-        match = _TTL.fullmatch(value.strip())
-        if match is None:
+        if _TTL.fullmatch(value) is None:
             raise ValueError("expected a duration like '5m', '1h', '30s' or a number of "
                              "seconds")
-        return float(match.group(1)) * _UNIT_S[match.group(2)]
+        return float(value[:-1]) * _UNIT_S[value[-1]]
     return value
 
 
-Ttl = Annotated[float, Field(gt=0, le=MAX_PIN_TTL_S), BeforeValidator(parse_ttl),
+def _at_most_a_day(ttl_s: float) -> float:
+    """A pin holds for a predicted tool gap, not forever: a longer TTL is cut to a day."""
+    return min(ttl_s, MAX_PIN_TTL_S)
+
+
+Ttl = Annotated[float, Field(gt=0), BeforeValidator(parse_ttl), AfterValidator(_at_most_a_day),
                 WithJsonSchema({"anyOf": [
-                    {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_PIN_TTL_S},
+                    {"type": "number", "exclusiveMinimum": 0},
                     {"type": "string", "pattern": TTL_PATTERN}],
-                    "description": "How long to keep the KV: '30s', '5m', '1h', or seconds "
-                                   f"(at most {MAX_PIN_TTL_S:g} s)."})]
+                    "description": "How long to keep the KV: '30s', '5m', '1h', or seconds; "
+                                   f"longer than {MAX_PIN_TTL_S:g} s is cut to that."})]
 
 
 class CacheControl(BaseModel):
@@ -90,8 +101,8 @@ class AgentHints(BaseModel):
     osl: NonNegWireInt | None = Field(default=None, description="Expected output length in "
                                       "tokens: accepted; no effect yet.")
     strict_priority: WireInt | None = Field(default=None, description="Accepted; no effect.")
-    latency_sensitivity: float | None = Field(default=None,
-                                              description="Accepted; no effect.")
+    latency_sensitivity: WireNumber | None = Field(default=None,
+                                                   description="Accepted; no effect.")
 
 
 class NvExt(BaseModel):

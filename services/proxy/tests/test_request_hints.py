@@ -44,13 +44,13 @@ PIN = {"type": "ephemeral"}
 
 
 @pytest.mark.parametrize(("ttl", "seconds"), [
-    ("30s", 30.0), ("5m", 300.0), ("1h", 3600.0), ("1.5m", 90.0), (" 2h ", 7200.0), (45, 45),
-    (2.5, 2.5)])
+    ("30s", 30.0), ("5m", 300.0), ("1h", 3600.0), ("90m", 5400.0), (45, 45), (2.5, 2.5)])
 def test_ttls_read_as_anthropic_and_dynamo_spell_them(ttl, seconds) -> None:
     assert parse_ttl(ttl) == seconds
 
 
-@pytest.mark.parametrize("ttl", ["5", "5 minutes", "m", "5d", "-5m", True])
+@pytest.mark.parametrize("ttl", ["5", "5 minutes", "m", "5d", "-5m", "0h", "05m", "1.5m",
+                                 " 2h", True])
 def test_other_ttl_spellings_are_refused(ttl) -> None:
     with pytest.raises(ValueError):
         parse_ttl(ttl)
@@ -69,6 +69,9 @@ def test_hints_are_taken_off_the_body_and_the_top_level_pin_wins() -> None:
     assert read_hints(body) == TurnHints(pin=True, pin_ttl_s=60.0, speculative_prefill=True)
     assert body == {"prompt": [1]}
     assert read_hints({"nvext": {"cache_control": PIN}}) == TurnHints(pin=True)
+    # a pin holds for a tool gap, not forever: a longer TTL is cut to a day
+    assert read_hints({"cache_control": {"type": "ephemeral", "ttl": "48h"}}).pin_ttl_s == 86400
+    assert read_hints({"cache_control": {"type": "ephemeral", "ttl": 1e9}}).pin_ttl_s == 86400
 
 
 def test_the_agents_own_memory_fields_win_over_the_hints() -> None:
@@ -89,7 +92,7 @@ def test_the_agents_own_memory_fields_win_over_the_hints() -> None:
         ({"cache_control": {"type": "persistent"}}, "cache_control.type"),
         ({"cache_control": {"type": "ephemeral", "ttl": "5 minutes"}}, "cache_control.ttl"),
         ({"cache_control": {"type": "ephemeral", "ttl": 0}}, "cache_control.ttl"),
-        ({"cache_control": {"type": "ephemeral", "ttl": "25h"}}, "cache_control.ttl"),
+        ({"cache_control": {"type": "ephemeral", "ttl": -1}}, "cache_control.ttl"),
         ({"cache_control": {"type": "ephemeral", "scope": "x"}}, "cache_control.scope"),
         ({"cache_control": "ephemeral"}, "cache_control"),
         ({"nvext": 3}, "nvext"),
@@ -98,6 +101,8 @@ def test_the_agents_own_memory_fields_win_over_the_hints() -> None:
         ({"nvext": {"agent_hints": {"priority": 5000}}}, "nvext.agent_hints.priority"),
         ({"nvext": {"agent_hints": {"priority": "5"}}}, "nvext.agent_hints.priority"),
         ({"nvext": {"agent_hints": {"osl": -1}}}, "nvext.agent_hints.osl"),
+        ({"nvext": {"agent_hints": {"latency_sensitivity": False}}},
+         "nvext.agent_hints.latency_sensitivity"),
         ({"nvext": {"agent_hints": {"speculative_prefill": "yes"}}},
          "nvext.agent_hints.speculative_prefill"),
         ({"cache_control": PIN, "vllm_xargs": [1]}, "vllm_xargs"),

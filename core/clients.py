@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Sequence
 from typing import Any, Self, TypeVar
 from urllib.parse import urlencode
 
@@ -182,9 +183,9 @@ class KvindexClient(_JsonClient):
         """End the session: the kvindex evicts its chunks that no other live session uses."""
         return await self._call("DELETE", f"/v1/sessions/{session_id}", None, SessionClosed)
 
-    async def pin(self, session_id: str, ttl_s: float) -> SessionInfo:
+    async def pin(self, session_id: str, ttl_s: float, pods: Sequence[str] = ()) -> SessionInfo:
         return await self._call("POST", f"/v1/sessions/{session_id}/pin",
-                                PinRequest(ttl_s=ttl_s), SessionInfo)
+                                PinRequest(ttl_s=ttl_s, pods=list(pods)), SessionInfo)
 
     async def release(self, session_id: str) -> SessionInfo:
         return await self._call("POST", f"/v1/sessions/{session_id}/release", None, SessionInfo)

@@ -488,6 +488,11 @@ class ContextWritten(BaseModel):
 class PinRequest(Strict):
     ttl_s: PinTtl = Field(description="Seconds to keep the session's chunks, e.g. the "
                           "predicted tool gap; the pin then lapses by itself.")
+    pods: list[PodName] = Field(
+        default_factory=list, max_length=8,
+        description="The pods the session's last turn ran on, asked to pin every chunk of "
+        "the session: their residency reports may not name the turn's chunks yet. The pods "
+        "known to hold the chunks are asked in any case.")
 
 
 class PriorityRequest(Strict):
@@ -532,6 +537,28 @@ class MemoryPrefetchStatus(BaseModel):
 class MemoryEvictResult(MemoryEvictResponse):
     num_missing: int = Field(default=0, description="Chunks not held in those locations.")
     missing: list[str] = Field(default_factory=list)
+
+
+class MemoryPinRequest(Strict):
+    chunk_hashes: list[ChunkHash]
+    ttl_s: PinTtl = Field(description="Seconds the pod's tiers keep these chunks out of their "
+                          "own eviction; pinning again extends it.")
+
+
+class MemoryPinResult(BaseModel):
+    num_pinned: int = Field(default=0, description="Chunks newly pinned.")
+    num_extended: int = Field(default=0, description="Chunks already pinned: TTL extended.")
+    num_missing: int = Field(default=0, description="Chunks no tier holds (not an error).")
+    num_refused: int = Field(default=0, description="Chunks past the pod's pin bound "
+                             "(its --pin-share of DRAM): left to the tiers' own eviction.")
+
+
+class MemoryUnpinRequest(Strict):
+    chunk_hashes: list[ChunkHash]
+
+
+class MemoryUnpinResult(BaseModel):
+    num_unpinned: int = Field(description="Pins given back (the chunks stay, evictable again).")
 
 
 class MemoryChunks(BaseModel):

@@ -48,7 +48,8 @@ def build_engine(settings: WorkerSettings, index: int = 0, *,
         cpu_gib=settings.cpu_cache_gib, disk_dir=settings.engine_disk_dir(index),
         disk_gib=settings.disk_cache_gib, verify_cpu=settings.verify_cpu_checksums,
         instance_id=f"{settings.pod_name}-engine-{index}",
-        prefetch_wait_s=settings.prefetch_wait_s, direct_io=settings.disk_io == "direct"), keys)
+        prefetch_wait_s=settings.prefetch_wait_s, direct_io=settings.disk_io == "direct",
+        pin_share=settings.pin_share), keys)
     pool = KVBlockPool.for_bytes(
         int(settings.kv_cache_gib * 1024**3), num_layers=bundle.num_layers,
         block_size=settings.kv_block_size, num_kv_heads=bundle.num_kv_heads,

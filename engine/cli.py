@@ -96,6 +96,10 @@ setting = settings_option(WorkerSettings)
          help="Disk tier I/O: buffered (through the page cache, which may answer a re-read "
          "from DRAM) or direct (O_DIRECT: every read costs what the device costs, as an SSD "
          "under a working set larger than DRAM does).")
+@setting("--pin-share", type=click.FloatRange(min=0, max=1),
+         help="The share of each engine process's DRAM tier that pinned chunks (a session "
+         "pinned through a tool call) may hold; LMCache's LRU skips them until the pin "
+         "lapses. A pin past the share is refused. 0: no pins.")
 @setting("--verify-cpu-checksums/--no-verify-cpu-checksums",
          help="Also verify chunk checksums on DRAM hits (disk hits are always verified).")
 @setting("--kv-cache-gib", type=click.FloatRange(min=0.001),

@@ -2,7 +2,8 @@
 
 - Engine process ``k`` (port ``memory_port_start + 1 + k``) acts on its own LMCache tiers:
   ``POST /memory/prefetch`` (asynchronous disk -> DRAM; answers ``prefetch_started`` at
-  once), ``POST /memory/evict`` (named locations, or every tier), plus
+  once), ``POST /memory/evict`` (named locations, or every tier), ``POST /memory/pin`` and
+  ``POST /memory/unpin`` (TTL pins LMCache's own eviction honours, ``engine.kv.pins``), plus
   ``GET /memory/prefetch/{lookup_id}`` (progress) and ``GET /memory/chunks`` (residency). The
   same server carries the P/D hand-off endpoint (``/v1/kv/{transfer_id}``).
 - The API process (port ``memory_port_start``) holds no KV: it forwards each call to every
@@ -37,9 +38,13 @@ from agentserving.core.schemas import (
     MemoryChunks,
     MemoryEvictRequest,
     MemoryEvictResult,
+    MemoryPinRequest,
+    MemoryPinResult,
     MemoryPrefetchRequest,
     MemoryPrefetchResult,
     MemoryPrefetchStatus,
+    MemoryUnpinRequest,
+    MemoryUnpinResult,
     Tier,
 )
 from agentserving.core.service import (
@@ -50,6 +55,7 @@ from agentserving.core.service import (
     install_internal_auth,
     install_metrics_route,
 )
+from agentserving.engine.kv.pins import ChunkPins
 
 KNOWN_LOCATIONS = {*TIER_BACKENDS.values(), *(t.value for t in TIER_BACKENDS)}
 
@@ -85,6 +91,12 @@ class ChunkKeysLike(Protocol):
     def wire_of_int(self, value: int) -> str: ...
 
 
+class DeviceTier(Protocol):
+    """An engine's own KV pool, reached by chunk hash (``engine.vllm.device_kv``)."""
+
+    def release(self, chunk_hashes: Sequence[str], evict: bool) -> None: ...
+
+
 class PrefetchProgress(Protocol):
     lookup_id: str
     requested: int
@@ -102,6 +114,7 @@ class MemoryBackend(Protocol):
 
     keys: ChunkKeysLike
     chunk_bytes: int
+    pins: ChunkPins  # TTL pins the tiers' own eviction honours
 
     @property
     def backends(self) -> list[str]: ...  # LMCache backend names this process has
@@ -167,6 +180,16 @@ def engine_memory_app(store: MemoryBackend, extra_routers: Sequence[APIRouter] =
         return MemoryEvictResult(num_evicted=len(evicted), num_missing=len(missing),
                                  missing=missing)
 
+    @app.post("/memory/pin", response_model=MemoryPinResult, responses=error_responses(413))
+    def pin(req: MemoryPinRequest) -> MemoryPinResult:
+        out = store.pins.pin(req.chunk_hashes, req.ttl_s)
+        return MemoryPinResult(num_pinned=out.pinned, num_extended=out.extended,
+                               num_missing=out.missing, num_refused=out.refused)
+
+    @app.post("/memory/unpin", response_model=MemoryUnpinResult, responses=error_responses(413))
+    def unpin(req: MemoryUnpinRequest) -> MemoryUnpinResult:
+        return MemoryUnpinResult(num_unpinned=store.pins.unpin(req.chunk_hashes))
+
     @app.get("/memory/chunks", response_model=MemoryChunks)
     def chunks() -> MemoryChunks:
         res = store.residency()
@@ -221,9 +244,12 @@ class EngineFanout:
 def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
                           token: str | None = None,
                           announced: Callable[[], Callable[[MemoryPrefetchRequest], bool] | None]
-                          = lambda: None) -> FastAPI:
+                          = lambda: None,
+                          device: Callable[[], DeviceTier | None] = lambda: None) -> FastAPI:
     """``announced()``: the pod scheduler's taker of announced requests (a prefetch with
-    ``expected_in_s``), None while it has none; when it takes one, the read waits for it."""
+    ``expected_in_s``), None while it has none; when it takes one, the read waits for it.
+    ``device()``: the engine's own KV pool as a tier (vLLM's prefix cache), which an unpin
+    and an evict of every tier reach too; None when the engine has none."""
     # every route forwards: an engine process's error comes back as it is (5xx: 503)
     app = FastAPI(title="AgentServing worker memory API", version="v1",
                   responses=error_responses(503))
@@ -267,12 +293,29 @@ def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
               responses=error_responses(400, 413))
     async def evict(req: MemoryEvictRequest) -> MemoryEvictResult:
         check_locations(req.locations, backends)
+        if req.locations is None and (pool := device()) is not None:
+            pool.release(req.chunk_hashes, evict=True)
         parts = [MemoryEvictResult.model_validate(r)
                  for r in await fanout.call("POST", "/memory/evict", req)]
         missing = set.intersection(*(set(p.missing) for p in parts)) if parts else set()
         return MemoryEvictResult(num_evicted=sum(p.num_evicted for p in parts),
                                  num_missing=len(missing),
                                  missing=[h for h in req.chunk_hashes if h in missing])
+
+    @app.post("/memory/pin", response_model=MemoryPinResult, responses=error_responses(413))
+    async def pin(req: MemoryPinRequest) -> MemoryPinResult:
+        parts = [MemoryPinResult.model_validate(r)
+                 for r in await fanout.call("POST", "/memory/pin", req)]
+        return MemoryPinResult(**{f: sum(getattr(p, f) for p in parts)
+                                  for f in MemoryPinResult.model_fields})
+
+    @app.post("/memory/unpin", response_model=MemoryUnpinResult, responses=error_responses(413))
+    async def unpin(req: MemoryUnpinRequest) -> MemoryUnpinResult:
+        if (pool := device()) is not None:
+            pool.release(req.chunk_hashes, evict=False)
+        parts = [MemoryUnpinResult.model_validate(r)
+                 for r in await fanout.call("POST", "/memory/unpin", req)]
+        return MemoryUnpinResult(num_unpinned=sum(p.num_unpinned for p in parts))
 
     @app.get("/memory/chunks", response_model=MemoryChunks)
     async def chunks() -> MemoryChunks:

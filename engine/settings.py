@@ -85,6 +85,9 @@ class WorkerSettings(BaseModel):
         "buffered (through the page cache, which may serve a re-read from DRAM) or direct "
         "(O_DIRECT, LMCache's use_odirect: every read costs what the device costs).")
     verify_cpu_checksums: bool = False
+    pin_share: float = Field(default=0.5, ge=0, le=1, description="The share of the DRAM "
+                             "tier that pinned chunks may hold; a pin past it is refused "
+                             "(0: no pins).")
     # -- the engine's paged KV cache (engine/kv/paged.py)
     kv_cache_gib: float = Field(default=2.0, gt=0, description="Paged KV pool per engine "
                                 "process (K and V of every layer), GiB.")

@@ -21,7 +21,12 @@ from types import ModuleType
 import httpx
 
 from agentserving.core.ports import bindable, pickable_ports
-from agentserving.core.schemas import MemoryEvictRequest, MemoryPrefetchRequest
+from agentserving.core.schemas import (
+    MemoryEvictRequest,
+    MemoryPinRequest,
+    MemoryPrefetchRequest,
+    MemoryUnpinRequest,
+)
 
 _handed_out: set[int] = set()
 
@@ -288,6 +293,16 @@ class MemoryApiPeer:
         async def evict(req: MemoryEvictRequest) -> dict:
             self.calls.append(("evict", req.model_dump()))
             return {"status": "success", "num_evicted": len(req.chunk_hashes)}
+
+        @app.post("/memory/pin")
+        async def pin(req: MemoryPinRequest) -> dict:
+            self.calls.append(("pin", req.model_dump()))
+            return {"num_pinned": len(req.chunk_hashes)}
+
+        @app.post("/memory/unpin")
+        async def unpin(req: MemoryUnpinRequest) -> dict:
+            self.calls.append(("unpin", req.model_dump()))
+            return {"num_unpinned": len(req.chunk_hashes)}
 
         self.server = ThreadedServer(app)
 

@@ -59,13 +59,14 @@ class Fleet:
         self.kvindex = self.kvindex or started
         return started
 
-    def start_worker(self, name: str, role: str = "both", disk: bool = True) -> Proc:
+    def start_worker(self, name: str, role: str = "both", disk: bool = True,
+                     cpu_gib: float = 0.25, extra: tuple[str, ...] = ()) -> Proc:
         port, mem = free_port(), free_port_run(2)
         url = f"http://127.0.0.1:{port}"
         args = [AGENTSERVING, "worker", "--role", role, "--port", str(port),
                 "--memory-port-start", str(mem), "--pod-name", name, "--model", "tiny",
-                "--cpu-cache-gib", "0.25", "--chunk-size", "256", "--torch-threads", "1",
-                "--heartbeat-interval", "0.5"]
+                "--cpu-cache-gib", str(cpu_gib), "--chunk-size", "256", "--torch-threads", "1",
+                "--heartbeat-interval", "0.5", *extra]
         if self.kvindex is not None:
             args += ["--kvindex", self.kvindex.url]
         if disk:

@@ -61,6 +61,7 @@ from agentserving.core.logging import get_logger
 from agentserving.core.schemas import TIER_BACKENDS, Tier
 from agentserving.engine.kv.connector import CPUKVConnector, digest
 from agentserving.engine.kv.keys import SALT_CONFIG_KEY, ChunkKeys, make_token_database
+from agentserving.engine.kv.pins import ChunkPins, pin_bound
 from agentserving.engine.kv.prefetches import PrefetchRegistry, PrefetchStatus, evict_chunks
 
 log = get_logger(__name__)
@@ -87,6 +88,7 @@ class KVStoreConfig:
     instance_id: str = "engine-0"
     prefetch_wait_s: float = 2.0  # longest a fetch waits for a chunk's in-flight prefetch
     direct_io: bool = False  # the disk tier bypasses the page cache (O_DIRECT)
+    pin_share: float = 0.5  # of the DRAM tier's chunks, at most, pinned at once (kv.pins)
 
 
 @dataclasses.dataclass
@@ -188,6 +190,9 @@ class KVStore:
         self._inflight: dict[int, list[Any]] = {}
         self._inflight_lock = threading.Lock()
         self.stats = KVStoreStats()
+        self.pins = ChunkPins(lambda: self.storage.storage_backends, self.keys.key_of,
+                              pin_bound(int(config.cpu_gib * 1024**3), self.chunk_bytes,
+                                        config.pin_share), name=f"{config.instance_id}-pins")
 
     def _guard_disk_writes(self) -> None:
         """Undo what a failed disk write leaves behind in LMCache's ``LocalDiskBackend``.
@@ -462,6 +467,8 @@ class KVStore:
             return bool(backend.remove(key))
         except OSError:
             return True
+        finally:
+            self.pins.forget(key, name)
 
     def _drop_bad(self, key: Any) -> None:
         """Remove a corrupt or unreadable chunk from every tier (it is recomputed later)."""
@@ -682,6 +689,7 @@ class KVStore:
 
     def close(self) -> None:
         self._prefetches.close()
+        self.pins.close()
         done = threading.Event()
 
         def _close() -> None:

@@ -54,7 +54,7 @@ from lmcache.integration.vllm.lmcache_connector_v1 import LMCacheConnectorV1Dyna
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from agentserving.core.logging import get_logger
-from agentserving.core.schemas import PodRole
+from agentserving.core.schemas import PodRole, Tier
 
 from . import paged_cpu, reuse, salting
 from .hashes import (
@@ -211,8 +211,10 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         if int(engine.metadata.worker_id) == 0:  # TP ranks load the same tokens: count once
             reuse.count_retrieves(engine,
                                   reuse.process_metrics(self._as_settings.metrics_max_tenants))
-        backend = LMCacheStorageBackend(engine.storage_manager, engine.token_database,
-                                        engine.metadata)
+        backend = LMCacheStorageBackend(
+            engine.storage_manager, engine.token_database, engine.metadata,
+            cpu_bytes=capacity_bytes(engine.config).get(Tier.CPU, 0),
+            pin_share=self._as_settings.pin_share)
         self._as_worker = WorkerServices(self._as_settings, backend,
                                          int(engine.metadata.worker_id), steps=self._as_steps)
 

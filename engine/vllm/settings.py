@@ -43,6 +43,8 @@ class ConnectorSettings:
     pod_role: PodRole | None = None  # the kvindex role; None: from vLLM's kv_role
     handoff_timeout_s: float = 10.0  # prefill pods: longest wait for the remote KV writes
     metrics_max_tenants: int = 64  # the reuse metrics' tenant label cap (engine.metrics)
+    # at most this share of the DRAM tier (LMCache) and of vLLM's device pool pinned at once
+    pin_share: float = 0.5
     # core.internal_auth: from the environment only (kv_connector_extra_config is on vLLM's
     # command line, where every process on the host can read it)
     internal_token: str | None = field(default=None, repr=False)
@@ -93,6 +95,13 @@ def _count(key: str, value: Any) -> int:
     return out
 
 
+def _share(key: str, value: Any) -> float:
+    out = _cast(key, value, float, "a number")
+    if not 0 <= out <= 1:
+        raise ConnectorConfigError(key, f"must be within 0..1, got {out}")
+    return out
+
+
 def parse_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str]) -> ConnectorSettings:
     """Settings from ``kv_connector_extra_config`` (wins) and the pod's environment
     (``POD_NAME``, ``POD_IP``, ``AGENTSERVING_KVINDEX_URL``, ``AGENTSERVING_INTERNAL_TOKEN``)."""
@@ -131,6 +140,7 @@ def parse_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str]) -> C
         pod_role=role,
         handoff_timeout_s=_positive("handoff_timeout_s", extra.get("handoff_timeout_s", 10.0)),
         metrics_max_tenants=_count("metrics_max_tenants", extra.get("metrics_max_tenants", 64)),
+        pin_share=_share("pin_share", extra.get("pin_share", 0.5)),
         internal_token=env.get(TOKEN_ENV) or None,
     )
 

@@ -28,6 +28,7 @@ from typing import Any
 from agentserving.core.hashing import is_chunk_hash
 from agentserving.core.logging import get_logger
 from agentserving.core.schemas import TIER_BACKENDS, Tier
+from agentserving.engine.kv.pins import ChunkPins, pin_bound
 from agentserving.engine.kv.prefetches import PrefetchRegistry, PrefetchStatus, evict_chunks
 from agentserving.engine.memory_api import backend_names
 
@@ -104,11 +105,15 @@ def chunk_bytes_of(metadata: Any) -> int:
 
 
 class LMCacheStorageBackend:
-    def __init__(self, storage_manager: Any, token_database: Any, metadata: Any) -> None:
+    def __init__(self, storage_manager: Any, token_database: Any, metadata: Any,
+                 cpu_bytes: int = 0, pin_share: float = 0.5) -> None:
         self.storage = storage_manager
         self.keys = LMCacheKeys(token_database, metadata)
         self.chunk_bytes = chunk_bytes_of(metadata)
         self._prefetches = PrefetchRegistry("lmcache-prefetch")
+        self.pins = ChunkPins(lambda: self.storage.storage_backends, self.keys.key_of,
+                              pin_bound(cpu_bytes, self.chunk_bytes, pin_share),
+                              name="lmcache-pins")
 
     @property
     def backends(self) -> list[str]:
@@ -142,6 +147,8 @@ class LMCacheStorageBackend:
             return bool(self.storage.storage_backends[name].remove(key))
         except OSError:  # the disk file was already gone: the entry is
             return True
+        finally:
+            self.pins.forget(key, name)
 
     # -------------------------------------------------------------- prefetch
     def prefetch(self, wire_hashes: Sequence[str], lookup_id: str | None) -> PrefetchStatus:
@@ -190,3 +197,4 @@ class LMCacheStorageBackend:
 
     def close(self) -> None:
         self._prefetches.close()
+        self.pins.close()

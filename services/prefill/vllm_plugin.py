@@ -55,6 +55,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from agentserving.core.schemas import MemoryPrefetchRequest, Tier
+from agentserving.engine.vllm.device_kv import make_device_kv_scheduler
 from agentserving.prefill.expected_turns import ExpectedTurns
 from agentserving.prefill.policies import POLICY_CLASSES, build_policy
 from agentserving.prefill.policies.base import PurePolicy
@@ -491,10 +492,15 @@ def _vllm_scheduler_base() -> type:
 def __getattr__(name: str) -> type:
     """``PolicyScheduler`` (policy from ``AGENTSERVING_PREFILL_POLICY``, default
     longcap-dynamic) and ``LongcapScheduler`` (longcap-dynamic unless the variable says
-    otherwise) are built on first access, so importing this module never imports vLLM."""
-    if name in ("PolicyScheduler", "LongcapScheduler"):
-        cls = make_scheduler_cls(_vllm_scheduler_base())
-        cls.__name__ = cls.__qualname__ = name
-        globals()[name] = cls
-        return cls
-    raise AttributeError(name)
+    otherwise) are built on first access, so importing this module never imports vLLM; both
+    and ``DeviceKvScheduler`` (vLLM's own scheduling) run ``engine.vllm.device_kv`` on vLLM's
+    prefix cache: pins, eviction by chunk, device residency."""
+    if name == "DeviceKvScheduler":
+        cls = make_device_kv_scheduler(_vllm_scheduler_base())
+    elif name in ("PolicyScheduler", "LongcapScheduler"):
+        cls = make_scheduler_cls(make_device_kv_scheduler(_vllm_scheduler_base()))
+    else:
+        raise AttributeError(name)
+    cls.__name__ = cls.__qualname__ = name
+    globals()[name] = cls
+    return cls

@@ -14,7 +14,7 @@ effort: a memory hook never fails a turn.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
 
@@ -100,18 +100,19 @@ async def before_turn(kv: KvindexClient, sid: str, mem: AgentMemory, record) -> 
                          *(prefetch(i) for i in mem.prefetch_intents))
 
 
-def lifecycle_calls(kv: KvindexClient, sid: str, mem: AgentMemory
+def lifecycle_calls(kv: KvindexClient, sid: str, mem: AgentMemory, pods: Sequence[str] = ()
                     ) -> list[tuple[str, Callable[[], Awaitable[object]]]]:
     """The kvindex calls the lifecycle fields ask for, in the order they must run: after the
     intent write-back, so they act on the session as this turn left it; a close comes last
-    and makes a release moot (closing drops the pin with the session)."""
+    and makes a release moot (closing drops the pin with the session). ``pods``: those the
+    turn ran on, which a pin reaches before their residency reports name the turn's chunks."""
     calls: list[tuple[str, Callable[[], Awaitable[object]]]] = []
     if mem.priority is not None:
         priority = mem.priority
         calls.append(("priority", lambda: kv.set_priority(sid, priority)))
     if mem.pin_ttl_s is not None:
         ttl_s = mem.pin_ttl_s
-        calls.append(("pin", lambda: kv.pin(sid, ttl_s)))
+        calls.append(("pin", lambda: kv.pin(sid, ttl_s, pods)))
     if mem.release and not mem.close_session:
         calls.append(("release", lambda: kv.release(sid)))
     if mem.close_session:
@@ -119,8 +120,8 @@ def lifecycle_calls(kv: KvindexClient, sid: str, mem: AgentMemory
     return calls
 
 
-async def after_turn(kv: KvindexClient, sid: str, mem: AgentMemory,
-                     chunk_hashes: list[str] | None, record) -> None:  # type: ignore[no-untyped-def]
+async def after_turn(kv: KvindexClient, sid: str, mem: AgentMemory,  # type: ignore[no-untyped-def]
+                     chunk_hashes: list[str] | None, record, pods: Sequence[str] = ()) -> None:
     """``chunk_hashes`` None: the engine named no chunks for this turn (nothing to write back
     under ``intent``); the lifecycle verbs still run."""
     if mem.intent is not None and chunk_hashes is not None:
@@ -129,7 +130,7 @@ async def after_turn(kv: KvindexClient, sid: str, mem: AgentMemory,
             record("write", True)
         except (ServiceUnavailable, RequestRejected):
             record("write", False)
-    for op, call in lifecycle_calls(kv, sid, mem):
+    for op, call in lifecycle_calls(kv, sid, mem, pods):
         try:
             await call()
             record(op, True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass, field, replace
@@ -36,6 +37,7 @@ from agentserving.core.clients import (
 )
 from agentserving.core.logging import get_logger
 from agentserving.core.schemas import (
+    POD_NAME_PATTERN,
     TENANT_HEADER,
     LookupRequest,
     LookupResponse,
@@ -83,6 +85,7 @@ from agentserving.proxy.upstream import (
 
 log = get_logger(__name__)
 T = TypeVar("T")
+_POD_NAME = re.compile(POD_NAME_PATTERN)
 
 H_PREFILL = "x-agentserving-prefill-pod"
 H_DECODE = "x-agentserving-decode-pod"
@@ -665,7 +668,12 @@ class Orchestrator:
         state.predicted_gap_s = None
         state.prefetch_fired_at = None
         if turn.session_id and self.kvindex is not None:
-            self._spawn(self._record_turn(turn, state, outcome))
+            # the pods the turn ran on, which a pin reaches before their residency reports
+            # name the turn's chunks; a pod given by URL (--prefill) has no name the kvindex
+            # could reach it by
+            pods = [p for p in dict.fromkeys((state.last_pod, state.last_decode_pod))
+                    if p and _POD_NAME.fullmatch(p)]
+            self._spawn(self._record_turn(turn, state, outcome, pods))
             if self.settings.tool_prefetch and (
                     state.pending_tool is not None or outcome.finish_reason == "tool_calls"
                     or turn.announce_next):
@@ -673,8 +681,8 @@ class Orchestrator:
         if turn.memory and turn.memory.close_session and turn.session_key:
             self.sessions.forget(turn.session_key)  # its last turn: the kvindex closes it too
 
-    async def _record_turn(self, turn: Turn, state: SessionState, outcome: TurnOutcome
-                           ) -> None:
+    async def _record_turn(self, turn: Turn, state: SessionState, outcome: TurnOutcome,
+                           pods: list[str]) -> None:
         """After the turn, in the background (the session's next turn comes after this one's
         answer and the agent's tool call): its chunk chain becomes the session's context in
         the kvindex, with the routing record (--shared-sessions) in the same call and the
@@ -703,7 +711,7 @@ class Orchestrator:
             log.warning("session_context_write_failed", error=str(exc))
         if turn.memory:
             await memory_hooks.after_turn(kv, turn.session_id, turn.memory,
-                                          outcome.chunk_hashes, self._record_hook)
+                                          outcome.chunk_hashes, self._record_hook, pods)
 
     def _schedule_tool_prefetch(self, turn: Turn, state: SessionState) -> None:
         """Announce the session's next turn to its pod shortly before the tool's predicted

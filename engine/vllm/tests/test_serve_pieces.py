@@ -95,6 +95,12 @@ def test_plain_vllm_has_no_connector_and_sized_device_kv() -> None:
     assert "--scheduler-cls" not in cmd.argv  # fcfs: vLLM's own scheduler
 
 
+def test_vllms_own_scheduling_runs_with_its_prefix_cache_a_managed_tier() -> None:
+    cmd = _build(pod_name="p3")  # scheduler_policy fcfs, the LMCache connector
+    assert _flag(cmd.argv, "--scheduler-cls") == serve_command.DEVICE_KV_SCHEDULER_CLS
+    assert serve_command.POLICY_ENV not in cmd.env
+
+
 def test_a_prefill_policy_runs_inside_vllms_scheduler() -> None:
     cmd = _build(scheduler_policy="longcap-dynamic?long_cap=0.5", chunk_align=128)
     assert _flag(cmd.argv, "--scheduler-cls") == serve_command.SCHEDULER_CLS

@@ -6,6 +6,8 @@ An evict that is not forced keeps the chunks live sessions still need; which one
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from fastapi import APIRouter, Depends
 
 from agentserving.core.schemas import EvictRequest, FanoutResponse, PrefetchRequest, Tier
@@ -75,6 +77,30 @@ async def fan_out_evict(st: KvindexState, chunk_hashes: list[str], protected: se
             st.metrics.reclaimed_bytes.labels(reclaimed, tier.value).inc(size)
     return FanoutResponse(results=results, missing=missing,
                           protected=[c for c in chunk_hashes if c in protected])
+
+
+async def fan_out_pins(st: KvindexState, chunk_hashes: list[str], *, ttl_s: float | None,
+                       also_pods: Iterable[str | None] = ()) -> FanoutResponse:
+    """Pin (``ttl_s``) or unpin (None) ``chunk_hashes`` in the tiers of the pods holding
+    them, so the pods' own eviction (LMCache's LRU) keeps them too. ``also_pods`` (the pods the
+    session's last turn ran on) are asked for every chunk: the residency reports lag a turn that
+    has just ended, and a pod answers chunks it lacks as missing."""
+    if not chunk_hashes:
+        return FanoutResponse(results={}, missing=[])
+    pods = await _live_pods(st)
+    holders = await guarded(st, st.index.holders(chunk_hashes))
+    per_pod, missing = plan(chunk_hashes, holders)
+    for pod in also_pods:
+        if pod is not None and pod in pods:
+            per_pod[pod], missing = chunk_hashes, []
+    extra = {"ttl_s": ttl_s} if ttl_s is not None else {}
+    path, verb = ("/memory/pin", "pin") if ttl_s is not None else ("/memory/unpin", "unpin")
+    results = await call_pods(st.http, pods, path,
+                              {p: {"chunk_hashes": c, **extra} for p, c in per_pod.items()},
+                              st.settings.fanout_timeout_s)
+    for r in results.values():
+        st.metrics.fanout.labels(verb, str(r.ok).lower()).inc()
+    return FanoutResponse(results=results, missing=missing)
 
 
 @router.post("/evict", response_model=FanoutResponse,

@@ -1,7 +1,8 @@
 """Sessions: an agent's intents mapped to the chunks they reuse; forks share copy-on-write.
 
 And their lifecycle, the programmable-KV verbs: pin (retain the session's chunks through a
-predicted tool gap, lapsing by itself), release, an eviction priority, and close (the final
+predicted tool gap, in the kvindex and in the tiers of the pods holding them, lapsing by
+itself), release, an eviction priority, and close (the final
 turn: the session's chunks leave every tier of every pod, except those another live session
 still references). Every write restarts the session's idle TTL (``--session-idle-ttl``).
 Sessions are the caller's tenant's (``scope``): every route keys the store by the scoped id.
@@ -21,11 +22,11 @@ from agentserving.core.schemas import (
     SessionRoute,
 )
 from agentserving.core.service import ApiError, error_responses
-from agentserving.kvindex.http_apis.control import fan_out_evict
+from agentserving.kvindex.http_apis.control import fan_out_evict, fan_out_pins
 from agentserving.kvindex.http_apis.deps import KvindexState, guarded, state
 from agentserving.kvindex.http_apis.scope import SessionScope, session_scope
 from agentserving.kvindex.http_apis.validation import check_chain_size
-from agentserving.kvindex.index.base import protected_chunks
+from agentserving.kvindex.index.base import pinned_by_others, protected_chunks
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"],
                    responses=error_responses(503))
@@ -100,22 +101,47 @@ async def fork(session_id: str, body: ForkRequest,
 
 @router.post("/{session_id}/pin", response_model=SessionInfo, responses=error_responses(404),
              summary="Pin (retain) the session's chunks for ttl_s seconds: no other session's "
-                     "evict takes them, at any priority, until the pin lapses or is released.")
+                     "evict takes them, at any priority, and the pods holding them keep "
+                     "them out of their tiers' own eviction, until the pin lapses or is "
+                     "released.")
 async def pin(session_id: str, body: PinRequest,
               st: KvindexState = Depends(state),
               scope: SessionScope = Scope) -> SessionInfo:
-    return scope.shown(await guarded(st, st.sessions.pin(
-        scope.key(session_id), body.ttl_s, st.settings.idle_ttl_s)))
+    key = scope.key(session_id)
+    info = await guarded(st, st.sessions.pin(key, body.ttl_s, st.settings.idle_ttl_s))
+    await fan_out_pins(st, session_chunks(info), ttl_s=body.ttl_s,
+                       also_pods=(*body.pods, *await _route_pods(st, key)))
+    return scope.shown(info)
 
 
 @router.post("/{session_id}/release", response_model=SessionInfo,
              responses=error_responses(404),
              summary="Drop the session's pin now (its references still protect at its "
-                     "priority).")
+                     "priority); the pods give back their pins on its chunks, except those "
+                     "another pinned session references.")
 async def release(session_id: str, st: KvindexState = Depends(state),
                   scope: SessionScope = Scope) -> SessionInfo:
-    return scope.shown(await guarded(st, st.sessions.release(scope.key(session_id),
-                                                              st.settings.idle_ttl_s)))
+    key = scope.key(session_id)
+    info = await guarded(st, st.sessions.release(key, st.settings.idle_ttl_s))
+    chunks = session_chunks(info)
+    keep = pinned_by_others(await guarded(st, st.sessions.references(chunks)), asker=key)
+    await fan_out_pins(st, [c for c in chunks if c not in keep], ttl_s=None,
+                       also_pods=await _route_pods(st, key))
+    return scope.shown(info)
+
+
+def session_chunks(info: SessionInfo) -> list[str]:
+    """Every chunk the session references, once, in first-seen order."""
+    return list(dict.fromkeys(c for chunks in info.intents.values() for c in chunks))
+
+
+async def _route_pods(st: KvindexState, key: str) -> tuple[str | None, ...]:
+    """The pods the session's last turn ran on, from the proxy's routing record."""
+    raw = await guarded(st, st.sessions.get_route(key))
+    if raw is None:
+        return ()
+    route = SessionRoute.model_validate_json(raw)
+    return route.last_pod, route.last_decode_pod
 
 
 @router.put("/{session_id}/priority", response_model=SessionInfo,

@@ -184,6 +184,15 @@ def protected_chunks(refs: SessionRefs, *, asker: str | None, priority: int | No
     return keep
 
 
+def pinned_by_others(refs: SessionRefs, *, asker: str) -> set[str]:
+    """The chunks a live session other than ``asker`` references while pinned: a release of
+    ``asker``'s pin must leave the pods' pins on them (one pin per chunk on a pod)."""
+    now = refs.now
+    return {chunk for chunk, sids in refs.refs.items()
+            if any(sid != asker and (life := refs.sessions.get(sid)) is not None
+                   and life.live(now) and life.pinned(now) for sid in sids)}
+
+
 @runtime_checkable
 class Index(Protocol):
     async def register_pod(self, reg: PodRegistration, ttl_s: float) -> PodInfo: ...

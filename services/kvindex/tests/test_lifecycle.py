@@ -187,6 +187,9 @@ def test_close_reclaims_the_sessions_chunks_on_every_pod_and_tier(client, clock,
     put(client, "other", "x", CHAIN[3:4])
     ok(client.put("/v1/sessions/other/priority", json={"priority": -5}))  # low, still live
     ok(client.post("/v1/sessions/s/pin", json={"ttl_s": 30}))  # closing drops its own pin
+    assert [op for op, _ in a.calls + b.calls] == ["pin", "pin"]  # the holders' tiers pin too
+    a.calls.clear()
+    b.calls.clear()
 
     closed = ok(client.delete("/v1/sessions/s"))
     mine = sorted(CHAIN[:4] + CHAIN[6:8] + CHAIN[9:10])
@@ -256,3 +259,35 @@ def test_openapi_documents_the_lifecycle(client):
     assert {"priority", "pinned_until", "expires_at"} <= set(schemas["SessionInfo"]["properties"])
     assert paths["/v1/sessions/{session_id}"]["delete"]["responses"]["200"]["content"][
         "application/json"]["schema"]["$ref"].endswith("/SessionClosed")
+
+
+def pins_sent(peer) -> list[tuple[str, list[str], float | None]]:  # type: ignore[no-untyped-def]
+    """The pin and unpin calls the peer got since the last call: (op, chunks, ttl_s)."""
+    out = [(op, body["chunk_hashes"], body.get("ttl_s")) for op, body in peer.calls
+           if op in ("pin", "unpin")]
+    peer.calls.clear()
+    return out
+
+
+def test_a_pin_reaches_the_pods_tiers_and_a_release_spares_another_pinned_session(
+        client, memory_api):
+    holder, last = memory_api(), memory_api()
+    pod_holding(client, "holder", holder.url, CHAIN[:6])
+    ok(client.post("/v1/pods", json={"pod": "last", "memory_api_url": last.url, "model": "m",
+                                     "chunk_size": 4}))
+    put(client, "a", "plan", CHAIN[:4])
+    put(client, "b", "plan", CHAIN[:2])  # a shared system prompt
+    # the proxy's routing record names the pod of a's last turn, which has not reported yet
+    ok(client.put("/v1/sessions/a/route", json={"turns": 1, "chunk_hashes": CHAIN[:4],
+                                                "last_pod": "last"}))
+    ok(client.post("/v1/sessions/a/pin", json={"ttl_s": 30}))
+    assert pins_sent(holder) == [("pin", CHAIN[:4], 30)]
+    assert pins_sent(last) == [("pin", CHAIN[:4], 30)]
+    ok(client.post("/v1/sessions/b/pin", json={"ttl_s": 60}))
+    assert pins_sent(holder) == [("pin", CHAIN[:2], 60)]
+    # a's release gives back the pods' pins on a's own chunks, never on b's pinned ones
+    ok(client.post("/v1/sessions/a/release"))
+    assert pins_sent(holder) == [("unpin", CHAIN[2:4], None)]
+    assert pins_sent(last) == [("unpin", CHAIN[2:4], None)]
+    metrics = client.get("/metrics").text
+    assert 'kvindex_fanout_calls_total{ok="true",op="pin"} 3.0' in metrics

@@ -1,0 +1,87 @@
+"""vLLM's device prefix cache as a tier the lifecycle verbs reach (``engine.vllm.device_kv``), on
+the shared vLLM fleet's ``worker-0``: a turn asking for a pin (``vllm_xargs``) keeps its blocks
+through a flood of other prompts that takes every unpinned block, so its next turn hits vLLM's
+own cache where an unpinned one of the same age falls back to LMCache; the kvindex sees the
+pinned context in tier device; an unpin gives the blocks back and an evict of every tier takes
+the chunks out of the device cache too."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from .conftest import VllmFleet, post, vllm_metrics
+from .test_vllm_fleet import completion, delta, prompt_ids
+
+POD = "worker-0"
+LOCAL = "local_cache_hit"
+PROMPT = 1500  # 5 full 256-token chunks
+
+
+def _device_chunks(fleet: VllmFleet, hashes: list[str]) -> int:
+    found = 0
+    for h in hashes:
+        locs = httpx.get(f"{fleet.kvindex}/v1/chunks/{h}", timeout=5).json()["locations"]
+        found += {"pod": POD, "tier": "device"} in locs
+    return found
+
+
+def _wait(what: str, check, timeout_s: float = 20.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not (out := check()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.3)
+    return out
+
+
+def _scheduler_metric(fleet: VllmFleet, name: str) -> float:
+    for line in httpx.get(fleet.memory_url(POD) + "/metrics", timeout=5).text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_pinned_turn_keeps_its_device_blocks_through_a_flood(vllm_fleet: VllmFleet) -> None:
+    url = vllm_fleet.url(POD)
+    kept, lost = prompt_ids(701, PROMPT), prompt_ids(702, PROMPT)
+    a = completion(url, kept, vllm_xargs={"agentserving_pin_ttl_s": 600})
+    b = completion(url, lost)
+    kept_chunks = a["kv_transfer_params"]["chunk_hashes"][:5]
+    lost_chunks = b["kv_transfer_params"]["chunk_hashes"][:5]
+    # the kvindex sees both contexts in vLLM's own cache
+    _wait("both contexts reported in tier device",
+          lambda: _device_chunks(vllm_fleet, kept_chunks + lost_chunks) == 10)
+    assert _scheduler_metric(vllm_fleet, "agentserving_vllm_device_pinned_blocks") > 0
+
+    # a flood of other prompts until the unpinned context has left the device cache
+    for seed in range(710, 740):
+        completion(url, prompt_ids(seed, 16000), max_tokens=1)
+        time.sleep(0.6)  # a residency report
+        if _device_chunks(vllm_fleet, lost_chunks) == 0:
+            break
+    else:
+        raise AssertionError("the flood never took the unpinned context's blocks")
+    assert _device_chunks(vllm_fleet, kept_chunks) == 5
+
+    tail = prompt_ids(703, 60)[1:]
+    before = vllm_metrics(url)
+    completion(url, kept + tail)
+    assert delta(before, vllm_metrics(url), LOCAL) >= 5 * 256  # from vLLM's own cache
+    before = vllm_metrics(url)
+    completion(url, lost + tail)
+    assert delta(before, vllm_metrics(url), LOCAL) < 5 * 256  # LMCache, or recomputed
+
+    # unpin: the pins go at the next step; evict (every tier): the device cache drops them
+    post(vllm_fleet.memory_url(POD), "/memory/unpin", {"chunk_hashes": kept_chunks})
+    completion(url, prompt_ids(704, 40), max_tokens=1)  # a step: the release applies
+    assert _scheduler_metric(vllm_fleet, "agentserving_vllm_device_pinned_blocks") == 0
+    released = 'agentserving_vllm_device_pins_total{outcome="released"}'
+    assert _scheduler_metric(vllm_fleet, released) >= 1
+    post(vllm_fleet.memory_url(POD), "/memory/evict", {"chunk_hashes": kept_chunks})
+    completion(url, prompt_ids(705, 40), max_tokens=1)
+    _wait("the evicted context gone from tier device",
+          lambda: _device_chunks(vllm_fleet, kept_chunks) == 0)
+    before = vllm_metrics(url)
+    completion(url, kept + tail)
+    assert delta(before, vllm_metrics(url), LOCAL) == 0

@@ -21,6 +21,7 @@ from agentserving.core.schemas import (
     TENANT_HEADER,
     ChunkLocations,
     ChunkSnapshot,
+    ContextWritten,
     EventBatch,
     EventBatchResult,
     EvictRequest,
@@ -43,6 +44,7 @@ from agentserving.core.schemas import (
     ResidencyChanges,
     ResidencyListing,
     SessionClosed,
+    SessionContext,
     SessionInfo,
     SessionRoute,
 )
@@ -194,6 +196,12 @@ class KvindexClient(_JsonClient):
 
     async def put_route(self, session_id: str, route: SessionRoute) -> SessionRoute:
         return await self._call("PUT", f"/v1/sessions/{session_id}/route", route, SessionRoute)
+
+    async def put_context(self, session_id: str, ctx: SessionContext) -> ContextWritten:
+        """The turn's context under the session (creating it), with the routing record and
+        the context-change eviction, in one call."""
+        return await self._call("PUT", f"/v1/sessions/{session_id}/context", ctx,
+                                ContextWritten)
 
     async def get_route(self, session_id: str) -> SessionRoute:
         return await self._call("GET", f"/v1/sessions/{session_id}/route", None, SessionRoute)

@@ -65,6 +65,8 @@ def _wire_number(value: object) -> object:
 
 # An integer on the wire: pydantic's lax int without its str/bool coercions.
 WireInt = Annotated[int, BeforeValidator(_wire_int)]
+# A number on the wire: 2 and 2.5, never "2" nor true.
+WireNumber = Annotated[float, BeforeValidator(_wire_number)]
 # The bound sits inside, where the schema shows it as "minimum" (outside a union or a mapping's
 # values it would not).
 NonNegWireInt = Annotated[int, Field(ge=0), BeforeValidator(_wire_int)]
@@ -451,6 +453,36 @@ class SessionRoute(Strict):
                                         description="The pod holding the session's context.")
     prompt_tokens: NonNegWireInt | None = None
     prompt_chars: NonNegWireInt | None = None
+
+
+# The intent under which each session's context is kept: the chunk hashes of its latest turn,
+# written by the proxy after every turn. A session thus exists from its first turn, and its
+# context is referenced (so a fork or another live session keeps it) and freed on close.
+CONTEXT_INTENT = "~context"
+
+
+class SessionContext(Strict):
+    """A turn's context, written by the proxy after the turn (one call per turn)."""
+    chunk_hashes: list[ChunkHash] | None = Field(
+        default=None, description="The turn's prompt chunk hashes, in order: they become the "
+        "session's context (intent '~context'). null: the context stays as it was (the engine "
+        "named no chunks); the session is still created or touched.")
+    route: SessionRoute | None = Field(
+        default=None, description="The proxy's routing record, kept as PUT .../route keeps "
+        "it (--shared-sessions), in the same call.")
+    evict_dropped: StrictBool = Field(
+        default=False, description="When the new chain leaves the previous context before its "
+        "end (the agent compacted or edited its history), evict the chunks only the dropped "
+        "part held from every tier of every pod; any other live session's reference keeps a "
+        "chunk.")
+
+
+class ContextWritten(BaseModel):
+    session: SessionInfo
+    dropped: list[str] = Field(default_factory=list, description="Chunks of the previous "
+                               "context the new one left (context change), in chain order.")
+    evict: FanoutResponse | None = Field(default=None, description="Their eviction, when "
+                                         "asked for and any were dropped.")
 
 
 class PinRequest(Strict):

@@ -341,7 +341,7 @@ def test_tenants_never_share_prefixes(fleet, tmp_path):
              what="b's verbs carried out")
     assert kvindex_get(fleet, "/v1/sessions/t", "b").status_code == 404  # b's own, closed
     assert kvindex_get(fleet, "/v1/sessions/t", "a").json()["intents"] == {
-        "plan": chunk_hashes_of(ra)}
+        "plan": chunk_hashes_of(ra), "~context": chunk_hashes_of(ra)}
     assert w0_holds(chunk_hashes_of(ra)[0])  # b's evict of "plan" and its close took b's own
 
     # a caller that reaches the pod itself cannot probe a's prefixes by guessing a's salt:

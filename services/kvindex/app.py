@@ -20,7 +20,14 @@ from agentserving.core.service import (
     install_metrics_route,
 )
 from agentserving.kvindex.controllers.reaper import expire_sessions_forever, reap_forever
-from agentserving.kvindex.http_apis import control, pods, residency, residency_feed, sessions
+from agentserving.kvindex.http_apis import (
+    control,
+    pods,
+    residency,
+    residency_feed,
+    session_context,
+    sessions,
+)
 from agentserving.kvindex.http_apis.deps import KvindexState, ServiceMetrics
 from agentserving.kvindex.index.base import BackendUnavailable, Index, SessionStore
 from agentserving.kvindex.index.changes import ChangeFeed, MemoryChangeFeed
@@ -107,6 +114,6 @@ def create_app(settings: KvindexSettings, index: Index | None = None,
         return {"status": "ready", "store": store_kind}
 
     for router in (pods.router, residency.router, residency_feed.router, control.router,
-                   sessions.router):
+                   sessions.router, session_context.router):
         app.include_router(router)
     return app

@@ -35,13 +35,14 @@ from agentserving.proxy.openapi import (
 )
 from agentserving.proxy.orchestrator import H_NEXT_TOOL, Orchestrator, Turn
 from agentserving.proxy.pods import PodPool
+from agentserving.proxy.request_hints import merged_memory, read_hints
 from agentserving.proxy.residency_replica import ReplicaMetrics, ResidencyReplica, following
 from agentserving.proxy.routing import make_policy
 from agentserving.proxy.sessions import session_key
 from agentserving.proxy.settings import ProxySettings, RoutingName
 from agentserving.proxy.upstream import UPSTREAM_ERRORS, new_session
 
-_EXTENSION_FIELDS = ("agent_memory",)
+_EXTENSION_FIELDS = ("agent_memory", "cache_control", "nvext")
 
 
 def create_app(settings: ProxySettings) -> FastAPI:
@@ -112,6 +113,8 @@ def create_app(settings: ProxySettings) -> FastAPI:
                 err = exc.errors()[0]
                 param = "agent_memory." + field_path(err["loc"]) if err["loc"] else "agent_memory"
                 raise ApiError(400, f"{param}: {err['msg']}", param=param) from exc
+        hints = read_hints(body)
+        memory = merged_memory(memory, hints)
         tenant = principal.tenant if principal else None
         if principal is not None and principal.cache_salt:
             body["cache_salt"] = principal.cache_salt  # tenants never share or probe prefixes
@@ -120,7 +123,8 @@ def create_app(settings: ProxySettings) -> FastAPI:
         return Turn(endpoint=endpoint, body=body, session_id=sid,
                     session_key=session_key(tenant, sid), tenant=tenant,
                     parent_session_id=request.headers.get("x-parent-session-id"),
-                    memory=memory, next_tool=request.headers.get(H_NEXT_TOOL))
+                    memory=memory, next_tool=request.headers.get(H_NEXT_TOOL),
+                    announce_next=hints.speculative_prefill)
 
     @app.post("/v1/chat/completions", tags=["openai"], responses=TURN_RESPONSES,
               openapi_extra=turn_body(ChatTurn),

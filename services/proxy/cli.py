@@ -109,6 +109,21 @@ setting = settings_option(ProxySettings)
               "turn to its pod, which then moves its KV to DRAM: at once, or, where the pod's "
               "scheduler predicts admissions (a ShadowScheduler), when it predicts the turn for "
               "its next step.")
+@setting("--context-change-evict/--no-context-change-evict",
+         help="When a turn's prompt is not an extension of its session's previous context "
+              "(the agent compacted or edited its history: the chunk chain leaves the previous "
+              "one before its end), evict the chunks only the dropped context held from every "
+              "tier of every pod, through the kvindex; chunks a fork or another live session "
+              "references stay.")
+@setting("--pin-ttl-floor", "pin_ttl_floor_s", type=click.FloatRange(min=0, min_open=True),
+         help="Seconds at least of a pin asked for without a TTL (cache_control without ttl, "
+              "agent_memory.pin): such a pin lasts --pin-gap-multiple times the session's "
+              "predicted tool gap, within --pin-ttl-floor and --pin-ttl-cap.")
+@setting("--pin-ttl-cap", "pin_ttl_cap_s", type=click.FloatRange(min=0, max=86400,
+                                                                 min_open=True),
+         help="Seconds at most of a pin asked for without a TTL.")
+@setting("--pin-gap-multiple", type=click.FloatRange(min=1),
+         help="A pin asked for without a TTL lasts this multiple of the predicted tool gap.")
 @setting("--max-model-len", type=click.IntRange(min=2),
          help="The model's context length in tokens: a turn whose max_tokens alone exceeds it, "
               "or whose token-id prompt plus max_tokens does, gets a 400 naming the field "

@@ -5,7 +5,8 @@ chunks of the topics it is about to reuse (``prefetch_intents``), both through t
 which fans out to the pods holding them. After the turn: write the turn's chunk hashes back
 under ``intent``, then carry out the session's KV lifecycle verbs in the kvindex: its eviction
 ``priority``, a pin for ``pin_ttl_s`` (the turn ends in a tool call; keep its KV through the
-gap, then let it go by itself) or its ``release``, and on the final turn ``close_session``
+gap, then let it go by itself; ``pin`` lets the proxy size it from its tool-gap prediction) or
+its ``release``, and on the final turn ``close_session``
 (the kvindex evicts the session's chunks that no other live session uses). Every call is best
 effort: a memory hook never fails a turn.
 """
@@ -18,7 +19,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator
 
 from agentserving.core.clients import KvindexClient, NotFound, RequestRejected, ServiceUnavailable
-from agentserving.core.schemas import EvictRequest, PinTtl, PrefetchRequest, Priority
+from agentserving.core.schemas import (
+    CONTEXT_INTENT,
+    EvictRequest,
+    PinTtl,
+    PrefetchRequest,
+    Priority,
+)
 
 
 class AgentMemory(BaseModel):
@@ -33,19 +40,33 @@ class AgentMemory(BaseModel):
     pin_ttl_s: PinTtl | None = Field(
         default=None, description="After the turn, pin the session's chunks for this many "
         "seconds (e.g. the tool call the turn ends in); the pin lapses by itself.")
+    pin: StrictBool = Field(
+        default=False, description="After the turn, pin the session's chunks for the "
+        "proxy's predicted tool gap (between --pin-ttl-floor and --pin-ttl-cap); a "
+        "pin_ttl_s given is the pin's TTL.")
     release: StrictBool = Field(default=False,
                                 description="After the turn, drop the session's pin.")
     close_session: StrictBool = Field(
         default=False, description="This is the session's final turn: after it, close the "
         "session, evicting its chunks that no other live session uses from every tier.")
 
-    @field_validator("release", "close_session")
+    @field_validator("intent", "evict_intents", "prefetch_intents")
+    @classmethod
+    def _not_the_context(cls, value: str | list[str] | None) -> str | list[str] | None:
+        """The session's context is the proxy's to write (after every turn)."""
+        if value == CONTEXT_INTENT or isinstance(value, list) and CONTEXT_INTENT in value:
+            raise ValueError(f"'{CONTEXT_INTENT}' is the session's context, kept by the proxy")
+        return value
+
+    @field_validator("pin", "release", "close_session")
     @classmethod
     def _not_with_a_pin(cls, value: bool, info: ValidationInfo) -> bool:
         """A pin asks to keep the KV, a release or a close to let it go: say which field
         conflicts rather than pick one silently."""
-        if value and info.data.get("pin_ttl_s") is not None:
+        if value and info.field_name != "pin" and info.data.get("pin_ttl_s") is not None:
             raise ValueError("cannot be true together with pin_ttl_s")
+        if value and info.field_name != "pin" and info.data.get("pin"):
+            raise ValueError("cannot be true together with pin")
         return value
 
 

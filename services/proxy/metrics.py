@@ -36,8 +36,15 @@ class ProxyMetrics:
                                 "Turns routed without the kvindex (unreachable).",
                                 registry=registry)
         self.memory_hooks = Counter("proxy_memory_hook_calls_total",
-                                    "agent_memory evict/prefetch/write-back calls.",
+                                    "Session calls to the kvindex: each turn's context "
+                                    "(context), agent_memory's and the hints' verbs.",
                                     ["op", "ok"], registry=registry)
+        self.context_changes = Counter(
+            "proxy_context_changes_total",
+            "Turns whose prompt left the session's previous context before its end (history "
+            "compacted or edited); with --context-change-evict the kvindex evicts the chunks "
+            "only the dropped context held (kvindex_reclaimed_*{reason=\"context_change\"}).",
+            registry=registry)
         self.shared_sessions = Counter(
             "proxy_shared_session_records_total",
             "--shared-sessions: records read before a turn (adopted: newer than this "

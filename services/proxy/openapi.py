@@ -2,8 +2,9 @@
 
 The proxy reads a turn's body raw and passes it on (a worker, the reference one or vLLM,
 validates it), so FastAPI sees no body model; these routes document the workers' request
-models, which the reference worker enforces, plus AgentServing's ``agent_memory`` that the
-proxy takes off before forwarding. Token ids and lengths are bounded by the model behind the
+models, which the reference worker enforces, plus AgentServing's ``agent_memory`` and the
+ecosystem's ``cache_control`` and ``nvext`` (``request_hints``) that the proxy takes off before
+forwarding. Token ids and lengths are bounded by the model behind the
 proxy, which its schema cannot know: a worker answers 400 with code
 ``token_id_out_of_vocabulary`` or ``context_length_exceeded`` there. The proxy answers
 ``context_length_exceeded`` itself, before routing, where it is certain without a tokenizer
@@ -16,16 +17,22 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
 from agentserving.core.openai_protocol import ChatCompletionRequest, CompletionRequest
 from agentserving.core.service import error_responses
 from agentserving.proxy.memory_hooks import AgentMemory
+from agentserving.proxy.request_hints import CacheControl, NvExt
 
 
 class _WithMemory(BaseModel):
     agent_memory: AgentMemory | None = None
+    cache_control: CacheControl | None = Field(
+        default=None, description="Anthropic's spelling of a pin: keep this session's KV for "
+        "ttl after the turn (no ttl: the proxy's predicted tool gap).")
+    nvext: NvExt | None = Field(default=None, description="Dynamo's request extension: "
+                                "cache_control and agent_hints are read, the rest ignored.")
 
 
 class ChatTurn(ChatCompletionRequest, _WithMemory):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from dataclasses import dataclass, field, replace
@@ -36,12 +37,14 @@ from agentserving.core.clients import (
 )
 from agentserving.core.logging import get_logger
 from agentserving.core.schemas import (
+    POD_NAME_PATTERN,
     TENANT_HEADER,
     LookupRequest,
     LookupResponse,
     PodPrefix,
     PodRole,
     PrefetchRequest,
+    SessionContext,
 )
 from agentserving.core.service import ApiError
 from agentserving.proxy import memory_hooks
@@ -58,12 +61,13 @@ from agentserving.proxy.metrics import ProxyMetrics
 from agentserving.proxy.pod_activity import PodActivity
 from agentserving.proxy.pods import PodPool, QueuedPrompt
 from agentserving.proxy.prompt_hashes import prompt_chunk_hashes
+from agentserving.proxy.request_hints import with_pin_xarg
 from agentserving.proxy.residency_replica import ResidencyReplica
 from agentserving.proxy.routing import Candidate, LeastLoaded, RouteInput, RoutingPolicy
 from agentserving.proxy.sessions import SessionState, SessionTable, session_key
 from agentserving.proxy.settings import ProxySettings
 from agentserving.proxy.stalls import StallDeadlines, policy_from
-from agentserving.proxy.tool_gaps import ToolGapPredictor
+from agentserving.proxy.tool_gaps import ToolGapPredictor, pin_ttl_for_gap
 from agentserving.proxy.upstream import (
     UPSTREAM_ERRORS,
     InterTokenStall,
@@ -81,6 +85,7 @@ from agentserving.proxy.upstream import (
 
 log = get_logger(__name__)
 T = TypeVar("T")
+_POD_NAME = re.compile(POD_NAME_PATTERN)
 
 H_PREFILL = "x-agentserving-prefill-pod"
 H_DECODE = "x-agentserving-decode-pod"
@@ -127,6 +132,7 @@ class Turn:
     parent_session_id: str | None = None
     memory: AgentMemory | None = None
     next_tool: str | None = None
+    announce_next: bool = False  # nvext.agent_hints.speculative_prefill
     started: float = field(default_factory=time.perf_counter)
     headers: dict[str, str] = field(default_factory=dict)
     queued_prompt: QueuedPrompt | None = None  # a stream's prompt, until its first token
@@ -183,6 +189,7 @@ class Orchestrator:
         self.metrics.sessions.set(len(self.sessions))
         await self._adopt_shared_route(turn, state)
         self._on_arrival(turn, state)
+        self._resolve_pin(turn)
         if turn.parent_session_id and state.turns == 0:
             await self._fork(turn, state)
         if turn.memory and self.kvindex and turn.session_id:
@@ -200,6 +207,22 @@ class Orchestrator:
         if turn.stream:
             return await self._run_streaming(turn, state, attempts)
         return await self._run_blocking(turn, state, attempts)
+
+    def _resolve_pin(self, turn: Turn) -> None:
+        """A pin asked for without a TTL gets one from the tool-gap prediction (the tool the
+        caller names, else the mean over all), within the floor and cap; the turn's pin then
+        goes to the pod too (``vllm_xargs``), whose engine may hold its blocks for it."""
+        mem = turn.memory
+        if mem is None or (mem.pin_ttl_s is None and not mem.pin):
+            return
+        ttl_s = mem.pin_ttl_s
+        if ttl_s is None:
+            s = self.settings
+            ttl_s = round(pin_ttl_for_gap(self.tool_gaps.predict(turn.next_tool),
+                                          s.pin_ttl_floor_s, s.pin_ttl_cap_s,
+                                          s.pin_gap_multiple), 3)
+            turn.memory = mem.model_copy(update={"pin_ttl_s": ttl_s, "pin": False})
+        with_pin_xarg(turn.body, ttl_s)
 
     async def _check_context(self, turn: Turn) -> None:
         """A 400 naming the field for a turn that fits no pod's context (``context_limit``).
@@ -639,24 +662,56 @@ class Orchestrator:
             state.chunk_hashes = outcome.chunk_hashes
         state.prompt_tokens = outcome.prompt_tokens
         state.prompt_chars = turn.prompt_size.chars
-        self._share_route(turn, state)
         state.last_turn_end = time.monotonic()
         tool = turn.next_tool or (outcome.tool_names[0] if outcome.tool_names else None)
         state.pending_tool = tool if (tool or outcome.finish_reason == "tool_calls") else None
         state.predicted_gap_s = None
         state.prefetch_fired_at = None
         if turn.session_id and self.kvindex is not None:
-            if turn.memory:
-                pods = [p for p in dict.fromkeys((state.last_pod, state.last_decode_pod)) if p]
-                self._spawn(memory_hooks.after_turn(self.kvindex.for_tenant(turn.tenant),
-                                                    turn.session_id, turn.memory,
-                                                    outcome.chunk_hashes, self._record_hook,
-                                                    pods))
+            # the pods the turn ran on, which a pin reaches before their residency reports
+            # name the turn's chunks; a pod given by URL (--prefill) has no name the kvindex
+            # could reach it by
+            pods = [p for p in dict.fromkeys((state.last_pod, state.last_decode_pod))
+                    if p and _POD_NAME.fullmatch(p)]
+            self._spawn(self._record_turn(turn, state, outcome, pods))
             if self.settings.tool_prefetch and (
-                    state.pending_tool is not None or outcome.finish_reason == "tool_calls"):
+                    state.pending_tool is not None or outcome.finish_reason == "tool_calls"
+                    or turn.announce_next):
                 self._schedule_tool_prefetch(turn, state)
         if turn.memory and turn.memory.close_session and turn.session_key:
             self.sessions.forget(turn.session_key)  # its last turn: the kvindex closes it too
+
+    async def _record_turn(self, turn: Turn, state: SessionState, outcome: TurnOutcome,
+                           pods: list[str]) -> None:
+        """After the turn, in the background (the session's next turn comes after this one's
+        answer and the agent's tool call): its chunk chain becomes the session's context in
+        the kvindex, with the routing record (--shared-sessions) in the same call and the
+        context-change eviction; then the agent_memory verbs, which thus find the session
+        there from its first turn. A kvindex that fails it fails no turn."""
+        assert self.kvindex is not None and turn.session_id is not None
+        kv = self.kvindex.for_tenant(turn.tenant)
+        route = state.route() if self.settings.shared_sessions else None
+        chunks = outcome.chunk_hashes
+        if chunks is None and (scheme := self.settings.prompt_hash_scheme) is not None:
+            chunks = prompt_chunk_hashes(turn.endpoint, turn.body, scheme,
+                                         self.settings.chunk_size)
+        try:
+            written = await kv.put_context(turn.session_id, SessionContext(
+                chunk_hashes=chunks, route=route,
+                evict_dropped=self.settings.context_change_evict))
+            self._record_hook("context", True)
+            if route is not None:
+                self.metrics.shared_sessions.labels("write", "written").inc()
+            if written.dropped:
+                self.metrics.context_changes.inc()
+        except (ServiceUnavailable, RequestRejected) as exc:
+            self._record_hook("context", False)
+            if route is not None:
+                self.metrics.shared_sessions.labels("write", "failed").inc()
+            log.warning("session_context_write_failed", error=str(exc))
+        if turn.memory:
+            await memory_hooks.after_turn(kv, turn.session_id, turn.memory,
+                                          outcome.chunk_hashes, self._record_hook, pods)
 
     def _schedule_tool_prefetch(self, turn: Turn, state: SessionState) -> None:
         """Announce the session's next turn to its pod shortly before the tool's predicted
@@ -752,24 +807,6 @@ class Orchestrator:
             return
         self.metrics.shared_sessions.labels("read", "adopted").inc()
         state.adopt(route)
-
-    def _share_route(self, turn: Turn, state: SessionState) -> None:
-        """Write the session's routing record after its turn, in the background: the
-        session's next turn comes after this one's answer and the agent's tool call."""
-        kv = self._shares(turn)
-        if kv is None:
-            return
-        route = state.route()
-
-        async def write() -> None:
-            try:
-                await kv.put_route(turn.session_id, route)  # type: ignore[arg-type]
-                self.metrics.shared_sessions.labels("write", "written").inc()
-            except (ServiceUnavailable, RequestRejected) as exc:
-                self.metrics.shared_sessions.labels("write", "failed").inc()
-                log.warning("shared_session_write_failed", error=str(exc))
-
-        self._spawn(write())
 
     def _record_hook(self, op: str, ok: bool) -> None:
         self.metrics.memory_hooks.labels(op, str(ok).lower()).inc()

@@ -73,6 +73,17 @@ class ProxySettings(BaseModel):
     tool_prefetch: bool = Field(
         default=True, description="Announce each session's next turn to its pod while a tool "
         "runs, so its KV is back in DRAM when the turn arrives.")
+    context_change_evict: bool = Field(
+        default=True, description="When a turn's prompt is not an extension of the session's "
+        "previous context (history compacted or edited), evict the chunks only the dropped "
+        "context held, from every tier of every pod.")
+    pin_ttl_floor_s: float = Field(
+        default=5.0, gt=0, description="A pin asked for without a TTL lasts at least this long.")
+    pin_ttl_cap_s: float = Field(
+        default=600.0, gt=0, le=86400.0,
+        description="... and at most this long.")
+    pin_gap_multiple: float = Field(
+        default=2.0, ge=1, description="... sized as this multiple of the predicted tool gap.")
     max_sessions: int = Field(default=100_000, gt=0)
     activity_half_life_s: float = Field(
         default=10.0, gt=0, description="Half-life of a turn's work in a decode pod's "

@@ -50,3 +50,12 @@ class ToolGapPredictor:
     def prefetch_delay(self, tool: str | None, lead_s: float) -> float:
         """Seconds after a turn ends to start prefetching for the next one."""
         return max(0.0, self.predict(tool) - lead_s)
+
+
+def pin_ttl_for_gap(predicted_gap_s: float, floor_s: float, cap_s: float,
+                    multiple: float) -> float:
+    """A pin's TTL when the caller gave none: ``multiple`` times the predicted tool gap (a
+    prediction is a mean, and a pin that lapses a moment before the turn returns saves
+    nothing), never under ``floor_s`` (a first gap is predicted from the default alone) nor over
+    ``cap_s`` (a pin holds memory other sessions could use)."""
+    return min(cap_s, max(floor_s, predicted_gap_s * multiple))

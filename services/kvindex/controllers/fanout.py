@@ -62,6 +62,30 @@ def plan(chunk_hashes: list[str], holders: dict[str, dict[str, int]], *,
     return per_pod, missing
 
 
+def freed_by_tier(per_pod: dict[str, list[str]], holders: dict[str, dict[str, int]],
+                  pods: dict[str, PodInfo], results: dict[str, PodCallResult]
+                  ) -> dict[Tier, tuple[int, int]]:
+    """Tier -> (chunks, bytes) an evict freed: each chunk a pod accepted to drop, counted in
+    every tier the index had it there; its bytes by that pod's own average chunk size in the
+    tier (its reported used bytes over its chunks; 0 where it reports none)."""
+    out: dict[Tier, list[int]] = {}
+    for pod, chunks in per_pod.items():
+        result, info = results.get(pod), pods.get(pod)
+        if result is None or not result.ok:
+            continue
+        held = holders.get(pod, {})
+        for tier, bit in TIER_BITS.items():
+            n = sum(1 for c in chunks if held.get(c, 0) & bit)
+            if not n:
+                continue
+            count = info.chunks.get(tier, 0) if info is not None else 0
+            used = info.used_bytes.get(tier, 0) if info is not None else 0
+            acc = out.setdefault(tier, [0, 0])
+            acc[0] += n
+            acc[1] += n * used // count if count else 0
+    return {tier: (n, b) for tier, (n, b) in out.items()}
+
+
 async def call_pods(client: httpx.AsyncClient, pods: dict[str, PodInfo], path: str,
                     bodies: dict[str, dict], timeout_s: float) -> dict[str, PodCallResult]:
     """POST ``bodies[pod]`` to each pod's memory API in parallel; failures become results."""

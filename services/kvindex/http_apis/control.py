@@ -15,6 +15,7 @@ from agentserving.core.service import ApiError, error_responses
 from agentserving.kvindex.controllers.fanout import (
     backends_for_locations,
     call_pods,
+    freed_by_tier,
     plan,
     tiers_for_locations,
 )
@@ -55,9 +56,11 @@ async def prefetch(req: PrefetchRequest, st: KvindexState = Depends(state)) -> F
 
 async def fan_out_evict(st: KvindexState, chunk_hashes: list[str], protected: set[str], *,
                         locations: list[str] | None = None, tiers: set[Tier] | None = None,
-                        pod: str | None = None, pods: dict | None = None) -> FanoutResponse:
+                        pod: str | None = None, pods: dict | None = None,
+                        reclaimed: str | None = None) -> FanoutResponse:
     """Ask every live holder of ``chunk_hashes`` but the ``protected`` to drop them from the
-    named tiers (None: every tier). Shared by ``POST /v1/evict`` and closing a session."""
+    named tiers (None: every tier). Shared by ``POST /v1/evict``, closing a session and a
+    context change; ``reclaimed`` names the lifecycle reason its frees are counted under."""
     pods = await _live_pods(st) if pods is None else pods
     holders = await guarded(st, st.index.holders(chunk_hashes))
     per_pod, missing = plan(chunk_hashes, holders, only_pod=pod, tiers=tiers, skip=protected)
@@ -68,6 +71,10 @@ async def fan_out_evict(st: KvindexState, chunk_hashes: list[str], protected: se
                               st.settings.fanout_timeout_s)
     for r in results.values():
         st.metrics.fanout.labels("evict", str(r.ok).lower()).inc()
+    if reclaimed is not None:
+        for tier, (n, size) in freed_by_tier(per_pod, holders, pods, results).items():
+            st.metrics.reclaimed_chunks.labels(reclaimed, tier.value).inc(n)
+            st.metrics.reclaimed_bytes.labels(reclaimed, tier.value).inc(size)
     return FanoutResponse(results=results, missing=missing,
                           protected=[c for c in chunk_hashes if c in protected])
 

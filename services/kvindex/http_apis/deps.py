@@ -40,6 +40,15 @@ class ServiceMetrics:
                                        registry=registry)
         self.fanout = Counter("kvindex_fanout_calls_total", "Memory API calls to pods.",
                               ["op", "ok"], registry=registry)
+        self.reclaimed_chunks = Counter(
+            "kvindex_reclaimed_chunks_total",
+            "Chunks pods accepted to drop for a session's lifecycle, by reason (close: the "
+            "session closed; context_change: its new turn left them) and tier (as the index "
+            "had them).", ["reason", "tier"], registry=registry)
+        self.reclaimed_bytes = Counter(
+            "kvindex_reclaimed_bytes_total",
+            "Bytes of those chunks, by each pod's reported bytes per chunk in the tier.",
+            ["reason", "tier"], registry=registry)
         self.unavailable = Counter("kvindex_backend_unavailable_total",
                                    "Requests answered 503 because the store was down.",
                                    registry=registry)

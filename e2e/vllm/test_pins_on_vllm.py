@@ -2,8 +2,8 @@
 the shared vLLM fleet's ``worker-0``: a turn asking for a pin (``vllm_xargs``) keeps its blocks
 through a flood of other prompts that takes every unpinned block, so its next turn hits vLLM's
 own cache where an unpinned one of the same age falls back to LMCache; the kvindex sees the
-pinned context in tier device; an unpin gives the blocks back and an evict of every tier takes
-the chunks out of the device cache too."""
+pinned context in tier device (alone, once LMCache's tiers dropped it); an unpin gives the
+blocks back and an evict of every tier takes the chunks out of the device cache too."""
 
 from __future__ import annotations
 
@@ -53,6 +53,13 @@ def test_a_pinned_turn_keeps_its_device_blocks_through_a_flood(vllm_fleet: VllmF
     _wait("both contexts reported in tier device",
           lambda: _device_chunks(vllm_fleet, kept_chunks + lost_chunks) == 10)
     assert _scheduler_metric(vllm_fleet, "agentserving_vllm_device_pinned_blocks") > 0
+    # out of LMCache's DRAM and disk, the context is in vLLM's prefix cache alone, and the
+    # kvindex says so
+    post(vllm_fleet.memory_url(POD), "/memory/evict",
+         {"chunk_hashes": kept_chunks, "locations": ["cpu", "disk"]})
+    _wait("the kept context in tier device only", lambda: all(
+        httpx.get(f"{vllm_fleet.kvindex}/v1/chunks/{h}", timeout=5).json()["locations"]
+        == [{"pod": POD, "tier": "device"}] for h in kept_chunks))
 
     # a flood of other prompts until the unpinned context has left the device cache
     for seed in range(710, 740):

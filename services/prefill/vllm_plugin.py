@@ -55,7 +55,6 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from agentserving.core.schemas import MemoryPrefetchRequest, Tier
-from agentserving.engine.vllm.device_kv import make_device_kv_scheduler
 from agentserving.prefill.expected_turns import ExpectedTurns
 from agentserving.prefill.policies import POLICY_CLASSES, build_policy
 from agentserving.prefill.policies.base import PurePolicy
@@ -472,7 +471,7 @@ def _lmcache_chunk_tokens(connector: Any) -> int:
     return int(getattr(config, "chunk_size", 0) or 0)
 
 
-def _vllm_scheduler_base() -> type:
+def vllm_scheduler_base() -> type:
     try:
         from vllm.v1.core.sched.scheduler import Scheduler
     except ImportError as exc:  # vLLM is not a dependency of this project
@@ -492,15 +491,11 @@ def _vllm_scheduler_base() -> type:
 def __getattr__(name: str) -> type:
     """``PolicyScheduler`` (policy from ``AGENTSERVING_PREFILL_POLICY``, default
     longcap-dynamic) and ``LongcapScheduler`` (longcap-dynamic unless the variable says
-    otherwise) are built on first access, so importing this module never imports vLLM; both
-    and ``DeviceKvScheduler`` (vLLM's own scheduling) run ``engine.vllm.device_kv`` on vLLM's
-    prefix cache: pins, eviction by chunk, device residency."""
-    if name == "DeviceKvScheduler":
-        cls = make_device_kv_scheduler(_vllm_scheduler_base())
-    elif name in ("PolicyScheduler", "LongcapScheduler"):
-        cls = make_scheduler_cls(make_device_kv_scheduler(_vllm_scheduler_base()))
-    else:
-        raise AttributeError(name)
-    cls.__name__ = cls.__qualname__ = name
-    globals()[name] = cls
-    return cls
+    otherwise) are built on first access, so importing this module never imports vLLM. The
+    pods run them with vLLM's prefix cache a managed tier (``engine.vllm.schedulers``)."""
+    if name in ("PolicyScheduler", "LongcapScheduler"):
+        cls = make_scheduler_cls(vllm_scheduler_base())
+        cls.__name__ = cls.__qualname__ = name
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)

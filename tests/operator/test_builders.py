@@ -264,9 +264,12 @@ def test_a_vllm_prefill_pool_runs_its_policy_inside_vllms_scheduler(settings):
                                  ["spec"]["containers"][0]) for role in ("prefill", "decode")}
     prefill, decode = serve["prefill"], serve["decode"]
     at = prefill["argv"].index("--scheduler-cls")
-    assert prefill["argv"][at + 1] == "agentserving.prefill.vllm_plugin.PolicyScheduler"
+    assert prefill["argv"][at + 1] == "agentserving.engine.vllm.schedulers.PolicyScheduler"
     assert prefill["env"]["AGENTSERVING_PREFILL_POLICY"] == "longcap-dynamic"
-    assert "--scheduler-cls" not in decode["argv"]  # the decode pool keeps vLLM's fcfs
+    # the decode pool keeps vLLM's own scheduling, its prefix cache a managed tier
+    at = decode["argv"].index("--scheduler-cls")
+    assert decode["argv"][at + 1] == "agentserving.engine.vllm.schedulers.DeviceKvScheduler"
+    assert "AGENTSERVING_PREFILL_POLICY" not in decode["env"]
 
 
 def test_a_vllm_prefill_pool_runs_the_shadow_scheduler_when_prefetch_asks(settings):
@@ -277,7 +280,7 @@ def test_a_vllm_prefill_pool_runs_the_shadow_scheduler_when_prefetch_asks(settin
     serve = {role: vllm_serve_of(children[("StatefulSet", f"demo-{role}")]["spec"]["template"]
                                  ["spec"]["containers"][0]) for role in ("prefill", "decode")}
     assert serve["prefill"]["env"]["AGENTSERVING_PREFILL_POLICY"] == "longcap-dynamic?lookahead=3"
-    assert "--scheduler-cls" not in serve["decode"]["argv"]  # fcfs: vLLM's own, no shadow
+    assert "AGENTSERVING_PREFILL_POLICY" not in serve["decode"]["env"]  # fcfs: no shadow
 
 
 def test_changing_one_pools_replicas_changes_only_that_pool(settings):

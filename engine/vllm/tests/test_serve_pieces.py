@@ -108,7 +108,10 @@ def test_a_prefill_policy_runs_inside_vllms_scheduler() -> None:
     from agentserving.prefill import vllm_plugin
 
     assert serve_command.POLICY_ENV == vllm_plugin.POLICY_ENV
-    assert serve_command.SCHEDULER_CLS == (f"{vllm_plugin.__name__}.PolicyScheduler")
+    from agentserving.engine.vllm import schedulers
+
+    assert serve_command.SCHEDULER_CLS == f"{schedulers.__name__}.PolicyScheduler"
+    assert serve_command.DEVICE_KV_SCHEDULER_CLS == f"{schedulers.__name__}.DeviceKvScheduler"
 
 
 @pytest.mark.parametrize("policy, lookahead", [

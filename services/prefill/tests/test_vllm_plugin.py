@@ -116,7 +116,7 @@ def test_order_waiting_and_clip():
 
 
 def test_missing_vllm_is_a_clear_error_only_on_construction():
-    cls = vllm_plugin.make_scheduler_cls(vllm_plugin._vllm_scheduler_base())
+    cls = vllm_plugin.make_scheduler_cls(vllm_plugin.vllm_scheduler_base())
     if "VllmMissing" not in cls.__name__:
         pytest.skip("vLLM importable in this interpreter")
     with pytest.raises(ImportError, match="needs vLLM"):

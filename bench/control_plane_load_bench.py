@@ -76,6 +76,15 @@ FULL = {"sessions": 1000, "turns": 6, "first_tokens": 3000, "append_tokens": 300
         "think_s": 5.0, "ramp_s": 10.0}
 QUICK = {"sessions": 50, "turns": 3, "first_tokens": 2000, "append_tokens": 200,
          "think_s": 0.2, "ramp_s": 1.0}
+# each size flag's type and meaning; its help says both defaults, read from FULL and QUICK
+SIZES = {"sessions": (int, "concurrent agent sessions"),
+         "turns": (int, "turns per session, the first included"),
+         "first_tokens": (int, "mean first-turn prompt, in token ids; each session draws from "
+                               "0.75x-1.25x"),
+         "append_tokens": (int, "mean tokens a later turn appends (tool result), drawn from "
+                                "0.5x-1.5x"),
+         "think_s": (float, "mean think time between a session's turns, drawn from 0.5x-1.5x"),
+         "ramp_s": (float, "sessions start spread evenly over this many seconds")}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -85,25 +94,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                "5 s think, 10 s ramp; --quick: 50 x 3, 2,000 / 200 tokens, 0.2 s think, 1 s "
                "ramp. A flag given explicitly wins over either.")
     add_out_args(parser, DEFAULT_OUT, "50 sessions x 3 turns, well under a minute")
-    parser.add_argument("--sessions", type=int, default=None,
-                        help="concurrent agent sessions (default 1000; 50 with --quick)")
-    parser.add_argument("--turns", type=int, default=None,
-                        help="turns per session, the first included (default 6; 3 with --quick)")
-    parser.add_argument("--first-tokens", type=int, default=None,
-                        help="mean first-turn prompt, in token ids; each session draws from "
-                             "0.75x-1.25x (default 3000; 2000 with --quick)")
-    parser.add_argument("--append-tokens", type=int, default=None,
-                        help="mean tokens a later turn appends (tool result), drawn from "
-                             "0.5x-1.5x (default 300; 200 with --quick)")
+    for key, (kind, what) in SIZES.items():
+        parser.add_argument("--" + key.replace("_", "-"), type=kind, default=None,
+                            help=f"{what} (default {FULL[key]:g}; {QUICK[key]:g} with --quick)")
     parser.add_argument("--output-tokens", type=int, default=8,
                         help="max_tokens of every turn; the answer is appended to the context "
                              "(default 8)")
-    parser.add_argument("--think-s", type=float, default=None,
-                        help="mean think time between a session's turns, drawn from 0.5x-1.5x "
-                             "(default 5; 0.2 with --quick)")
-    parser.add_argument("--ramp-s", type=float, default=None,
-                        help="sessions start spread evenly over this many seconds "
-                             "(default 10; 1 with --quick)")
     parser.add_argument("--workers", type=int, default=3, choices=(2, 3, 4),
                         help="stand-in worker processes (default 3)")
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,

@@ -53,6 +53,28 @@ KV_LIFECYCLE = "kv-lifecycle.json"
 KV_LIFECYCLE_COMMAND = "python -m bench kv_lifecycle"
 PREFIX_STABILITY = "prefix-stability.json"
 PREFIX_STABILITY_COMMAND = "python -m bench prefix_stability"
+PROXY_REPLICAS = "proxy-replicas.json"
+PROXY_REPLICAS_COMMAND = "python -m bench proxy_replicas"
+# --lookups of each run -> its result
+CONTROL_PLANE = {"replica": "control-plane-load/replica.json",
+                 "kvindex": "control-plane-load/kvindex.json"}
+CONTROL_PLANE_COMMAND = "python -m bench control_plane_load [--lookups kvindex]"
+PROXY, PROXY_COMMAND = "proxy.json", "python -m bench proxy"
+CONCURRENCY, CONCURRENCY_COMMAND = "concurrency.json", "python -m bench concurrency"
+SOAK = "soak.json"
+SOAK_COMMAND = "python -m bench soak --duration-s 420 --change-feed-max 1000"
+FAULTS, FAULTS_COMMAND = "faults.json", "python -m bench faults"
+PREFILL_SCHED, PREFILL_SCHED_COMMAND = "prefill-sched.json", "python -m bench prefill_sched"
+KERNELS, KERNELS_COMMAND = "kernels.json", "python -m bench kernels"
+REFERENCE_RUNS = ("reference-quick-run/run1.json", "reference-quick-run/run2.json")
+REFERENCE_COMMAND = "agentserving compare --engine reference"
+PROXY_CPU, PROXY_CPU_COMMAND = "proxy-cpu.json", "python -m bench proxy_cpu"
+SIM_VALIDATION = "sim/validation-and-seed.json"
+SIM_VALIDATION_COMMAND = ("python -m bench sim --parts 1,2 --real sim/validation/run3-report.json "
+                          "... --real sim/validation/run10-report.json")
+SIM_SCALE = ("sim/scale.json", "sim/scale-100k.json")
+SIM_SCALE_COMMAND = ("python -m bench sim --parts 3 --scale 4:1000,16:4000,64:16000 --per-pod "
+                     "0.5; python -m bench sim --parts 3 --scale 64:100000 --per-pod 0.4")
 
 
 @dataclass(frozen=True)
@@ -78,6 +100,11 @@ def _ratio(x: float) -> str:
 
 def _pct(x: float | None) -> str:
     return "–" if x is None else f"{100 * x:.1f} %"
+
+
+def _yes(ok: bool) -> str:
+    """A target's verdict; a miss stands out."""
+    return "yes" if ok else "**no**"
 
 
 def _s(x: float) -> str:
@@ -187,7 +214,7 @@ def _checks_table(doc: Doc, names: tuple[str, ...]) -> str:
         for r in reports:
             c = dict(_checks(r)).get(label)
             values.append("–" if c is None else _num(c["value"]))
-            oks.append("–" if c is None else ("yes" if c["ok"] else "**no**"))
+            oks.append("–" if c is None else _yes(c["ok"]))
         target = str(first["target"]).split(" (")[0]
         lines.append(f"| {label} `{target}` | {' / '.join(values)} | {' / '.join(oks)} |")
     return "\n".join(lines)
@@ -254,11 +281,8 @@ def _disk_tier_table(doc: Doc) -> str:
     for io, v in r["probe"].items():
         lines.append(f"| raw probe, {io} ({v['chunks']} chunk files) | {v['read_p50_ms']:.2f} ms "
                      f"| {v['read_p95_ms']:.2f} ms | | {v['read_gbps']:.2f} | |")
-    host = r.get("host", {})
-    lines += ["", f"Model: {r.get('model', '?')}. Command: `{DISK_TIER_COMMAND}` "
-                  f"({host.get('machine', '?')}, Python {host.get('python', '?')}, torch "
-                  f"{host.get('torch', '?')}); JSON: {doc.link(DISK_TIER)}."]
-    return "\n".join(lines)
+    return _finish(doc, lines, DISK_TIER_COMMAND, (DISK_TIER,),
+                   f"Model: {r.get('model', '?')}; torch {r.get('host', {}).get('torch', '?')}. ")
 
 
 def _announced_table(doc: Doc) -> str:
@@ -322,10 +346,392 @@ def _prefix_stability_table(doc: Doc) -> str:
         breaks = ", ".join(f"{why}: {n:,}" for why, n in v["breaks"].items()) or "none"
         lines.append(f"| {labels.get(mode, mode)} | {v['stable']:,} of {v['turns']:,} "
                      f"({_pct(v['stable_share'])}) | {breaks} |")
-    lines += ["", f"Command: `{PREFIX_STABILITY_COMMAND}` ({r['sessions']} sessions of "
-                  f"`{Path(r['src']).name}`, model {r['model']}, template {r['template']}, "
-                  f"{r['wall_s']:.0f} s); JSON: {doc.link(PREFIX_STABILITY)}."]
+    c = r["counting"]
+    return _finish(doc, lines, PREFIX_STABILITY_COMMAND, (PREFIX_STABILITY,),
+                   f"{r['sessions']} sessions of `{Path(r['src']).name}`, model {r['model']}, "
+                   f"template {r['template']}, {r['wall_s']:.0f} s. Counting the prompts of "
+                   f"{c['timed_sessions']} sessions ({c['calls']:,} calls, {c['prompt_tokens']:,} "
+                   f"tokens): whole prompts "
+                   f"{c['whole_prompts_s']:.1f} s, `PromptCounter` {c['counter_s']:.2f} s. ")
+
+
+def _ms(x: float) -> str:
+    return f"{x:.2f} ms"
+
+
+def _run_line(doc: Doc, command: str, names: tuple[str, ...]) -> str:
+    """The command a table's JSON came from, and the date and machine each JSON records
+    (``bench.common.provenance``)."""
+    runs = [_load(doc.root, n)["run"] for n in names]
+    dates = sorted({f"{r['created'][:10]} {r['created'][11:16]} UTC" for r in runs})
+    machines = sorted({f"{m['cpus']} CPUs ({m['cpu']}, {m['arch']}), Python {m['python']}"
+                       for m in (r["machine"] for r in runs)})
+    links = ", ".join(doc.link(n) for n in names)
+    return (f"Command: `{command}`; run on {', '.join(dates)}, {'; '.join(machines)}; "
+            f"JSON: {links}.")
+
+
+def _md(head: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines: the header, its rule, one line per row."""
+    return ["| " + " | ".join(row) + " |" for row in [head, ["---"] * len(head), *rows]]
+
+
+def _finish(doc: Doc, lines: list[str], command: str, names: tuple[str, ...],
+            note: str = "") -> str:
+    """A table's rows, then what the reader needs to reproduce them: ``note`` (the run's
+    sizes and verdicts) and the command, date, machine and JSON of ``_run_line``."""
+    return "\n".join([*lines, "", note + _run_line(doc, command, names)])
+
+
+def _proxy_replicas_table(doc: Doc) -> str:
+    r = _load(doc.root, PROXY_REPLICAS)
+    labels = {"one": "one proxy", "plain": "three replicas, nothing shared",
+              "shared": "three, `--shared-sessions`",
+              "prompt-hash": "three, `--prompt-hash-scheme blake3`"}
+    within = r["target"]["within"]
+    lines = ["| configuration | later turns on the session's previous pod | prompt tokens from "
+             "cache | vs one proxy, points (pod / cache) | within "
+             f"{100 * within:g} point of one proxy | latency P50 / P99 |", "| --- " * 6 + "|"]
+    for name, c in r["configs"].items():
+        lat, vs = c["latency_ms"], r["vs_one_proxy"][name]
+        met = r["target"]["met"].get(name)
+        lines.append(f"| {labels.get(name, name)} | {_pct(c['later_turns_on_previous_pod'])} | "
+                     f"{_pct(c['cached_share'])} | {100 * vs['on_previous_pod_diff']:+.1f} / "
+                     f"{100 * vs['cached_share_diff']:+.1f} | "
+                     f"{'–' if met is None else _yes(met)} | "
+                     f"{lat['p50']:.1f} / {lat['p99']:.0f} ms |")
+    return _finish(doc, lines, PROXY_REPLICAS_COMMAND, (PROXY_REPLICAS,),
+                   f"{r['sessions']} sessions of {r['turns_per_session']} turns per "
+                   f"configuration. ")
+
+
+def _control_plane_table(doc: Doc) -> str:
+    labels = {"replica": "its in-process residency replica (default)",
+              "kvindex": "the kvindex, a round trip (`--lookups kvindex`)"}
+    rows = []
+    for name in CONTROL_PLANE.values():
+        r = _load(doc.root, name)
+        added, routing, rss = r["added_ms"], r["proxy_routing_ms_histogram"], r["peak_rss_mib"]
+        rows.append([
+            labels[r["config"]["lookups"]], f"{r['turns']:,} ({r['errors']['total']})",
+            f"{r['turns_per_s']:.0f}", _ms(added["p50_ms"]), _ms(added["p99_ms"]),
+            f"{routing['p50_ms']:.2f} / {routing['p99_ms']:.2f} ms",
+            f"{r['routing']['same_pod_as_previous_turn']:,} of {r['routing']['later_turns']:,}",
+            f"{rss['proxy']:.0f} / {rss['kvindex']:.0f} / {rss['redis']:.0f} MiB"])
+    lines = _md(["proxy looks each turn up in", "turns (errors)", "turns/s", "added P50",
+                 "added P99 (target < 10 ms)", "proxy routing P50 / P99",
+                 "later turns on the pod holding the context",
+                 "peak RSS: proxy / kvindex / Redis"], rows)
+    return _finish(doc, lines, CONTROL_PLANE_COMMAND, tuple(CONTROL_PLANE.values()))
+
+
+def _proxy_overhead_table(doc: Doc) -> str:
+    r = _load(doc.root, PROXY)
+    labels = {"kv-aware-1": "kv-aware, 1 prefill pod (nothing to look up)",
+              "round-robin-4": "round-robin, 4 pods",
+              "kv-aware-4": "kv-aware, 4 pods, in-process replica",
+              "kv-aware-4-kvindex": "kv-aware, 4 pods, kvindex round trip"}
+    target = r["target"]
+    rows = []
+    for name, a in r["added_ms"].items():
+        label = labels.get(name, name)
+        if name == target["path"]:
+            label = f"**{label}** (target: P50 < {target['added_p50_ms_max']:g} ms)"
+        rows.append([label, _ms(a["p50"]), _ms(a["p99"])])
+    lines = _md(["path", "added P50", "added P99"], rows)
+    return _finish(doc, lines, PROXY_COMMAND, (PROXY,),
+                   f"{r['turns']:,} turns per path, {r['workers']} workers, a "
+                   f"{r['prompt_tokens']:,}-token prompt; target met: "
+                   f"{_yes(target['met'])}. ")
+
+
+def _concurrency_table(doc: Doc) -> str:
+    r = _load(doc.root, CONCURRENCY)
+    knee = r["knee"]["agents"]
+    rows = []
+    for row in r["levels"]:
+        cells = [str(row["agents"]) + (" (knee)" if row["agents"] == knee else ""),
+                 f"{row['turns_per_s']:.2f}", f"{row['p50_ms']:,.0f} ms",
+                 f"{row['p95_ms']:,.0f} ms", str(row["failed"])]
+        rows.append([f"**{c}**" for c in cells] if row["agents"] == knee else cells)
+    lines = _md(["agents", "turns/s", "E2E P50", "E2E P95", "failed turns"], rows)
+    c = r["config"]
+    return _finish(doc, lines, CONCURRENCY_COMMAND, (CONCURRENCY,),
+                   f"{c['step_s']:g} s a level; the knee: {r['knee']['why']}. ")
+
+
+def _soak_table(doc: Doc) -> str:
+    """Every sampled series: its first value, the middle and last thirds' maxima, and the
+    bench's verdict on it."""
+    r = _load(doc.root, SOAK)
+
+    def row(name: str, v: dict) -> list[str]:
+        num = "{:,.1f}" if name.endswith("MiB table") else "{:,.0f}"
+        return [name, " -> ".join(num.format(v[k]) for k in ("first", "middle_max", "last_max")),
+                "**yes**" if name in r["growing"] else "no"]
+
+    series = r["series"]
+    order = sorted(series, key=lambda n: (n.endswith(" table"), n))
+    lines = _md(["series (RSS and tables' sizes in MiB, else counts)",
+                 "first -> middle third's max -> last third's max", "growing"],
+                [row(n, series[n]) for n in order])
+    return _finish(doc, lines, SOAK_COMMAND, (SOAK,),
+                   f"{r['duration_s']:.0f} s, {r['agents']} agents: {r['turns']:,} turns "
+                   f"({r['turns_per_s']:.2f}/s), {r['sessions_closed']:,} sessions closed, "
+                   f"{r['failed_turns']} failed; no failed turn and nothing growing: "
+                   f"{_yes(r['target']['met'])}. ")
+
+
+def _faults_table(doc: Doc) -> str:
+    r = _load(doc.root, FAULTS)
+    lines = ["| fault | turns failed (for good) | retried by the proxy unseen | failed after "
+             "tokens (retriable) | silent cuts | wrong outputs | first good turn after | fleet "
+             "healthy after |", "| --- " * 8 + "|"]
+
+    def sec(v: float | None) -> str:
+        return "–" if v is None else f"{v:.2f} s"
+
+    for f in r["faults"]:
+        if f.get("skipped"):
+            lines.append(f"| {f['fault']} | skipped: {f['skipped']} | | | | | | |")
+            continue
+        at = f["failed_after_tokens"]
+        lines.append(f"| {f.get('what') or f['fault']} | {f['turns_failed']} "
+                     f"({f['turns_failed_for_good']}) | {f['turns_retried_transparently']} | "
+                     f"{at['total']} ({at['retriable']}) | {f['silent_cuts']} | "
+                     f"{f['wrong_outputs']} | {sec(f['recovery_s'])} | {sec(f['healthy_s'])} |")
+    w = r["config"]["workload"]
+    met = ", ".join(f"{k.replace('_', ' ')}: {_yes(v['met'])}" for k, v in r["targets"].items())
+    return _finish(doc, lines, FAULTS_COMMAND, (FAULTS,),
+                   f"{w['sessions']} sessions x {w['turns']} turns per fleet; fault-free runs "
+                   f"agree token for token: {_yes(r['reference_reproducible'])}; "
+                   f"targets: {met}; {r['duration_s']:.0f} s in all. ")
+
+
+def _prefill_sched_table(doc: Doc) -> str:
+    r = _load(doc.root, PREFILL_SCHED)
+    ratios = r["ratios_vs_fcfs_nochunk"]
+    lines = ["| policy | P50 / P85 / P95 / P99 | P50 × | P85 × | P95 / fcfs's |",
+             "| --- | --- | --- | --- | --- |"]
+    for name, v in r["policies"].items():
+        lat = v["latency_s"]
+        cells = [" / ".join(f"{lat[k]:.2f}" for k in ("p50", "p85", "p95", "p99")) + " s"]
+        x = ratios.get(name)
+        cells += ([f"{x['p50_speedup']:.1f}", f"{x['p85_speedup']:.1f}", f"{x['p95_ratio']:.2f}"]
+                  if x else ["", "", ""])
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    seed, coef, t = r["seed_003"], r["calibration"]["coef"], r["trace"]
+    kv = r["calibration"].get("kv_load_s_per_chunk", {})
+    lines.append(f"| seed 003 (reported, longcap vs fcfs) | | {seed['p50_speedup']:g} | "
+                 f"{seed['p85_speedup']:g} | {seed['p95_ratio']:.2f} |")
+    cal = ", ".join(f"{coef[k]:.3g}" for k in ("a_s", "b_s_per_new_token",
+                                              "c_s_per_context_token", "d_s_per_attention_pair"))
+    return _finish(doc, lines, PREFILL_SCHED_COMMAND, (PREFILL_SCHED,),
+                   f"{t['requests']:,} turns at {t['rate_per_s']:.3f}/s (offered load "
+                   f"{t['offered_load']:g} of fcfs no-chunk; fcfs utilization "
+                   f"{r['policies']['fcfs-nochunk']['utilization']:.2f}); calibration a, b, c, d "
+                   f"= {cal}; KV load per chunk {1000 * kv.get('cpu', 0):.2f} ms DRAM, "
+                   f"{1000 * kv.get('disk', 0):.2f} ms disk; {r['wall_s']:.0f} s wall. ")
+
+
+def _prefill_shadow_table(doc: Doc) -> str:
+    r = _load(doc.root, PREFILL_SCHED)
+    keys = ("accuracy", "precision", "recall")
+    lines = ["| N+1 window | accuracy | precision | recall | consumption | survival | N+1 ETA "
+             "error, P50 / P95 |", "| --- " * 7 + "|"]
+    seed = r["seed_003"]
+    lines.append("| seed 003 (reported) | " + " | ".join(_pct(seed[f"n1_{k}"]) for k in keys)
+                 + f" | {_pct(seed['prefetch_consumption'])} | {_pct(seed['prefetch_survival'])}"
+                 " | |")
+    for name, v in r["policies"].items():
+        n1, pf = v.get("n_plus_1_prediction"), v.get("prefetch")
+        if n1 is None:
+            continue
+        eta = n1["n1_eta_error_s"]
+        lines.append(f"| {name} | " + " | ".join(_pct(n1[k]) for k in keys)
+                     + f" | {_pct(pf['consumption_precision'])} | {_pct(pf['survival'])} | "
+                     f"{eta['p50_abs']:.2f} / {eta['p95_abs']:.2f} s |")
+    speed = r.get("planner_speed", {})
+    if speed:
+        same = all(v["same_results"] for v in speed.values())
+        lines += ["", "Planner, fast vs reference (`planner_speed`, the same replay): " + "; ".join(
+            f"{name} {v['reference_s']:.2f} -> {v['fast_s']:.2f} s (×{v['speedup']:.1f})"
+            for name, v in speed.items()) + f"; same decisions: {_yes(same)}."]
     return "\n".join(lines)
+
+
+def _kernels_table(doc: Doc) -> str:
+    """Staging one copy against many small ones, and the worker's restore and store paths."""
+    r = _load(doc.root, KERNELS)
+    c, st, wp, seed = r["config"], r["staging_cpu_reference"], r["worker_path_cpu"], r["seed_003"]
+    small = next(k for k in st if k.startswith("per_block_") and "_kv_" not in k)
+    kv = next(k for k in st if k.startswith("per_block_kv_"))
+    lines = ["| path (CPU, the PyTorch reference) | P50 | × the one-copy / paged path |",
+             "| --- | --- | --- |",
+             f"| stage {c['blocks']} blocks x {c['layers']} layers "
+             f"({st['bytes'] / 2**20:.0f} MiB): one staged copy | "
+             f"{st['staged_one_copy']['p50_ms']:.1f} ms | ×1.00 |",
+             f"| the same as {st[small]['copies']:,} per-(layer, block) copies | "
+             f"{st[small]['p50_ms']:.1f} ms | {_ratio(st['ratio_small_over_staged'])} |",
+             f"| the same as {st[kv]['copies']:,} per-(layer, block, K/V) copies | "
+             f"{st[kv]['p50_ms']:.1f} ms | {_ratio(st['ratio_kv_small_over_staged'])} "
+             f"(seed 003 on Ascend: {_ratio(seed['ratio'])}) |"]
+    paged = wp["restore_paged_one_launch_per_chunk"]["p50_ms"]
+    rows = [("restore, as before: per-(chunk, layer, K/V) strided copies",
+             "restore_before_strided_copies", "copies"),
+            ("restore into the paged blocks, one `scatter_blocks` per chunk",
+             "restore_paged_one_launch_per_chunk", "launches"),
+            ("restore layer-wise, one `scatter_blocks` per (chunk, layer)",
+             "restore_paged_layerwise_launch_per_chunk_layer", "launches"),
+            ("store, one `gather_blocks` per chunk", "store_paged_gather_one_launch_per_chunk",
+             "launches")]
+    for label, key, unit in rows:
+        v = wp[key]
+        lines.append(f"| worker, {wp['chunks']} chunks ({wp['bytes'] / 2**20:.0f} MiB): {label} "
+                     f"({v[unit]:,} {unit}) | {v['p50_ms']:.1f} ms | "
+                     f"{_ratio(v['p50_ms'] / paged)} |")
+    gpu = r["staging_gpu_triton"]
+    gpu_line = (f"on {gpu['device_name']}: {_pct(gpu['fraction_of_peak'])} of peak"
+                if isinstance(gpu, dict) else f"GPU: {gpu}")
+    return _finish(doc, lines, KERNELS_COMMAND, (KERNELS,),
+                   f"{c['dtype']}, {c['kv_heads']} kv heads x {c['head_dim']}, block "
+                   f"{c['block_size']} tokens, {r['host']['threads']} torch thread(s), torch "
+                   f"{r['host']['torch']}; {gpu_line}. ")
+
+
+def _mask_table(doc: Doc) -> str:
+    m = _load(doc.root, KERNELS)["mask_memory"]
+    lines = ["| chunk C at cached D | valid mask [C, D+C] | full mask [C, max_len] | full / "
+             "valid |", "| --- | --- | --- | --- |"]
+    for row in m["per_chunk"]:
+        lines.append(f"| C = {row['chunk']:,}, D = {row['cached']:,} | "
+                     f"{row['valid_bytes_bool'] / 2**20:,.1f} MiB | "
+                     f"{row['full_bytes_bool'] / 2**20:,.1f} MiB | "
+                     f"{_ratio(row['full_over_valid'])} |")
+    w = m["whole_prefill"]
+    lines.append(f"| a whole {m['context']:,}-token prefill ({w['chunks']} chunks) | "
+                 f"{w['valid_bytes_bool'] / 2**30:,.1f} GiB | {w['full_bytes_bool'] / 2**30:,.1f} "
+                 f"GiB | {_ratio(w['full_over_valid'])} |")
+    return _finish(doc, lines, KERNELS_COMMAND, (KERNELS,),
+                   "Bool masks (fp16 additive ones are twice the bytes); the offset-causal "
+                   f"Triton kernel allocates {m['offset_causal_triton_mask_bytes']} bytes. ")
+
+
+def _reference_table(doc: Doc) -> str:
+    """The quick run on the project's own engine, one row per run: each figure baseline ->
+    agentserving, and agentserving's ratio."""
+    reports = [_load(doc.root, n) for n in REFERENCE_RUNS]
+    metrics = [("req/s", "req_per_s", "{:.2f}"), ("E2E P95", "e2e_p95_s", "{:.2f} s"),
+               ("ITL P99", "itl_p99_s", "{:.3f} s")]
+    lines = ["| run | " + " | ".join(f"{m}: baseline -> agentserving (ratio)" for m, _, _ in
+                                     metrics) + " | hit / ideal | failed turns | targets met |",
+             "| --- " * (len(metrics) + 4) + "|"]
+    for i, r in enumerate(reports):
+        base, cand = r["baseline"], "agentserving"
+        b, c = r["configs"][base], r["configs"][cand]
+        cells = [f"{fmt.format(b[k])} -> {fmt.format(c[k])} "
+                 f"({_ratio(r['comparisons'][base]['ratios'][k])})" for _, k, fmt in metrics]
+        met, total = _met(r)
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + f" | {_pct(c['hit_vs_ideal'])} | "
+                     f"{b['turns_failed']} / {c['turns_failed']} | {met} of {total} |")
+    lines += ["", _source_line(doc, REFERENCE_COMMAND,
+                               list(zip(REFERENCE_RUNS, reports, strict=True)))]
+    return "\n".join(lines)
+
+
+def _proxy_cpu_table(doc: Doc) -> str:
+    r = _load(doc.root, PROXY_CPU)
+    lines = _md(["path", "proxy CPU per turn", "direct P50", "through the proxy P50",
+                 "added P50"],
+                [[name, *(_ms(v[k]) for k in ("proxy_cpu_ms_per_turn", "direct_p50_ms",
+                                              "through_p50_ms", "added_p50_ms"))]
+                 for name, v in r["paths"].items()])
+    return _finish(doc, lines, PROXY_CPU_COMMAND, (PROXY_CPU,),
+                   f"{r['turns']:,} turns per path, {r['prompt_tokens']:,}-token prompts. ")
+
+
+def _err(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:+.1f}%"
+
+
+def _sim_validation_table(doc: Doc) -> str:
+    """Each real run and configuration: the host fitted from its engine metrics, and the
+    simulator's throughput and E2E against the run's."""
+    r = _load(doc.root, SIM_VALIDATION)
+    lines = ["| run | config | host fitted from the run | req/s real / sim / err | E2E P95 real / "
+             "sim / err | E2E P50 err | err on an idle host (req/s, P95) |", "| --- " * 7 + "|"]
+    for v in r["validation"]:
+        run = Path(v["real_report"]).name.removesuffix("-report.json")
+        for name, row in v["configs"].items():
+            env = ", ".join(f"{k.removeprefix('host_background_')} {val:g}"
+                            for k, val in row["environment"].items()) or "idle"
+            f, idle = row["fitted"], row["idle_host"]
+            rps, p95 = f["req_per_s"], f["e2e_p95_s"]
+            lines.append(f"| {run} | {name} | {env} | {rps['real']:.3f} / {rps['sim']:.3f} / "
+                         f"**{_err(rps['error'])}** | {p95['real']:.3f} / {p95['sim']:.3f} / "
+                         f"**{_err(p95['error'])}** | {_err(f['e2e_p50_s']['error'])} | "
+                         f"{_err(idle['req_per_s']['error'])}, "
+                         f"{_err(idle['e2e_p95_s']['error'])} |")
+    a, note = r.get("validation_across_runs", {}), ""
+    if a:
+        means = "; ".join(f"{cfg} req/s {_err(m['req_per_s']['error_of_means'])}, E2E P95 "
+                          f"{_err(m['e2e_p95_s']['error_of_means'])}"
+                          for cfg, m in a.items() if isinstance(m, dict))
+        note = (f"Runs with both configurations within 15 % on req/s and E2E P95: "
+                f"{a['runs_within_15pct']} of {a['runs']}. The mean prediction against the mean "
+                f"of the runs: {means}. ")
+    return _finish(doc, lines, SIM_VALIDATION_COMMAND, (SIM_VALIDATION,), note)
+
+
+def _sim_seed_table(doc: Doc) -> str:
+    r = _load(doc.root, SIM_VALIDATION)["seed_003"]
+    lines = ["| profile | req/s base -> agent | change (seed) | E2E P95 base -> agent | change "
+             "(seed) | prefix hit (seed) | ITL P99 ratio (seed) | with conditional "
+             "disaggregation: req/s, E2E P95 change, ITL P99 ratio |", "| --- " * 8 + "|"]
+    for prof, v in r.items():
+        b, a = v["sim"]["baseline"], v["sim"]["agentserving"]
+        x, seed = v["sim_ratios"], v["seed_ratios"]
+        c = v["conditional_disaggregation"]["sim_ratios"]
+        lines.append(
+            f"| {prof} | {b['req_per_s']:.2f} -> {a['req_per_s']:.2f} | "
+            f"**{_err(x['req_per_s'] - 1)}** ({_err(seed['req_per_s'] - 1)}) | "
+            f"{b['e2e_p95_s']:.0f} -> {a['e2e_p95_s']:.0f} s | **{_err(x['e2e_p95_s'] - 1)}** "
+            f"({_err(seed['e2e_p95_s'] - 1)}) | {_pct(x['prefix_hit_rate'])} "
+            f"({_pct(seed['prefix_hit_rate'])}) | {_ratio(x['itl_p99_s'])} "
+            f"({_ratio(seed['itl_p99_s'])}) | {_err(c['req_per_s'] - 1)}, "
+            f"{_err(c['e2e_p95_s'] - 1)}, {_ratio(c['itl_p99_s'])} |")
+    n = next(iter(r.values()))
+    return _finish(doc, lines, SIM_VALIDATION_COMMAND, (SIM_VALIDATION,),
+                   f"{n['sessions']:,} sessions of the `agent` preset, Poisson {n['ips']:g} IPS, "
+                   f"1P3D against 4 independent pods. ")
+
+
+def _sim_scale_table(doc: Doc) -> str:
+    rows = []
+    for name in SIM_SCALE:
+        r = _load(doc.root, name)["scale"]
+        for row in r["rows"]:
+            ops = row.get("index_chunk_ops")
+            ops_cell = "–" if ops is None else f"{ops / 1e6:.2f} M ({ops / row['turns']:.0f})"
+            queued = ", ".join("–" if q is None else f"{q:,g}"
+                               for q in row["queued_turns_by_quarter"])
+            rows.append([
+                f"{row['pods']} ({row['topology']})", f"{row['sessions']:,}",
+                f"{r['per_pod_ips']:g}", f"{row['turns']:,}",
+                f"{row['cpu_s']:.1f} (+{row['workload_cpu_s']:.1f})",
+                f"{row['total_wall_s']:.0f} s, {row['max_rss_mib'] / 1024:.1f} GiB",
+                f"{row['lookups_per_sim_s']:.1f}", f"{row['lookup_chunks_mean']:.1f}",
+                f"{row['lookup_us_mean']:.0f}", ops_cell, f"{row['route_prefix_efficiency']:.2f}",
+                f"{row['hit_vs_ideal']:.2f}", f"{row['e2e_p50_s']:.1f} / {row['e2e_p95_s']:.1f} s",
+                queued])
+    lines = _md(["pods", "sessions", "load/pod", "turns", "CPU s sim (+ workload)",
+                 "wall, workload included; peak RSS",
+                 "lookups/sim-s", "chunks/lookup", "lookup µs", "index chunk ops (per turn)",
+                 "route prefix eff.", "hit / ideal", "E2E P50 / P95", "queued turns by quarter"],
+                rows)
+    profile = _load(doc.root, SIM_SCALE[0])["scale"]["profile"]
+    return _finish(doc, lines, SIM_SCALE_COMMAND, SIM_SCALE,
+                   f"Profile {profile}. ")
 
 
 def _headline(doc: Doc) -> str:
@@ -349,6 +755,21 @@ TABLES: dict[str, Callable[[Doc], str]] = {
     "prefix-stability": _prefix_stability_table,
     "announced-turns": _announced_table,
     "kv-lifecycle": _kv_lifecycle_table,
+    "proxy-replicas": _proxy_replicas_table,
+    "control-plane-load": _control_plane_table,
+    "proxy-overhead": _proxy_overhead_table,
+    "concurrency": _concurrency_table,
+    "soak": _soak_table,
+    "faults": _faults_table,
+    "prefill-sched": _prefill_sched_table,
+    "prefill-sched-shadow": _prefill_shadow_table,
+    "kernels": _kernels_table,
+    "kernels-masks": _mask_table,
+    "reference-quick-run": _reference_table,
+    "proxy-cpu": _proxy_cpu_table,
+    "sim-validation": _sim_validation_table,
+    "sim-seed-003": _sim_seed_table,
+    "sim-scale": _sim_scale_table,
 }
 
 def render(text: str, doc: Doc, tables: dict[str, Callable[[Doc], str]] = TABLES) -> str:

@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
                                seed=args.seed, split_tail=args.split_tail)
     b, lc = results["fcfs-nochunk"]["latency_s"], results["longcap-dynamic"]["latency_s"]
     out = {
-        "issue": 4, "quick": args.quick,
+        "quick": args.quick,
         "measured_on_real_engine": ["calibration rows and the fitted step-time model",
                                     "kv load seconds per chunk from DRAM and disk"],
         "simulated": ["arrival trace replay per policy (agentserving.sim.prefill_pod: real policy "

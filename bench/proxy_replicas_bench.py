@@ -38,6 +38,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.agent_load import add_workload_args
 from bench.common import add_run_args, percentile, progress, write_result
 from testkit.servers import AGENTSERVING, free_port, service_process
 
@@ -56,11 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench proxy_replicas", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sessions", type=int, default=60, help="Agent sessions per config.")
-    parser.add_argument("--turns", type=int, default=6, help="Turns per session.")
-    parser.add_argument("--first-tokens", type=int, default=3000,
-                        help="Prompt tokens of a session's first turn.")
-    parser.add_argument("--append-tokens", type=int, default=300,
-                        help="Tokens each later turn appends.")
+    add_workload_args(parser, turns=6, first_tokens=3000, append_tokens=300)
     parser.add_argument("--ramp-s", type=float, default=0.2,
                         help="Sessions start within this many seconds (their first turns "
                              "overlap and are spread by load).")

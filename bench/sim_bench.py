@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import add_out_args
+from bench.common import add_out_args, write_result
 
 SEED_003 = {"910b3-qwen3-4b": {"req_per_s": 2.075 / 1.213, "prefix_hit_rate": 0.9285,
                                "e2e_p95_s": 94.18 / 275.90, "itl_p99_s": 0.127 / 1.923},
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     parts = {p.strip() for p in args.parts.split(",")}
     t0 = time.perf_counter()
-    out: dict[str, Any] = {"issue": 8, "quick": args.quick,
+    out: dict[str, Any] = {"quick": args.quick,
                            "simulated": "everything except the real run read in validation"}
     if "1" in parts:
         out["validation"] = [validation(r) for r in (args.real or [None])]
@@ -198,9 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if "3" in parts:
         out["scale"] = scale(args.quick, args.scale, args.per_pod)
     out["wall_s"] = time.perf_counter() - t0
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_result(args.out, out)
     return 0
 
 

@@ -88,3 +88,33 @@ def test_every_relative_link_in_the_docs_resolves() -> None:
             if not (page.parent / target.split("#")[0]).exists():
                 broken.append(f"{page.relative_to(REPO)}: {target}")
     assert broken == []
+
+
+def test_a_result_records_when_how_and_where_it_ran(tmp_path: Path) -> None:
+    """A published table names its run's date, command and machine from the JSON itself."""
+    from bench.common import write_result
+
+    out = tmp_path / "nested" / "x.json"
+    write_result(out, {"value": 1})
+    run = json.loads(out.read_text())["run"]
+    assert run["created"].endswith("Z") and len(run["created"]) == 20
+    assert isinstance(run["argv"], list)
+    assert run["machine"]["cpus"] >= 1 and run["machine"]["python"]
+    write_result(out, {"value": 2, "run": {"created": "kept"}})
+    assert json.loads(out.read_text())["run"] == {"created": "kept"}
+
+
+def test_every_published_result_says_when_it_ran() -> None:
+    """The main job's reports carry `created` and `machine`; every bench's JSON its `run`."""
+    missing = []
+    for path in sorted((REPO / docs_tables.PUBLISHED).rglob("*.json")):
+        report = json.loads(path.read_text())
+        if not (report.get("run", {}).get("created") or report.get("created")
+                or report.get("host")):
+            missing.append(str(path.relative_to(REPO)))
+    assert missing == []
+
+
+def test_a_markdown_table_has_its_rule_and_rows() -> None:
+    assert docs_tables._md(["a", "b"], [["1", "2"]]) == ["| a | b |", "| --- | --- |",
+                                                        "| 1 | 2 |"]

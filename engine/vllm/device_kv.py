@@ -37,10 +37,9 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 
 from agentserving.core.logging import get_logger
+from agentserving.core.schemas import PIN_TTL_XARG
 
 log = get_logger(__name__)
-
-PIN_TTL_ARG = "agentserving_pin_ttl_s"
 
 PINNED_BLOCKS = Gauge("agentserving_vllm_device_pinned_blocks",
                       "vLLM device KV blocks held by pins now.")
@@ -57,7 +56,7 @@ def pin_ttl_of(request: Any) -> float | None:
     """The pin TTL a request asks for (``vllm_xargs``), None when none or not a number > 0."""
     args = getattr(getattr(request, "sampling_params", None), "extra_args", None) or {}
     try:
-        ttl = float(args.get(PIN_TTL_ARG)) if PIN_TTL_ARG in args else None
+        ttl = float(args.get(PIN_TTL_XARG)) if PIN_TTL_XARG in args else None
     except (TypeError, ValueError):
         return None
     return ttl if ttl is not None and ttl > 0 else None

@@ -20,23 +20,20 @@ wins over ``nvext.cache_control``.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
     StrictBool,
     ValidationError,
-    WithJsonSchema,
 )
 
 from agentserving.core.schemas import (
-    MAX_PIN_TTL_S,
+    PIN_TTL_XARG,
+    CacheTtl,
     NonNegWireInt,
     Priority,
     WireInt,
@@ -44,36 +41,6 @@ from agentserving.core.schemas import (
 )
 from agentserving.core.service import ApiError, field_path
 from agentserving.proxy.memory_hooks import AgentMemory
-
-TTL_PATTERN = r"^[1-9][0-9]*[smh]$"
-_TTL = re.compile(TTL_PATTERN)
-_UNIT_S = {"s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def parse_ttl(value: object) -> object:
-    """'30s', '5m', '1h' (Anthropic's and Dynamo's spelling) or a number of seconds -> seconds;
-    anything else is left for the float field to reject."""
-    if isinstance(value, bool):
-        raise ValueError("expected a duration like '5m', '1h', '30s' or a number of seconds")
-    if isinstance(value, str):
-        if _TTL.fullmatch(value) is None:
-            raise ValueError("expected a duration like '5m', '1h', '30s' or a number of "
-                             "seconds")
-        return float(value[:-1]) * _UNIT_S[value[-1]]
-    return value
-
-
-def _at_most_a_day(ttl_s: float) -> float:
-    """A pin holds for a predicted tool gap, not forever: a longer TTL is cut to a day."""
-    return min(ttl_s, MAX_PIN_TTL_S)
-
-
-Ttl = Annotated[float, Field(gt=0), BeforeValidator(parse_ttl), AfterValidator(_at_most_a_day),
-                WithJsonSchema({"anyOf": [
-                    {"type": "number", "exclusiveMinimum": 0},
-                    {"type": "string", "pattern": TTL_PATTERN}],
-                    "description": "How long to keep the KV: '30s', '5m', '1h', or seconds; "
-                                   f"longer than {MAX_PIN_TTL_S:g} s is cut to that."})]
 
 
 class CacheControl(BaseModel):
@@ -83,7 +50,7 @@ class CacheControl(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["ephemeral"]
-    ttl: Ttl | None = None
+    ttl: CacheTtl | None = None
 
 
 class AgentHints(BaseModel):
@@ -165,13 +132,10 @@ def merged_memory(memory: AgentMemory | None, hints: TurnHints) -> AgentMemory |
     return mem.model_copy(update=update) if update else memory
 
 
-PIN_XARG = "agentserving_pin_ttl_s"
-
-
 def with_pin_xarg(body: dict[str, Any], ttl_s: float) -> None:
     """Tell the pod the turn's pin (vLLM's extension args, ``vllm_xargs``; engines that do
     not read it ignore it), keeping what the caller put there."""
     xargs = body.get("vllm_xargs")
     if xargs is not None and not isinstance(xargs, dict):
         raise ApiError(400, "vllm_xargs: must be an object", param="vllm_xargs")
-    body["vllm_xargs"] = {**(xargs or {}), PIN_XARG: round(ttl_s, 3)}
+    body["vllm_xargs"] = {**(xargs or {}), PIN_TTL_XARG: round(ttl_s, 3)}

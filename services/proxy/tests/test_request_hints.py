@@ -19,6 +19,7 @@ from fastapi.testclient import TestClient
 from prometheus_client import CollectorRegistry
 
 from agentserving.core.hashing import ChunkHasher
+from agentserving.core.schemas import PIN_TTL_XARG, parse_ttl
 from agentserving.kvindex.app import create_app as create_kvindex
 from agentserving.kvindex.index.memory import InMemoryIndex, InMemorySessionStore
 from agentserving.kvindex.settings import KvindexSettings
@@ -27,13 +28,7 @@ from agentserving.proxy.memory_hooks import AgentMemory
 from agentserving.proxy.metrics import ProxyMetrics
 from agentserving.proxy.orchestrator import Orchestrator, Turn
 from agentserving.proxy.pods import PodPool
-from agentserving.proxy.request_hints import (
-    PIN_XARG,
-    TurnHints,
-    merged_memory,
-    parse_ttl,
-    read_hints,
-)
+from agentserving.proxy.request_hints import TurnHints, merged_memory, read_hints
 from agentserving.proxy.routing import make_policy
 from agentserving.proxy.settings import ProxySettings
 from agentserving.proxy.tool_gaps import pin_ttl_for_gap
@@ -179,7 +174,7 @@ def test_the_hints_reach_the_pod_and_the_kvindex(wired) -> None:
                   "agent_hints": {"priority": 7, "osl": 32}}})
     assert r.status_code == 200, r.text
     sent = pod.bodies[-1]
-    assert sent["vllm_xargs"] == {"mine": 1, PIN_XARG: 300.0}
+    assert sent["vllm_xargs"] == {"mine": 1, PIN_TTL_XARG: 300.0}
     assert "nvext" not in sent and "cache_control" not in sent
     info = wait_until(lambda: (s := session(kv_url, "dyn")) and s["pinned_until"] and s,
                       what="the session pinned", ignoring=(httpx.HTTPError,))
@@ -191,7 +186,7 @@ def test_the_hints_reach_the_pod_and_the_kvindex(wired) -> None:
     r = client.post("/v1/completions", headers={"x-session-id": "anth"}, json={
         "model": "m", "prompt": list(range(16)), "cache_control": PIN})
     assert r.status_code == 200, r.text
-    assert pod.bodies[-1]["vllm_xargs"] == {PIN_XARG: 7.0}
+    assert pod.bodies[-1]["vllm_xargs"] == {PIN_TTL_XARG: 7.0}
     assert "cache_control" not in pod.bodies[-1]
     info = wait_until(lambda: (s := session(kv_url, "anth")) and s["pinned_until"] and s,
                       what="the session pinned", ignoring=(httpx.HTTPError,))
@@ -221,6 +216,6 @@ def test_a_pin_without_ttl_follows_the_learnt_gap_of_the_tool_named() -> None:
             return out
 
     pytest_pin, grep_pin, unnamed = asyncio.run(resolve())
-    assert pytest_pin == {"ttl": 80.0, PIN_XARG: 80.0}  # twice the tool's gap
-    assert grep_pin == {"ttl": 5.0, PIN_XARG: 5.0}  # the floor
+    assert pytest_pin == {"ttl": 80.0, PIN_TTL_XARG: 80.0}  # twice the tool's gap
+    assert grep_pin == {"ttl": 5.0, PIN_TTL_XARG: 5.0}  # the floor
     assert 5.0 < unnamed["ttl"] < 80.0  # the mean over all tools, doubled

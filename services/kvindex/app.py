@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 import httpx
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from agentserving.core.internal_auth import auth_headers
+from agentserving.core.logging import get_logger
 from agentserving.core.service import (
     ApiError,
     error_responses,
@@ -35,6 +36,18 @@ from agentserving.kvindex.index.factory import new_feed, new_index
 from agentserving.kvindex.index.instrumented import IndexMetrics, Instrumented
 from agentserving.kvindex.index.publishing import FeedMetrics, Publishing
 from agentserving.kvindex.settings import KvindexSettings
+
+log = get_logger(__name__)
+SHUTDOWN_STEP_S = 5.0
+
+
+async def _bounded(what: str, step: Awaitable[object]) -> None:
+    """One shutdown step, given up after ``SHUTDOWN_STEP_S``: a store connection stuck in a
+    command a cancelled reaper left behind must not keep the process from exiting."""
+    try:
+        await asyncio.wait_for(step, SHUTDOWN_STEP_S)
+    except TimeoutError:
+        log.warning("kvindex_shutdown_step_timed_out", step=what, after_s=SHUTDOWN_STEP_S)
 
 
 def create_app(settings: KvindexSettings, index: Index | None = None,
@@ -84,11 +97,10 @@ def create_app(settings: KvindexSettings, index: Index | None = None,
         finally:
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            await st.http.aclose()
-            await index.close()
-            await session_store.close()
-            await feed.close()
+            await _bounded("background_tasks", asyncio.gather(*tasks, return_exceptions=True))
+            for name, close in (("http", st.http.aclose), ("index", index.close),
+                                ("sessions", session_store.close), ("feed", feed.close)):
+                await _bounded(name, close())
 
     app = FastAPI(
         title="AgentServing kvindex",

@@ -291,3 +291,22 @@ def test_a_pin_reaches_the_pods_tiers_and_a_release_spares_another_pinned_sessio
     assert pins_sent(last) == [("unpin", CHAIN[2:4], None)]
     metrics = client.get("/metrics").text
     assert 'kvindex_fanout_calls_total{ok="true",op="pin"} 3.0' in metrics
+
+
+def test_shutdown_never_hangs_on_a_stuck_store(monkeypatch):
+    """A store whose close never returns (a connection stuck in a command) costs the shutdown
+    the step's bound, not the process's exit."""
+    import asyncio
+
+    from agentserving.kvindex import app as kvindex_app
+
+    class StuckSessions(InMemorySessionStore):
+        async def close(self) -> None:
+            await asyncio.Event().wait()
+
+    monkeypatch.setattr(kvindex_app, "SHUTDOWN_STEP_S", 0.2)
+    conf = KvindexSettings(lease_ttl_s=60, reap_interval_s=3600)
+    started = time.monotonic()
+    with TestClient(create_app(conf, InMemoryIndex(), StuckSessions())) as client:
+        ok(client.get("/healthz"))
+    assert time.monotonic() - started < 10

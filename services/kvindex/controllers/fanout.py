@@ -97,8 +97,8 @@ async def call_pods(client: httpx.AsyncClient, pods: dict[str, PodInfo], path: s
             return pod, PodCallResult(ok=False, num_chunks=n, error="pod is not registered")
         try:
             resp = await client.post(info.memory_api_url + path, json=body, timeout=timeout_s)
-        except httpx.HTTPError as exc:
-            return pod, PodCallResult(ok=False, num_chunks=n,
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:  # a registration's URL httpx
+            return pod, PodCallResult(ok=False, num_chunks=n,  # cannot send to is a failure
                                       error=f"{type(exc).__name__}: {exc}".strip(": "))
         try:
             payload = resp.json()

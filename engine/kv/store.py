@@ -191,7 +191,7 @@ class KVStore:
         self._inflight_lock = threading.Lock()
         self.stats = KVStoreStats()
         self.pins = ChunkPins(lambda: self.storage.storage_backends, self.keys.key_of,
-                              pin_bound(int(config.cpu_gib * 1024**3), self.chunk_bytes,
+                              pin_bound(self.capacity_bytes()[Tier.CPU], self.chunk_bytes,
                                         config.pin_share), name=f"{config.instance_id}-pins")
 
     def _guard_disk_writes(self) -> None:

@@ -38,6 +38,7 @@ from prometheus_client import Counter, Gauge
 
 from agentserving.core.logging import get_logger
 from agentserving.core.schemas import PIN_TTL_XARG
+from agentserving.prefill.vllm_plugin import lmcache_chunk_tokens
 
 log = get_logger(__name__)
 
@@ -194,11 +195,9 @@ def make_device_kv_scheduler(base: type) -> type:
             settings = getattr(getattr(self, "connector", None), "_as_settings", None)
             share = float(getattr(settings, "pin_share", 0.5))
             blocks = int(getattr(getattr(self, "cache_config", None), "num_gpu_blocks", 0) or 0)
-            config = getattr(getattr(getattr(self, "connector", None), "_lmcache_engine", None),
-                             "config", None)
             self.device_kv = DeviceKv(
                 pool, block_size=int(getattr(self, "block_size", 16)),
-                chunk_tokens=int(getattr(config, "chunk_size", 0) or 256),
+                chunk_tokens=lmcache_chunk_tokens(getattr(self, "connector", None)) or 256,
                 max_blocks=int(share * blocks))
             if self._device_hooks is not None:
                 self._device_hooks.take_device(self.device_kv)

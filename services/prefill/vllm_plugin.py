@@ -390,7 +390,7 @@ def make_scheduler_cls(base: type, default_policy: str = "longcap-dynamic") -> t
             # vLLM's plain prefix cache alone)
             self.kv_hooks = getattr(getattr(self, "connector", None), "agentserving_hooks",
                                     None)
-            self.lmcache_chunk_tokens = _lmcache_chunk_tokens(getattr(self, "connector", None))
+            self.lmcache_chunk_tokens = lmcache_chunk_tokens(getattr(self, "connector", None))
             self.shadow_glue: ShadowGlue | None = None
             if isinstance(policy, ShadowScheduler):
                 measure = os.environ.get(MEASURE_ENV, "1") not in ("0", "false", "no")
@@ -465,7 +465,7 @@ def make_scheduler_cls(base: type, default_policy: str = "longcap-dynamic") -> t
     return PolicyScheduler
 
 
-def _lmcache_chunk_tokens(connector: Any) -> int:
+def lmcache_chunk_tokens(connector: Any) -> int:
     """LMCache's chunk size behind AgentServing's connector (0 when there is none)."""
     config = getattr(getattr(connector, "_lmcache_engine", None), "config", None)
     return int(getattr(config, "chunk_size", 0) or 0)

@@ -31,6 +31,16 @@ async def _live_pods(st: KvindexState) -> dict:
     return {p.pod: p for p in await guarded(st, st.index.list_pods())}
 
 
+async def _call_pods(st: KvindexState, pods: dict, op: str,
+                     bodies: dict[str, dict]) -> dict:
+    """``POST /memory/{op}`` to each pod with its body, each call counted by outcome."""
+    results = await call_pods(st.http, pods, f"/memory/{op}", bodies,
+                              st.settings.fanout_timeout_s)
+    for r in results.values():
+        st.metrics.fanout.labels(op, str(r.ok).lower()).inc()
+    return results
+
+
 def _check_pod(pod: str | None, pods: dict) -> None:
     if pod is not None and pod not in pods:
         raise ApiError(404, f"unknown pod '{pod}'", param="pod", type="not_found_error")
@@ -47,10 +57,7 @@ async def prefetch(req: PrefetchRequest, st: KvindexState = Depends(state)) -> F
     announced = req.model_dump(include={"expected_in_s", "expected_tokens"}, exclude_none=True)
     bodies = {pod: {"chunk_hashes": chunks, "lookup_id": req.lookup_id, **announced}
               for pod, chunks in per_pod.items()}
-    results = await call_pods(st.http, pods, "/memory/prefetch", bodies,
-                              st.settings.fanout_timeout_s)
-    for r in results.values():
-        st.metrics.fanout.labels("prefetch", str(r.ok).lower()).inc()
+    results = await _call_pods(st, pods, "prefetch", bodies)
     return FanoutResponse(lookup_id=req.lookup_id, results=results, missing=missing)
 
 
@@ -67,10 +74,7 @@ async def fan_out_evict(st: KvindexState, chunk_hashes: list[str], protected: se
     backends = backends_for_locations(locations)
     bodies = {p: {"chunk_hashes": chunks, **({"locations": backends} if backends else {})}
               for p, chunks in per_pod.items()}
-    results = await call_pods(st.http, pods, "/memory/evict", bodies,
-                              st.settings.fanout_timeout_s)
-    for r in results.values():
-        st.metrics.fanout.labels("evict", str(r.ok).lower()).inc()
+    results = await _call_pods(st, pods, "evict", bodies)
     if reclaimed is not None:
         for tier, (n, size) in freed_by_tier(per_pod, holders, pods, results).items():
             st.metrics.reclaimed_chunks.labels(reclaimed, tier.value).inc(n)
@@ -94,12 +98,8 @@ async def fan_out_pins(st: KvindexState, chunk_hashes: list[str], *, ttl_s: floa
         if pod is not None and pod in pods:
             per_pod[pod], missing = chunk_hashes, []
     extra = {"ttl_s": ttl_s} if ttl_s is not None else {}
-    path, verb = ("/memory/pin", "pin") if ttl_s is not None else ("/memory/unpin", "unpin")
-    results = await call_pods(st.http, pods, path,
-                              {p: {"chunk_hashes": c, **extra} for p, c in per_pod.items()},
-                              st.settings.fanout_timeout_s)
-    for r in results.values():
-        st.metrics.fanout.labels(verb, str(r.ok).lower()).inc()
+    results = await _call_pods(st, pods, "pin" if ttl_s is not None else "unpin",
+                               {p: {"chunk_hashes": c, **extra} for p, c in per_pod.items()})
     return FanoutResponse(results=results, missing=missing)
 
 

@@ -21,6 +21,7 @@ import click
 SUBCOMMANDS: dict[str, str] = {
     "chunk-hashes": "agentserving.core.hash_cli:command",
     "kvindex": "agentserving.kvindex.cli:command",
+    "kvserver": "agentserving.engine.kvserver.cli:command",
     "operator": "agentserving.operator.cli:command",
     "worker": "agentserving.engine.cli:command",
     "models": "agentserving.engine.model_cli:command",

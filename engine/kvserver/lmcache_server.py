@@ -46,7 +46,7 @@ class LmcacheProtocolServer:
         self.host = host
         self.port = port
         self._server: asyncio.Server | None = None
-        self._connections: set[asyncio.Task] = set()
+        self._connections: dict[asyncio.Task, asyncio.StreamWriter] = {}
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._serve, self.host, self.port,
@@ -55,13 +55,18 @@ class LmcacheProtocolServer:
         log.info("kvserver_lmcache_listening", host=self.host, port=self.port)
 
     async def stop(self, timeout_s: float = 5.0) -> None:
-        """Stop listening and end every connection; returns within about ``timeout_s``."""
+        """Stop listening and end every connection; returns within about ``timeout_s``.
+
+        Connections are aborted, not their tasks cancelled: each handler then sees its
+        stream end and returns as it does when a client leaves (a half-read PUT is dropped)."""
         if self._server is not None:
             self._server.close()
-        for task in list(self._connections):
-            task.cancel()
+        for writer in list(self._connections.values()):
+            writer.transport.abort()
         if self._connections:
-            await asyncio.wait(list(self._connections), timeout=timeout_s)
+            _, stuck = await asyncio.wait(list(self._connections), timeout=timeout_s)
+            for task in stuck:
+                task.cancel()
         if self._server is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), timeout_s)
@@ -69,7 +74,7 @@ class LmcacheProtocolServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        self._connections.add(task)
+        self._connections[task] = writer
         self.metrics.connections.inc()
         peer = writer.get_extra_info("peername")
         try:
@@ -86,7 +91,7 @@ class LmcacheProtocolServer:
             pass  # the client went away mid-payload or mid-reply: nothing half-stored
         finally:
             self.metrics.connections.dec()
-            self._connections.discard(task)
+            self._connections.pop(task, None)
             writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1.0)

@@ -14,6 +14,8 @@ from pydantic import BaseModel
 
 from agentserving.core.cli import field_default, settings_option
 from agentserving.engine.cli import command as worker
+from agentserving.engine.kvserver.cli import command as kvserver
+from agentserving.engine.kvserver.settings import KvServerSettings
 from agentserving.engine.settings import WorkerSettings
 from agentserving.kvindex.cli import command as kvindex
 from agentserving.kvindex.settings import KvindexSettings
@@ -23,7 +25,7 @@ from agentserving.proxy.cli import command as proxy
 from agentserving.proxy.settings import ProxySettings
 
 COMMANDS = [(kvindex, KvindexSettings), (proxy, ProxySettings), (worker, WorkerSettings),
-            (operator, OperatorSettings)]
+            (operator, OperatorSettings), (kvserver, KvServerSettings)]
 
 
 def _fields(settings: type) -> set[str]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import struct
 
 from agentserving.core.logging import get_logger
 from agentserving.engine.kvserver.metrics import KvServerMetrics
@@ -99,7 +98,7 @@ class LmcacheProtocolServer:
     def _parse(self, header: bytes):  # type: ignore[no-untyped-def]
         try:
             meta = self._protocol.ClientMetaMessage.deserialize(header)
-        except (ValueError, KeyError, struct.error, UnicodeDecodeError) as exc:
+        except Exception as exc:  # untrusted bytes: any failure to read them is the client's
             raise ProtocolError(f"unreadable header: {exc!r}") from exc
         if meta.length < 0:
             raise ProtocolError(f"negative length {meta.length}")

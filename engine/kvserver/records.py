@@ -129,7 +129,7 @@ class RecordReader:
             key = bytes(buf[4:4 + key_len]).decode()
             blob = blob_of(key, meta.fmt, meta.dtype, meta.shape,
                            bytes(buf[head:head + meta.length]))
-        except ValueError as exc:
-            raise RecordError(f"bad record: {exc}") from exc
+        except (ValueError, KeyError, IndexError) as exc:  # a key LMCache cannot parse
+            raise RecordError(f"bad record: {exc!r}") from exc
         del buf[:head + meta.length]
         return blob

@@ -12,7 +12,7 @@ from lmcache.utils import parse_cache_key
 from agentserving.engine.kvserver.records import MAGIC, RecordError, RecordReader
 from agentserving.engine.vllm.hashes import wire_hash
 from testkit.kvserver import CHUNK_BYTES
-from testkit.servers import free_port
+from testkit.servers import ThreadedServer, free_port
 
 H1, H2, H3 = 0x1111, -0x2222, 0x3333
 
@@ -175,3 +175,40 @@ def test_openapi_documents_every_route(kvserver):
     paths = httpx.get(f"{kvserver.url}/openapi.json").json()["paths"]
     assert {"/v1/chunks", "/memory/evict", "/v1/export", "/v1/pull", "/healthz"} <= set(paths)
     assert {"502", "504"} <= set(paths["/v1/pull"]["post"]["responses"])
+
+
+def test_a_bad_or_cut_export_stream_is_a_502_and_stores_only_whole_records(
+        kvserver_factory, lm_client_factory):
+    """A peer that sends garbage, or cuts its stream in the middle of a record, costs the pull
+    what was not whole: the records before the cut are stored, nothing partial is."""
+    from fastapi import FastAPI
+    from fastapi.responses import Response
+
+    source, target = kvserver_factory(), kvserver_factory()
+    put = fill(lm_client_factory(source.lm_port), [H1, H2])
+    wanted = [wire_hash(H1), wire_hash(H2)]
+    whole = httpx.post(f"{source.url}/v1/export", json={"chunk_hashes": wanted}).content
+    first_record = len(MAGIC) + (len(whole) - len(MAGIC) - 4) // 2
+    bodies = {"garbage": b"<html>not an export</html>",
+              "cut": whole[:first_record + 100],  # one whole record, then part of the next
+              "bad-key": whole.replace(b"kvs-test@1@0@", b"kvs-test@x@0@", 1)}
+    peer = FastAPI()
+
+    @peer.post("/{name}/v1/export")
+    async def export(name: str) -> Response:
+        return Response(bodies[name], media_type="application/octet-stream")
+
+    fake = ThreadedServer(peer)
+    try:
+        for name in ("garbage", "bad-key", "cut"):
+            r = httpx.post(f"{target.url}/v1/pull",
+                           json={"source": f"{fake.url}/{name}", "chunk_hashes": wanted})
+            assert r.status_code == 502, (name, r.text)
+            assert r.json()["error"]["param"] == "source"
+            if name != "cut":
+                assert len(target.store) == 0, name
+    finally:
+        fake.stop()
+    assert len(target.store) == 1  # the cut stream's first record, whole
+    (key,) = target.store.lru_keys()
+    assert target.store.get(key).data == put[key]

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from agentserving.core.internal_auth import auth_headers
 from agentserving.core.logging import get_logger
-from agentserving.core.schemas import ErrorResponse, MemoryEvictRequest
+from agentserving.core.schemas import POD_EVICT_LOCATIONS, ErrorResponse, MemoryEvictRequest
 from agentserving.core.service import (
     ApiError,
     error_responses,
@@ -67,6 +67,15 @@ def _check_size(chunk_hashes: list[str], limit: int) -> None:
     if len(chunk_hashes) > limit:
         raise ApiError(413, f"{len(chunk_hashes)} chunk hashes, over the limit of {limit}",
                        param="chunk_hashes")
+
+
+def _check_locations(locations: list[str] | None) -> None:
+    """The pods' location names are accepted (this server is one tier, which every evict
+    reaches); anything else is refused as the pods refuse it."""
+    for i, loc in enumerate(locations or ()):
+        if loc not in POD_EVICT_LOCATIONS:
+            raise ApiError(400, f"locations[{i}]: unknown location '{loc}': expected one of "
+                           f"{', '.join(POD_EVICT_LOCATIONS)}", param=f"locations[{i}]")
 
 
 def create_app(settings: KvServerSettings, store: BlobStore | None = None) -> FastAPI:
@@ -119,9 +128,10 @@ def create_app(settings: KvServerSettings, store: BlobStore | None = None) -> Fa
     @app.post("/memory/evict", response_model=KvEvictResult, tags=["chunks"],
               responses=error_responses(413),
               summary="Drop every key of these chunks (the pods' memory-API evict). The server "
-                      "has one tier: `locations` is accepted and ignored.")
+                      "is one tier: any of the pods' `locations` reaches it.")
     async def evict(req: MemoryEvictRequest) -> KvEvictResult:
         _check_size(req.chunk_hashes, settings.max_batch_chunks)
+        _check_locations(req.locations)
         done = store.evict_chunks(req.chunk_hashes)
         metrics.evicted("evict", len(done.keys), done.freed_bytes)
         log.info("kvserver_evicted", chunks=len(done.chunks), keys=len(done.keys),

@@ -138,6 +138,7 @@ def test_export_is_a_record_stream_of_the_chunks_held(kvserver, lm_client_factor
     ("/memory/evict", {"chunk_hashes": ["XYZ"]}, "chunk_hashes[0]"),
     ("/memory/evict", {"chunk_hashes": "ab"}, "chunk_hashes"),
     ("/memory/evict", {"chunk_hashes": [], "pods": []}, "pods"),
+    ("/memory/evict", {"chunk_hashes": [], "locations": ["cpu", "tape"]}, "locations[1]"),
     ("/v1/export", {}, "chunk_hashes"),
     ("/v1/pull", {"source": "ftp://x", "chunk_hashes": []}, "source"),
     ("/v1/pull", {"source": "http://x", "chunk_hashes": ["ab", "Q"]}, "chunk_hashes[1]"),

@@ -56,6 +56,10 @@ class WorkerSettings(BaseModel):
     kv_transfer_url: str | None = Field(
         default=None, description="vLLM: LMCache server (lm://HOST:PORT) the prefill and "
         "decode pods hand KV through.")
+    kv_server_api: str | None = Field(
+        default=None, description="vLLM: the HTTP API (http://HOST:PORT) of the KV server at "
+        "kv_transfer_url, which the pod's evictions reach.")
+    kv_transfer_p2p: bool = False
     # -- identity and role
     role: PodRole = PodRole.BOTH
     pod_name: str = Field(default="worker-0", min_length=1)

@@ -81,7 +81,7 @@ def _ports() -> list[dict[str, Any]]:
 
 
 def _container(spec: dict[str, Any], image: str) -> dict[str, Any]:
-    return {
+    container = {
         "name": "kvserver",
         "image": image,
         "command": kvserver_argv(spec),
@@ -90,6 +90,9 @@ def _container(spec: dict[str, Any], image: str) -> dict[str, Any]:
         "livenessProbe": http_probe("/healthz", "kv-api", period=20),
         "resources": kvserver_resources(spec),
     }
+    if spec["engine"].get("imagePullPolicy"):  # the engine's image, pulled as the engine's is
+        container["imagePullPolicy"] = spec["engine"]["imagePullPolicy"]
+    return container
 
 
 def worker_kv_values(inst: Instance) -> dict[str, Any]:

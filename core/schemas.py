@@ -570,6 +570,9 @@ class MemoryPrefetchStatus(BaseModel):
 class MemoryEvictResult(MemoryEvictResponse):
     num_missing: int = Field(default=0, description="Chunks not held in those locations.")
     missing: list[str] = Field(default_factory=list)
+    num_evicted_kv_server: int | None = Field(
+        default=None, description="Chunks the KV server the pod hands P/D KV through dropped "
+        "too (an evict of every tier); null when the pod has none or it could not be asked.")
 
 
 class MemoryPinRequest(Strict):

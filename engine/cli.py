@@ -43,6 +43,14 @@ setting = settings_option(WorkerSettings)
 @setting("--kv-transfer-url",
          help="vLLM engine: LMCache server lm://HOST:PORT through which prefill and decode "
          "pods hand KV over (P/D); unset: each pod's tiers are its own.")
+@setting("--kv-server-api",
+         help="vLLM engine: HTTP API http://HOST:PORT of the KV server at --kv-transfer-url "
+         "(`agentserving kvserver`): the pod's evictions (a session's close, a context change) "
+         "reach it too.")
+@setting("--kv-transfer-p2p/--no-kv-transfer-p2p",
+         help="vLLM engine: point-to-point P/D. The KV server at --kv-transfer-url is this "
+         "pod's own (needs --kv-server-api); a prefill answer names it at --advertise-host, and "
+         "a decode pod pulls the named chunks from there into its own server before loading.")
 @setting("--vllm-shm-nap-s", type=click.FloatRange(min=0),
          help="vLLM engine: in the second after each read, when vLLM's engine core and worker "
          "processes spin (sched_yield) for their next shared-memory message, sleep this many "

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import urllib.parse
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import httpx
@@ -245,11 +245,15 @@ def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
                           token: str | None = None,
                           announced: Callable[[], Callable[[MemoryPrefetchRequest], bool] | None]
                           = lambda: None,
-                          device: Callable[[], DeviceTier | None] = lambda: None) -> FastAPI:
+                          device: Callable[[], DeviceTier | None] = lambda: None,
+                          server_evict: Callable[[list[str]], Awaitable[int | None]] | None
+                          = None) -> FastAPI:
     """``announced()``: the pod scheduler's taker of announced requests (a prefetch with
     ``expected_in_s``), None while it has none; when it takes one, the read waits for it.
     ``device()``: the engine's own KV pool as a tier (vLLM's prefix cache), which an unpin
-    and an evict of every tier reach too; None when the engine has none."""
+    and an evict of every tier reach too; None when the engine has none.
+    ``server_evict``: drops chunks from the KV server the pod hands KV through (P/D), which an
+    evict of every tier reaches too; None when the pod has none."""
     # every route forwards: an engine process's error comes back as it is (5xx: 503)
     app = FastAPI(title="AgentServing worker memory API", version="v1",
                   responses=error_responses(503))
@@ -298,9 +302,12 @@ def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
         parts = [MemoryEvictResult.model_validate(r)
                  for r in await fanout.call("POST", "/memory/evict", req)]
         missing = set.intersection(*(set(p.missing) for p in parts)) if parts else set()
+        on_server = (await server_evict(req.chunk_hashes)
+                     if server_evict is not None and req.locations is None else None)
         return MemoryEvictResult(num_evicted=sum(p.num_evicted for p in parts),
                                  num_missing=len(missing),
-                                 missing=[h for h in req.chunk_hashes if h in missing])
+                                 missing=[h for h in req.chunk_hashes if h in missing],
+                                 num_evicted_kv_server=on_server)
 
     @app.post("/memory/pin", response_model=MemoryPinResult, responses=error_responses(413))
     async def pin(req: MemoryPinRequest) -> MemoryPinResult:

@@ -56,6 +56,14 @@ class WorkerSettings(BaseModel):
     kv_transfer_url: str | None = Field(
         default=None, description="vLLM: LMCache server (lm://HOST:PORT) the prefill and "
         "decode pods hand KV through.")
+    kv_server_api: str | None = Field(
+        default=None, description="vLLM: HTTP API (http://HOST:PORT) of the KV server at "
+        "kv_transfer_url (agentserving kvserver): the pod's evictions reach it, and with "
+        "kv_transfer_p2p a decode pod pulls through it.")
+    kv_transfer_p2p: bool = Field(
+        default=False, description="vLLM: point-to-point P/D. The KV server at "
+        "kv_transfer_url is this pod's own; a prefill answer names it (at the advertised "
+        "host), and a decode pod pulls the named chunks from there into its own before loading.")
     # -- identity and role
     role: PodRole = PodRole.BOTH
     pod_name: str = Field(default="worker-0", min_length=1)

@@ -1,7 +1,8 @@
 """The vLLM example on the same real node, after the reference one is uninstalled:
 `helm install` with the vllm-cpu image (docker/vllm-cpu.Dockerfile), `kubectl apply -f
 examples/agentserving-vllm-cpu.yaml` (1 prefill + 1 decode pod running real vLLM on the CPU
-with LMCache, and LMCache's KV server between them), and a session through the proxy Service.
+with LMCache, each with its own KV server beside it: p2p, the decode pod pulls the prompt's KV
+from the prefill pod's server), and a session through the proxy Service.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def vllm_deployment(node_cluster, tmp_path_factory):
          "--create-namespace", "--wait", "--timeout", "180s",
          "--set", f"components.vllmImage={IMAGE}")
     try:
-        pods = apply_example(node_cluster, EXAMPLE, timeout=900, extra={"kvserver": 1})
+        # p2p: no central KV server; each pool pod's kvserver container must be Ready too
+        pods = apply_example(node_cluster, EXAMPLE, timeout=900)
         with PortForward(node_cluster, f"svc/{NAME}-proxy", PROXY_PORT,
                          tmp_path_factory.mktemp("pf") / "vllm-proxy.log") as pf:
             yield pods, pf.url
@@ -54,9 +56,12 @@ def test_vllm_pods_serve_a_session_with_prefill_decode_disaggregation(vllm_deplo
     images = {c["image"] for p in pods for c in p["spec"]["containers"]
               if component_of(p) in ("prefill", "decode")}
     assert images == {IMAGE}
+    for pod in pods:  # the pod's own KV server beside the worker, in the same image
+        if component_of(pod) in ("prefill", "decode"):
+            assert [c["name"] for c in pod["spec"]["containers"]] == ["worker", "kvserver"]
     turns = three_turns(client(proxy_url), "node-vllm", seed=7)
     assert all(resp.choices[0].text for resp, _ in turns)
-    # the first turn went prefill pod -> decode pod (through LMCache's KV server)
+    # the first turn went prefill pod -> decode pod (pulled from the prefill pod's KV server)
     first = turns[0][1]
     assert (first.get("x-agentserving-prefill-pod"), first.get("x-agentserving-decode-pod")) \
         == (f"{NAME}-prefill-0", f"{NAME}-decode-0"), dict(first)

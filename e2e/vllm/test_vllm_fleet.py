@@ -154,6 +154,13 @@ def test_pd_moves_kv_and_the_decode_pod_keeps_it(vllm_fleet: VllmFleet) -> None:
     hashes = pd["kv_transfer_params"]["chunk_hashes"]
     chunks = httpx.get(vllm_fleet.memory_url("decode-0") + "/memory/chunks", timeout=10).json()
     assert set(hashes) <= set(chunks["chunks"]["cpu"])
+    # point to point: no process shared by the pods; the decode pod's own KV server pulled
+    # the prefill pod's chunks (the decode pod's pull counters) and both servers hold them
+    names = {mp.spec.name for mp in vllm_fleet.fleet.procs}
+    assert "kvserver" not in names, names
+    assert pulls(vllm_fleet, "ok") >= 1 and pulls(vllm_fleet, "failed") == 0
+    assert set(hashes) <= server_chunks(vllm_fleet, "prefill-0")
+    assert set(hashes) <= server_chunks(vllm_fleet, "decode-0")
     # a prompt without one full chunk has nothing to hand over: the decode pod computes it
     short = httpx.post(vllm_fleet.proxy + "/v1/completions", timeout=120,
                        headers={"x-session-id": "pd-short"},
@@ -173,6 +180,56 @@ def test_pd_moves_kv_and_the_decode_pod_keeps_it(vllm_fleet: VllmFleet) -> None:
     assert cached >= full_chunks(len(prompt))
     after = vllm_metrics(decode)
     assert delta(before, after, COMPUTED) == len(nxt) - cached
+
+
+def server_chunks(fleet: VllmFleet, pod: str) -> set[str]:
+    """The chunks a pod's own KV server holds (its listing)."""
+    url = fleet.spec(f"kvserver-{pod}").url
+    listing = httpx.get(f"{url}/v1/chunks", params={"limit": 10000}, timeout=10).json()
+    return {c["chunk_hash"] for c in listing["chunks"]}
+
+
+def pulls(fleet: VllmFleet, outcome: str) -> float:
+    text = httpx.get(fleet.memory_url("decode-0") + "/metrics", timeout=10).text
+    line = f'agentserving_kv_handoff_pulls_total{{outcome="{outcome}"}} '
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(line))
+
+
+def test_a_closed_pd_session_leaves_both_pods_kv_servers(vllm_fleet: VllmFleet) -> None:
+    prompt = prompt_ids(17, 1600)
+    headers = {"x-session-id": "pd-closing"}
+    r = httpx.post(vllm_fleet.proxy + "/v1/completions", timeout=120, headers=headers,
+                   json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-agentserving-pd"] == "disaggregated"
+    hashes = set(r.json()["kv_transfer_params"]["chunk_hashes"])
+    assert len(hashes) == len(prompt) // CHUNK
+    assert hashes <= server_chunks(vllm_fleet, "prefill-0")
+    assert hashes <= server_chunks(vllm_fleet, "decode-0")
+    def indexed_on_both() -> bool:  # a close evicts from the pods the kvindex knows
+        pods = [{loc["pod"] for loc in httpx.get(f"{vllm_fleet.kvindex}/v1/chunks/{h}",
+                                                 timeout=5).json()["locations"]}
+                for h in hashes]
+        return all({"prefill-0", "decode-0"} <= p for p in pods)
+
+    deadline = time.monotonic() + 30  # residency reports lag the turn
+    while not indexed_on_both():
+        assert time.monotonic() < deadline, "the P/D turn's chunks never indexed on both pods"
+        time.sleep(0.25)
+    last = httpx.post(vllm_fleet.proxy + "/v1/completions", timeout=120, headers=headers,
+                      json={"model": "tiny", "prompt": prompt + prompt_ids(18, 40)[1:],
+                            "max_tokens": 2, "temperature": 0,
+                            "agent_memory": {"close_session": True}})
+    assert last.status_code == 200, last.text
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (hashes & (server_chunks(vllm_fleet, "prefill-0")
+                                                     | server_chunks(vllm_fleet, "decode-0"))):
+        time.sleep(0.25)
+    assert not hashes & server_chunks(vllm_fleet, "prefill-0")
+    assert not hashes & server_chunks(vllm_fleet, "decode-0")
+    for pod in ("prefill-0", "decode-0"):  # and the pods' own tiers
+        listing = httpx.get(vllm_fleet.memory_url(pod) + "/memory/chunks", timeout=10).json()
+        assert not hashes & {h for v in listing["chunks"].values() for h in v}, pod
 
 
 def _evict(fleet: VllmFleet, hashes: list[str], locations: list[str] | None = None) -> dict:

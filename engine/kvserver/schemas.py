@@ -8,7 +8,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, BeforeValidator, Field
 
-from agentserving.core.schemas import ChunkHash, HttpUrlStr, MemoryEvictResult, Strict
+from agentserving.core.schemas import ChunkHash, HttpUrlStr, MemoryEvictResponse, Strict
 
 MAX_PULL_TIMEOUT_S = 600.0
 
@@ -24,9 +24,12 @@ PullTimeout = Annotated[float | None, Field(gt=0, le=MAX_PULL_TIMEOUT_S),
                         BeforeValidator(_wire_number)]
 
 
-class KvEvictResult(MemoryEvictResult):
-    """``MemoryEvictResult`` (``num_evicted``: chunks that held a key) plus what it freed."""
+class KvEvictResult(MemoryEvictResponse):
+    """The memory API's evict answer (``num_evicted``: chunks that held a key), plus what it
+    freed and the chunks it did not hold."""
 
+    num_missing: int = Field(description="Chunks not held.")
+    missing: list[str]
     num_keys: int = Field(description="LMCache keys removed (a chunk may hold several).")
     freed_bytes: int = Field(description="Payload bytes freed.")
 

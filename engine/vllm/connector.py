@@ -57,6 +57,7 @@ from agentserving.core.logging import get_logger
 from agentserving.core.schemas import PodRole, Tier
 
 from . import paged_cpu, reuse, salting
+from .handoff import HandoffPuller, advertised_api, with_source
 from .hashes import (
     ChunkHashCache,
     RecordingTokenDatabase,
@@ -115,6 +116,10 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         self._as_reuse: reuse.SchedulerReuse | None = None
         # the worker's steps: KV wait on the critical path vs forward time (step_times)
         self._as_steps: StepClock | None = None
+        # point-to-point P/D (handoff): this pod's own KV server as peers reach it, and the
+        # decode side's pulls through it
+        self._as_source: str | None = None
+        self._as_puller: HandoffPuller | None = None
         impl = self._lmcache_engine
         if role == KVConnectorRole.SCHEDULER:
             self._as_reuse = reuse.SchedulerReuse(
@@ -123,6 +128,11 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
                 self._as_recorder = install_recorder(impl.lookup_client, self._as_hashes)
             if self._as_settings.memory_api:
                 self._start_scheduler_services(vllm_config)
+            s = self._as_settings
+            if s.kv_transfer_p2p and s.kv_server_api:
+                self._as_source = advertised_api(s.kv_server_api, s.public_host)
+                self._as_puller = HandoffPuller(s.kv_server_api, self._as_source,
+                                                s.kv_pull_timeout_s, s.internal_token)
         else:
             self._as_steps = StepClock(on_step=_step_observer())
             self._maybe_start_worker_services()
@@ -153,6 +163,9 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if getattr(self, "_as_reuse", None) is not None:
             self._count_first_look(request, num_computed_tokens)
+        if getattr(self, "_as_puller", None) is not None:  # before LMCache looks it up
+            self._as_puller.pull_for(str(request.request_id),
+                                     getattr(request, "kv_transfer_params", None))
         if self._as_recorder is None:
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
         with self._as_recorder.recording(request.request_id):
@@ -174,6 +187,8 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if getattr(self, "_as_reuse", None) is not None:
             self._as_reuse.forget(str(request.request_id))
+        if getattr(self, "_as_puller", None) is not None:
+            self._as_puller.forget(str(request.request_id))
         delay_free, params = super().request_finished(request, block_ids)
         if not self._as_settings.chunk_hashes:
             return delay_free, params
@@ -181,7 +196,10 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         hashes = finished_hashes(cached, self._recompute(request))
         if hashes:
             self._as_finished.put(external_request_id(request.request_id), hashes)
-        return delay_free, merge_chunk_hashes(params, hashes)
+        params = merge_chunk_hashes(params, hashes)
+        if (source := getattr(self, "_as_source", None)) is not None:  # a decode pod's pull
+            params = with_source(params, source)
+        return delay_free, params
 
     def _recompute(self, request: Any) -> Any:
         client = self._lmcache_engine.lookup_client
@@ -264,4 +282,6 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
                 except Exception:  # noqa: BLE001 - shutdown goes on
                     log.exception("agentserving_services_stop_failed")
         self._as_scheduler = self._as_worker = None
+        if getattr(self, "_as_puller", None) is not None:
+            self._as_puller.close()
         return super().shutdown()

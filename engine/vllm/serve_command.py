@@ -17,6 +17,8 @@ so a pod and a test run the same command line. What each worker setting becomes:
   O_DIRECT, past the page cache);
 - kv_transfer_url: LMCache's ``remote_url``, the KV server prefill and decode pods hand KV
   through; kv_transfer_timeout_s: a prefill pod's longest wait for its KV to reach it;
+  kv_server_api, kv_transfer_p2p, kv_pull_timeout_s: that server's HTTP API, point-to-point
+  hand-off through each pod's own server, a decode pod's longest pull (``engine.vllm.handoff``);
 - vllm_kv_connector none: plain vLLM, its automatic prefix cache alone (no LMCache, no
   memory API, no kvindex registration): what users deploy today;
 - every pod, plain ones included, honours ``forced_output_token_ids`` (teacher forcing: a
@@ -139,6 +141,16 @@ def check_settings(settings: WorkerSettings) -> None:
     if settings.kv_transfer_url and not settings.kv_transfer_url.startswith("lm://"):
         raise VllmConfigError(f"--kv-transfer-url {settings.kv_transfer_url!r}: expected "
                               "lm://HOST:PORT (an LMCache server)")
+    if settings.kv_server_api and not settings.kv_server_api.startswith(("http://",
+                                                                          "https://")):
+        raise VllmConfigError(f"--kv-server-api {settings.kv_server_api!r}: expected "
+                              "http://HOST:PORT (the KV server's HTTP API)")
+    if settings.kv_server_api and not settings.kv_transfer_url:
+        raise VllmConfigError("--kv-server-api: needs --kv-transfer-url (the server's lm:// "
+                              "address the pod's LMCache writes to)")
+    if settings.kv_transfer_p2p and not settings.kv_server_api:
+        raise VllmConfigError("--kv-transfer-p2p: needs --kv-server-api (the pod's own KV "
+                              "server, which pulls from the prefill pod's)")
 
 
 # LMCache stages every chunk it stores or reads from disk in its CPU tier: a tier that cannot
@@ -202,6 +214,10 @@ def kv_transfer_config(settings: WorkerSettings) -> dict[str, object]:
         "metrics_max_tenants": settings.metrics_max_tenants,
         "pin_share": settings.pin_share,
     }
+    if settings.kv_server_api:
+        extra.update(kv_server_api=settings.kv_server_api,
+                     kv_transfer_p2p=settings.kv_transfer_p2p,
+                     kv_pull_timeout_s=settings.kv_pull_timeout_s)
     if settings.kvindex_url:
         extra["kvindex_url"] = settings.kvindex_url
     return {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE,
@@ -267,13 +283,6 @@ def build(settings: WorkerSettings, environ: dict[str, str] | None = None) -> Se
         env["AGENTSERVING_VLLM_MEMORY_URL"] = f"http://127.0.0.1:{settings.memory_port_start}"
         env.update(lmcache_env(settings))
     return ServeCommand(argv=argv, env=env)
-
-
-def lmcache_server_argv(host: str, port: int, python: str | None = None) -> list[str]:
-    """LMCache's KV server (``lmcache.v1.server``, CPU storage): the pods' shared
-    ``remote_url`` through which a prefill pod's KV reaches the decode pod."""
-    return [python or vllm_python(WorkerSettings()), "-m", "lmcache.v1.server", host,
-            str(port), "cpu"]
 
 
 def exec_vllm(settings: WorkerSettings) -> int:

@@ -43,6 +43,7 @@ from agentserving.engine.memory_api import (
 )
 from agentserving.engine.reporter import Change, KvindexReporter, ResidencyBook
 
+from .handoff import evict_on_server
 from .hashes import ChunkHashCache
 from .settings import ConnectorSettings
 from .step_times import StepClock, merge_summaries
@@ -281,18 +282,21 @@ class SchedulerServices:
         self._stop = asyncio.Event()
         fanout = self.fanout = EngineFanout(s.worker_urls(self.world_size), timeout_s=5.0,
                                             token=s.internal_token)
-        app = forwarding_memory_app(fanout, self.backends, s.internal_token,
-                                    announced=lambda: self.announced,
-                                    device=lambda: self.device)
+        server = s.kv_server_api
+        app = forwarding_memory_app(
+            fanout, self.backends, s.internal_token, announced=lambda: self.announced,
+            device=lambda: self.device,
+            server_evict=(lambda hashes: evict_on_server(server, hashes, s.internal_token))
+            if server else None)
         # this process's reuse counters (prompt tokens, device-tier hits: ``reuse``)
         install_metrics_route(app, REGISTRY)
         if self.finished is not None:
             add_finished_hashes_route(app, self.finished)
         add_scheduler_stats_route(app, lambda: self.scheduler_stats)
         add_steps_route(app, fanout)
-        server = _Server(uvicorn.Config(app, host=s.memory_host, port=s.memory_port_start,
-                                        log_level="warning", access_log=False))
-        tasks = [asyncio.create_task(server.serve())]
+        api = _Server(uvicorn.Config(app, host=s.memory_host, port=s.memory_port_start,
+                                     log_level="warning", access_log=False))
+        tasks = [asyncio.create_task(api.serve())]
         if s.kvindex_url:
             self.reporter = KvindexReporter(
                 KvindexClient(s.kvindex_url, timeout_s=2.0, token=s.internal_token),
@@ -312,7 +316,7 @@ class SchedulerServices:
         try:
             await self._stop.wait()
         finally:
-            server.should_exit = True
+            api.should_exit = True
             for t in tasks[1:]:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)

@@ -45,6 +45,11 @@ class ConnectorSettings:
     metrics_max_tenants: int = 64  # the reuse metrics' tenant label cap (engine.metrics)
     # at most this share of the DRAM tier (LMCache) and of vLLM's device pool pinned at once
     pin_share: float = 0.5
+    # the KV server this pod's LMCache writes to (its HTTP API): evictions reach it; with
+    # kv_transfer_p2p it is the pod's own, and a decode pod pulls through it (``handoff``)
+    kv_server_api: str | None = None
+    kv_transfer_p2p: bool = False
+    kv_pull_timeout_s: float = 30.0
     # core.internal_auth: from the environment only (kv_connector_extra_config is on vLLM's
     # command line, where every process on the host can read it)
     internal_token: str | None = field(default=None, repr=False)
@@ -118,6 +123,14 @@ def parse_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str]) -> C
         raise ConnectorConfigError(
             "hash_scheme", f"{scheme!r} is not one of {[s.value for s in HashScheme]}") from None
     start = _port("memory_port_start", extra.get("memory_port_start", 6999))
+    server_api = extra.get("kv_server_api") or None
+    if server_api is not None and not str(server_api).startswith(("http://", "https://")):
+        raise ConnectorConfigError("kv_server_api",
+                                   f"expected an http(s) URL, got {server_api!r}")
+    p2p = _bool("kv_transfer_p2p", extra.get("kv_transfer_p2p", False))
+    if p2p and server_api is None:
+        raise ConnectorConfigError("kv_transfer_p2p", "needs kv_server_api (the pod's own "
+                                   "KV server)")
     role = extra.get("pod_role")
     try:
         role = PodRole(role) if role is not None else None
@@ -141,6 +154,9 @@ def parse_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str]) -> C
         handoff_timeout_s=_positive("handoff_timeout_s", extra.get("handoff_timeout_s", 10.0)),
         metrics_max_tenants=_count("metrics_max_tenants", extra.get("metrics_max_tenants", 64)),
         pin_share=_share("pin_share", extra.get("pin_share", 0.5)),
+        kv_server_api=str(server_api).rstrip("/") if server_api else None,
+        kv_transfer_p2p=p2p,
+        kv_pull_timeout_s=_positive("kv_pull_timeout_s", extra.get("kv_pull_timeout_s", 30.0)),
         internal_token=env.get(TOKEN_ENV) or None,
     )
 

@@ -24,16 +24,10 @@ from .common import (
 from .config import build_config, wants_config
 from .credentials import derive_token, internal_secret_name, with_internal_token
 from .engines import ENGINES, WorkerContext, validate_engine
+from .kvserver import build_kvserver, wants_kvserver
 from .pools import build_pool, build_pool_service, validate_pool
 from .redis_ha import wants_sentinel
-from .services import (
-    build_kvindex,
-    build_kvserver,
-    build_proxy,
-    build_redis,
-    wants_kvserver,
-    wants_redis,
-)
+from .services import build_kvindex, build_proxy, build_redis, wants_redis
 
 __all__ = [
     "ENGINES", "KIND", "MANAGED_KINDS", "POOLS", "Instance", "SpecError", "WorkerContext",

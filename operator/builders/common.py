@@ -29,8 +29,11 @@ KVINDEX_PORT = 8300
 LMCACHE_CONTROLLER_PORT = 8301
 LMCACHE_WORKER_PORT_START = 7200  # LMCache's controller-facing port of TP rank k: 7200 + k
 REDIS_PORT = 6379
-# LMCache's KV server (kvCache.transferBackend: lmcache-server): the P/D hand-off of vLLM pods
+# The KV server that carries vLLM pods' P/D hand-off (``agentserving kvserver``): LMCache's
+# protocol (lm://) on 65432, its HTTP API (health, metrics, evictions) on 65433. A central one
+# (kvCache.transferBackend lmcache-server) or one in every vLLM pod (p2p).
 KVSERVER_PORT = 65432
+KVSERVER_API_PORT = 65433
 KVCACHE_DIR = "/kvcache"
 CONFIG_DIR = "/etc/agentserving"
 
@@ -56,9 +59,10 @@ DEFAULT_LOOKAHEAD = 5
 # The kvCache.transferBackend values with which each engine's P/D hand-off actually moves KV
 # (the first is its default): the reference worker's decode pod pulls it from the prefill pod
 # (tcp), LMCache-Ascend's producer/consumer connector sends it itself (tcp), and a vLLM pod's
-# LMCache moves it only through LMCache's KV server (lmcache-server) -- on tcp a vLLM decode
-# pod would silently recompute every prompt.
-ENGINE_TRANSFER_BACKENDS = {"reference": ("tcp",), "vllm": ("lmcache-server",),
+# LMCache moves it only through a KV server: its own, which the decode pod pulls from (p2p), or
+# a central one (lmcache-server) -- on tcp a vLLM decode pod would silently recompute every
+# prompt.
+ENGINE_TRANSFER_BACKENDS = {"reference": ("tcp",), "vllm": ("p2p", "lmcache-server"),
                             "vllm-ascend": ("tcp",)}
 
 

@@ -22,9 +22,9 @@ from .common import COMPONENT_LABEL, POOLS, Instance, metadata
 
 TOKEN_KEY = "token"
 
-# the components whose processes call or serve the kvindex and the memory APIs (not Redis,
-# not LMCache's KV server)
-TOKEN_COMPONENTS = frozenset({*POOLS, "kvindex", "proxy"})
+# the components whose processes call or serve the kvindex, the memory APIs or the KV server's
+# API (its evictions; with p2p the pods' servers pull from one another) -- not Redis
+TOKEN_COMPONENTS = frozenset({*POOLS, "kvindex", "proxy", "kvserver"})
 
 
 def internal_secret_name(resource: str) -> str:

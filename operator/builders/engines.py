@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -48,7 +48,8 @@ class WorkerContext:
     image: str
     kvindex_url: str
     agentserving_image: str = ""  # AgentServing's own image (sidecars next to a vLLM image)
-    kvserver_url: str = ""  # LMCache's KV server, when kvCache.transferBackend names it
+    # the worker settings that point a vLLM pod at its KV server (kvserver.worker_kv_values)
+    kv_transfer: dict[str, Any] = field(default_factory=dict)
 
     @property
     def pool(self) -> dict[str, Any]:
@@ -128,6 +129,8 @@ SETTINGS_FIELDS = {
     "chunk_align": "spec.{role}.chunkAlign",
     "tensor_parallel_size": "spec.{role}.tensorParallelSize",
     "kv_transfer_url": "spec.kvCache.transferBackend",
+    "kv_server_api": "spec.kvCache.transferBackend",
+    "kv_transfer_p2p": "spec.kvCache.transferBackend",
     "vllm_args": "spec.engine.args",
 }
 
@@ -234,8 +237,7 @@ def vllm_agentserving_worker(ctx: WorkerContext) -> dict[str, Any]:
                         "fcfs) does not align chunks: set a prefill policy, e.g. "
                         "longcap-dynamic")
     values.update(chunk_align(ctx))
-    if ctx.kvserver_url:
-        values["kv_transfer_url"] = ctx.kvserver_url
+    values.update(ctx.kv_transfer)
     values["vllm_args"] = vllm_args
     return _container(ctx, worker_argv(ctx, values), "/health")
 

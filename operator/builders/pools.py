@@ -21,7 +21,7 @@ from .common import (
     selector_labels,
 )
 from .engines import ENGINES, WorkerContext, engine_volumes, registrar_sidecar
-from .services import kvserver_url, wants_kvserver
+from .kvserver import kvserver_sidecar, wants_kv_sidecar, worker_kv_values
 
 # accelerator type -> the extended resource its device plugin advertises (overridable per pool)
 DEFAULT_RESOURCE_NAMES = {"nvidia": "nvidia.com/gpu", "ascend": "huawei.com/ascend-1980"}
@@ -108,7 +108,7 @@ def build_pool(inst: Instance, role: str, image: str, kvindex_url: str,
     pool = inst.spec[role]
     ctx = WorkerContext(role=role, spec=inst.spec, image=image, kvindex_url=kvindex_url,
                         agentserving_image=agentserving_image,
-                        kvserver_url=kvserver_url(inst) if wants_kvserver(inst) else "")
+                        kv_transfer=worker_kv_values(inst))
     container = ENGINES[inst.spec["engine"]["type"]](ctx)
     container["volumeMounts"] = [{"name": "kvcache", "mountPath": KVCACHE_DIR}]
     resources = accelerator_resources(pool)
@@ -126,6 +126,8 @@ def build_pool(inst: Instance, role: str, image: str, kvindex_url: str,
     containers = [container]
     if inst.spec["engine"]["type"] == "vllm-ascend":
         containers.append(registrar_sidecar(ctx))
+    if wants_kv_sidecar(inst.spec):  # the pod's own KV server (p2p), in the worker's image
+        containers.append(kvserver_sidecar(inst.spec, image))
     pod_spec: dict[str, Any] = {
         "containers": containers,
         "volumes": volumes,

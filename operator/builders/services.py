@@ -1,5 +1,6 @@
 """The proxy, the kvindex and (when asked) an in-cluster Redis: a Deployment and a Service each
-(a Redis of 2+ members is a StatefulSet with Sentinel: ``redis_ha``).
+(a Redis of 2+ members is a StatefulSet with Sentinel: ``redis_ha``; the vLLM pods' KV server:
+``kvserver``).
 
 The proxy's and the kvindex's command lines are rendered from their own settings objects
 through their own click commands (``core.argv``), as the workers' are.
@@ -19,7 +20,6 @@ from agentserving.proxy.settings import ProxySettings
 
 from .common import (
     KVINDEX_PORT,
-    KVSERVER_PORT,
     LMCACHE_CONTROLLER_PORT,
     PROXY_PORT,
     REDIS_PORT,
@@ -195,32 +195,3 @@ def build_redis(inst: Instance, image: str) -> list[dict[str, Any]]:
     }
     return [_deployment(inst, "redis", 1, container, "Recreate"),
             _service(inst, "redis", REDIS_PORT, port_name="redis")]
-
-
-def wants_kvserver(inst: Instance) -> bool:
-    return inst.spec["kvCache"]["transferBackend"] == "lmcache-server"
-
-
-def kvserver_url(inst: Instance) -> str:
-    """Where vLLM pods reach LMCache's KV server (their ``--kv-transfer-url``)."""
-    return f"lm://{inst.service_host('kvserver')}:{KVSERVER_PORT}"
-
-
-def build_kvserver(inst: Instance, image: str) -> list[dict[str, Any]]:
-    """LMCache's KV server (``python -m lmcache.v1.server``, CPU storage), in the vLLM image
-    (which has LMCache): a prefill pod's KV reaches the decode pod through it. It keeps what it
-    is sent in memory and evicts nothing (LMCache 0.5.6): size the node for the hand-off
-    traffic, or restart it to reclaim."""
-    if inst.spec["engine"]["type"] != "vllm":
-        raise SpecError("spec.kvCache.transferBackend",
-                        "lmcache-server carries the P/D hand-off of engine vllm only")
-    container = {
-        "name": "kvserver",
-        "image": image,
-        "command": ["python", "-m", "lmcache.v1.server", "0.0.0.0", str(KVSERVER_PORT), "cpu"],
-        "ports": [{"name": "lm", "containerPort": KVSERVER_PORT, "protocol": "TCP"}],
-        "readinessProbe": {"tcpSocket": {"port": KVSERVER_PORT}, "periodSeconds": 5},
-        "livenessProbe": {"tcpSocket": {"port": KVSERVER_PORT}, "periodSeconds": 20},
-    }
-    return [_deployment(inst, "kvserver", 1, container, "Recreate"),
-            _service(inst, "kvserver", KVSERVER_PORT, port_name="lm")]

@@ -21,7 +21,7 @@ from agentserving.core.cli import option
 @option("--model", default="tiny", help="Model every worker serves.")
 @option("--engine", type=click.Choice(["reference", "vllm"]), default="reference",
         help="The workers' engine: the project's reference engine, or vLLM with LMCache "
-        "(scripts/vllm-env.sh installs it; with both pools an LMCache server carries P/D).")
+        "(scripts/vllm-env.sh installs it; with both pools KV servers carry P/D).")
 @option("--routing", type=click.Choice(["kv-aware", "session", "round-robin"]),
         default="kv-aware", help="The proxy's routing policy.")
 @option("--cpu-cache-gib", type=click.FloatRange(min=0, min_open=True), default=2.0,
@@ -31,6 +31,12 @@ from agentserving.core.cli import option
 @option("--disk-io", type=click.Choice(["buffered", "direct"]), default="buffered",
         help="The disk tier's I/O (each worker's --disk-io): direct reads past the page "
              "cache (O_DIRECT), as an SSD costs once the working set outgrows DRAM.")
+@option("--kv-transfer", type=click.Choice(["p2p", "server"]), default="p2p",
+        help="vLLM P/D: p2p gives each vLLM worker its own KV server and a decode pod pulls "
+        "the prefill pod's chunks from it; server runs one central KV server all pods write "
+        "to (`agentserving kvserver` either way).")
+@option("--kv-transfer-gib", type=click.FloatRange(min=0, min_open=True), default=2.0,
+        help="Bytes of KV each KV server keeps (least recently used goes first).")
 @option("--proxy-port", type=click.IntRange(0, 65535), default=8080,
         help="The proxy's port (0: any free port).")
 @option("--run-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -40,8 +46,9 @@ from agentserving.core.cli import option
 @option("--startup-timeout", "startup_timeout_s", type=click.FloatRange(min=1), default=180.0,
         help="Seconds a worker may take to become healthy.")
 def command(prefill: int, decode: int, kvindex: str, model: str, engine: str, routing: str,
-            cpu_cache_gib: float, disk_cache_gib: float, disk_io: str, proxy_port: int,
-            run_dir: Path | None, worker_args: tuple[str, ...], startup_timeout_s: float) -> None:
+            cpu_cache_gib: float, disk_cache_gib: float, disk_io: str, kv_transfer: str,
+            kv_transfer_gib: float, proxy_port: int, run_dir: Path | None,
+            worker_args: tuple[str, ...], startup_timeout_s: float) -> None:
     """Start kvindex, workers and proxy on loopback; stop them all on Ctrl-C or SIGTERM.
 
     Each runs as a real process in its own process group, logging to RUN_DIR/logs/<name>.log;
@@ -56,7 +63,8 @@ def command(prefill: int, decode: int, kvindex: str, model: str, engine: str, ro
     run_dir = run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-up"
     spec = FleetSpec(prefill=prefill, decode=decode, kvindex=kvindex, model=model, engine=engine,
                      routing=routing, cpu_cache_gib=cpu_cache_gib,
-                     disk_cache_gib=disk_cache_gib, disk_io=disk_io, proxy_port=proxy_port,
+                     disk_cache_gib=disk_cache_gib, disk_io=disk_io, kv_transfer=kv_transfer,
+                     kv_transfer_gib=kv_transfer_gib, proxy_port=proxy_port,
                      worker_args=list(worker_args), startup_timeout_s=startup_timeout_s)
     fleet = Fleet(build(spec, run_dir), run_dir, on_event=lambda m: click.echo(f"[up] {m}"))
     # The handler only records the signal: it runs on the main thread between bytecodes, so

@@ -17,6 +17,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from agentserving.core.argv import settings_argv
 from agentserving.core.hashing import DEFAULT_CHUNK_SIZE, ENGINE_HASH_SCHEMES, HashScheme
@@ -88,6 +89,11 @@ class FleetSpec:
     cpu_cache_gib: float = 2.0
     disk_cache_gib: float = 0.0  # 0: no disk tier
     disk_io: str = "buffered"  # the disk tier's I/O (the worker's --disk-io): or "direct"
+    # vLLM P/D: how KV reaches a decode pod. p2p: each vLLM worker has its own KV server
+    # (``agentserving kvserver``) and a decode pod pulls from the prefill pod's; server: one
+    # central KV server every pod writes to. kv_transfer_gib bounds each server.
+    kv_transfer: str = "p2p"
+    kv_transfer_gib: float = 2.0
     disk_cache_root: Path | None = None  # per-worker folders under it (default: run dir)
     proxy: bool = True
     proxy_port: int = 0  # 0: a free port
@@ -170,14 +176,11 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
     common = {"model": spec.model, "kvindex_url": kv_url, "cpu_cache_gib": spec.cpu_cache_gib,
               "chunk_size": spec.chunk_size, "engine": spec.engine,
               "hash_scheme": spec.hash_scheme or ENGINE_HASH_SCHEMES[spec.engine].value}
-    if spec.engine == "vllm" and spec.prefill and spec.decode:
-        from agentserving.engine.vllm.serve_command import lmcache_server_argv
-
-        server_port = ports.one()
-        out.append(ProcessSpec(
-            name="kvserver", role="kvserver", env=process_env(spec), startup_timeout_s=60.0,
-            argv=lmcache_server_argv(LOOPBACK, server_port)))
-        common["kv_transfer_url"] = f"lm://{LOOPBACK}:{server_port}"
+    handoff = spec.engine == "vllm" and spec.prefill and spec.decode
+    if handoff and spec.kv_transfer == "server":
+        server, values = kv_server(spec, "kvserver", ports)
+        out.append(server)
+        common.update(values)
     prefill_urls: list[str] = []
     decode_urls: list[str] = []
     for role, name in workers:
@@ -191,6 +194,10 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
                           disk_cache_gib=spec.disk_cache_gib, disk_io=spec.disk_io)
         if name in events:
             values["kv_events_endpoint"] = events[name]
+        if handoff and spec.kv_transfer == "p2p":  # the pod's own, started before it
+            server, own = kv_server(spec, f"kvserver-{name}", ports)
+            out.append(server)
+            values.update(own, kv_transfer_p2p=True)
         argv = [*(spec.worker_command or [*cmd, "worker"]),
                 *settings_argv(worker_command, WorkerSettings, values),
                 *spec.worker_args, *spec.role_args.get(role, [])]
@@ -208,6 +215,19 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
         out.append(proxy_spec(spec, spec.proxy_port or ports.one(), kv_url, prefill_urls,
                               decode_urls))
     return out
+
+
+def kv_server(spec: FleetSpec, name: str, ports: PortAllocator
+              ) -> tuple[ProcessSpec, dict[str, Any]]:
+    """A bounded KV server (``agentserving kvserver``) and the worker settings that point a
+    vLLM pod's LMCache at it."""
+    lm, api = ports.one(), ports.one()
+    argv = [*agentserving_argv(), "kvserver", "--host", LOOPBACK, "--port", str(lm),
+            "--api-port", str(api), "--max-gib", f"{spec.kv_transfer_gib:g}"]
+    url = f"http://{LOOPBACK}:{api}"
+    return (ProcessSpec(name=name, role="kvserver", url=url, argv=argv, env=process_env(spec),
+                        startup_timeout_s=60.0),
+            {"kv_transfer_url": f"lm://{LOOPBACK}:{lm}", "kv_server_api": url})
 
 
 def proxy_spec(spec: FleetSpec, port: int, kv_url: str, prefill_urls: list[str],

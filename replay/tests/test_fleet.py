@@ -180,6 +180,40 @@ def test_topologies():
     assert [p.role for p in only_index] == ["kvindex"]
 
 
+def _flag(spec: ProcessSpec, flag: str) -> str:
+    return spec.argv[spec.argv.index(flag) + 1]
+
+
+def test_vllm_pd_hands_kv_point_to_point_or_through_one_bounded_server():
+    ports = PortAllocator(seed=2)
+    p2p = {p.name: p for p in build(FleetSpec(engine="vllm", prefill=1, decode=1,
+                                              kv_transfer_gib=0.5), Path("/tmp/r"), ports)}
+    # each vLLM pod has its own KV server, started before it; no central one
+    assert {n for n, p in p2p.items() if p.role == "kvserver"} == {"kvserver-prefill-0",
+                                                                    "kvserver-decode-0"}
+    names = list(p2p)
+    for pod in ("prefill-0", "decode-0"):
+        server, worker = p2p[f"kvserver-{pod}"], parsed(p2p[pod])
+        assert names.index(f"kvserver-{pod}") < names.index(pod)
+        assert server.argv[server.argv.index("kvserver") - 1] != "-m"
+        assert _flag(server, "--max-gib") == "0.5"
+        assert worker["kv_transfer_url"] == f"lm://127.0.0.1:{_flag(server, '--port')}"
+        assert worker["kv_server_api"] == server.url
+        assert server.url == f"http://127.0.0.1:{_flag(server, '--api-port')}"
+        assert worker["kv_transfer_p2p"] is True
+    central = build(FleetSpec(engine="vllm", prefill=1, decode=2, kv_transfer="server"),
+                    Path("/tmp/r"), ports)
+    servers = [p for p in central if p.role == "kvserver"]
+    assert [p.name for p in servers] == ["kvserver"]
+    for worker in (parsed(p) for p in central if p.role in ("prefill", "decode")):
+        assert worker["kv_server_api"] == servers[0].url
+        assert not worker.get("kv_transfer_p2p")
+    # no P/D, or the reference engine's own pull: no KV server at all
+    for spec in (FleetSpec(engine="vllm", prefill=0, decode=0, both=2),
+                 FleetSpec(prefill=1, decode=1)):
+        assert not any(p.role == "kvserver" for p in build(spec, Path("/tmp/r"), ports))
+
+
 # --------------------------------------------------------------------- agentserving up
 
 

@@ -104,7 +104,8 @@ def containers_of(children: list[dict[str, Any]]) -> list[tuple[str, dict[str, A
 def parse_agentserving(container: dict[str, Any]) -> tuple[str, Any]:
     """(subcommand, settings) of an ``agentserving SUBCOMMAND`` container: its command line
     and its environment (AGENTSERVING_<SUBCOMMAND>_<FLAG>) parsed by the real click command,
-    then its settings built and checked by the subcommand's own ``settings_from_params``.
+    then its settings built and checked by the subcommand's own ``settings_from_params``
+    (where it has none, the parameters click parsed and checked).
     Raises what the process would: click's usage errors, pydantic's validation errors."""
     import importlib
     import os
@@ -128,4 +129,7 @@ def parse_agentserving(container: dict[str, Any]) -> tuple[str, Any]:
     with mock.patch.dict(os.environ, env, clear=True):
         ctx = command.make_context(sub, argv[2:], parent=root)
         module = importlib.import_module(command.callback.__module__)
-        return sub, module.settings_from_params(dict(ctx.params))
+        from_params = getattr(module, "settings_from_params", None)
+        if from_params is None:  # a command that builds its settings from its parameters as-is
+            return sub, dict(ctx.params)
+        return sub, from_params(dict(ctx.params))

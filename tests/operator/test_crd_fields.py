@@ -36,6 +36,7 @@ SAMPLES: dict[str, list[Any]] = {
     "proxy.resources": [{"requests": {"cpu": "3"}}],
     "kvindex.resources": [{"requests": {"cpu": "3"}}],
     "kvindex.redis.url": ["redis://other.example:6379/1"],
+    "kvCache.transferGiB": [4, 0.5],
 }
 
 # Leaves that legitimately change nothing in some resources: key -> (when, why).
@@ -52,14 +53,12 @@ UNUSED_WHEN = {
     "kvCache.diskVolume.medium": (
         lambda spec, _: bool(spec["kvCache"]["diskVolume"].get("storageClassName")),
         "a PersistentVolumeClaim holds the disk tier, not an emptyDir"),
+    "kvCache.transferGiB": (lambda spec, _: spec["kvCache"]["transferBackend"] == "tcp",
+                            "no KV server runs: the hand-off goes pod to pod over tcp"),
 }
 
 # Leaves whose every other value each resource refuses (SpecError): key -> why the field stays.
-ONLY_ONE_VALID = {
-    "kvCache.transferBackend": "each engine moves KV with one backend today, its default; the "
-                               "field states it and refuses a backend that would run P/D "
-                               "without moving KV",
-}
+ONLY_ONE_VALID: dict[str, str] = {}
 
 
 def leaves(node: dict[str, Any], path: tuple[str, ...] = ()):

@@ -29,7 +29,8 @@ VERSIONS = sorted({major_minor(v) for v in all_versions()
                   key=lambda v: tuple(map(int, v.split("."))))
 
 # What the examples leave out but a cluster must still accept: the in-cluster Redis alone and
-# with Sentinel, PVC-backed disk tiers, a LoadBalancer proxy, the vLLM KV server.
+# with Sentinel, PVC-backed disk tiers, a LoadBalancer proxy, the vLLM pods' KV servers (each
+# pod's own, and the central one).
 VARIANTS = {
     "redis-in-cluster": {"model": {"name": "tiny"}, "kvindex": {"redis": {"inCluster": True}}},
     "redis-sentinel": {"model": {"name": "tiny"},
@@ -40,6 +41,15 @@ VARIANTS = {
     "vllm-default": {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"type": "vllm"},
                      "prefill": {"accelerator": {"type": "nvidia"}},
                      "decode": {"accelerator": {"type": "nvidia"}}},
+    "vllm-p2p": {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"}, "engine": {"type": "vllm"},
+                 "prefill": {"accelerator": {"type": "nvidia"}},
+                 "decode": {"accelerator": {"type": "nvidia"}},
+                 "kvCache": {"transferBackend": "p2p", "transferGiB": 0.75}},
+    "vllm-lmcache-server": {"model": {"name": "Qwen/Qwen2.5-7B-Instruct"},
+                            "engine": {"type": "vllm"},
+                            "prefill": {"accelerator": {"type": "nvidia"}},
+                            "decode": {"accelerator": {"type": "nvidia"}},
+                            "kvCache": {"transferBackend": "lmcache-server", "transferGiB": 3}},
 }
 SPECS = {p.name: yaml.safe_load(p.read_text())["spec"] for p in EXAMPLES} | VARIANTS
 
@@ -133,10 +143,13 @@ def test_the_chart_declares_the_oldest_kubernetes_it_installs_on():
 def test_the_specs_reach_every_builder():
     """The objects validated above include what each builder makes (a builder no spec here
     reaches would go unchecked)."""
-    made = {(c["kind"], c["metadata"]["name"].removeprefix("demo-"))
-            for spec in SPECS.values() for c in operator_children(spec)}
+    children = [c for spec in SPECS.values() for c in operator_children(spec)]
+    made = {(c["kind"], c["metadata"]["name"].removeprefix("demo-")) for c in children}
     assert {("ConfigMap", "config"), ("Secret", "internal"), ("StatefulSet", "prefill"),
             ("StatefulSet", "decode"), ("Service", "prefill"), ("Deployment", "kvindex"),
             ("Deployment", "proxy"), ("Deployment", "redis"), ("StatefulSet", "redis"),
             ("Service", "redis-sentinel"), ("ConfigMap", "redis"), ("Deployment", "kvserver"),
             ("Service", "kvserver")} <= made, sorted(made)
+    # and the KV server beside a vLLM worker (p2p)
+    assert any(c["name"] == "kvserver" for child in children if child["kind"] == "StatefulSet"
+               for c in child["spec"]["template"]["spec"]["containers"])

@@ -63,7 +63,7 @@ def test_every_agentserving_container_parses_with_the_real_cli(path):
         argv = pod_argv(container)
         if argv[0] == "agentserving":
             sub, settings = parse_agentserving(container)  # raises on anything it would refuse
-            parsed[name] = (sub, settings)
+            parsed[name, container["name"]] = (sub, settings)
             if sub == "worker" and settings.engine == "vllm":
                 from agentserving.engine.vllm.serve_command import build
 
@@ -72,9 +72,42 @@ def test_every_agentserving_container_parses_with_the_real_cli(path):
             registrar_args(container)
     subs = sorted(sub for sub, _ in parsed.values())
     workers = 0 if inst.spec["engine"]["type"] == "vllm-ascend" else 2
-    assert subs == sorted(["kvindex", "proxy"] + ["worker"] * workers)
+    kvservers = {"p2p": workers, "lmcache-server": 1}.get(
+        inst.spec["kvCache"]["transferBackend"], 0)
+    assert subs == sorted(["kvindex", "proxy"] + ["worker"] * workers + ["kvserver"] * kvservers)
     chunk = inst.spec["kvCache"]["chunkSize"]
     assert {s.chunk_size for sub, s in parsed.values() if sub in ("worker", "proxy")} == {chunk}
+
+
+VLLM_EXAMPLES = [p for p in EXAMPLES
+                 if yaml.safe_load(p.read_text())["spec"]["engine"]["type"] == "vllm"]
+
+
+@pytest.mark.parametrize("path", VLLM_EXAMPLES, ids=[p.name for p in VLLM_EXAMPLES])
+def test_vllm_pods_hand_kv_to_their_own_kv_server(path):
+    """p2p, the vLLM examples' backend: the worker's LMCache remote and the server's API are
+    the kvserver container beside it, on the ports that container listens on."""
+    inst, children = render(path)
+    assert inst.spec["kvCache"]["transferBackend"] == "p2p"
+    for sts in pools(inst, children):
+        worker, server = sts["spec"]["template"]["spec"]["containers"]
+        _, settings = parse_agentserving(worker)
+        assert settings.kv_transfer_p2p is True
+        argv = pod_argv(server)
+        assert argv[:2] == ["agentserving", "kvserver"] and server["name"] == "kvserver"
+        ports = {p["containerPort"] for p in server["ports"]}
+        assert settings.kv_transfer_url == f"lm://127.0.0.1:{flag(argv, '--port')}"
+        assert settings.kv_server_api == f"http://127.0.0.1:{flag(argv, '--api-port')}"
+        assert {int(flag(argv, "--port")), int(flag(argv, "--api-port"))} == ports
+        assert float(flag(argv, "--max-gib")) == inst.spec["kvCache"]["transferGiB"]
+        assert flag(argv, "--host") == "0.0.0.0"  # the decode pods pull from its pod IP
+        from agentserving.engine.kvserver.settings import KvServerSettings
+
+        sub, params = parse_agentserving(server)  # the real kvserver command takes it
+        kvs = KvServerSettings(**params) if isinstance(params, dict) else params
+        assert sub == "kvserver" and kvs.max_gib == inst.spec["kvCache"]["transferGiB"]
+        assert (kvs.port, kvs.api_port) == (int(flag(argv, "--port")),
+                                            int(flag(argv, "--api-port")))
 
 
 # Reference pods run the pool's policy under the ShadowScheduler (vLLM pods: test_builders)

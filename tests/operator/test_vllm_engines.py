@@ -110,7 +110,8 @@ def test_nvidia_command_and_resources(settings):
     assert e["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
     assert "LMCACHE_LMCACHE_INSTANCE_ID" not in e
     assert [x["name"] for x in kids[("StatefulSet", "demo-decode")]["spec"]["template"]["spec"][
-        "containers"]] == ["worker"]  # the connector registers the pod itself
+        "containers"]] == ["worker", "kvserver"]  # the connector registers the pod itself;
+    # the second container is the pod's own KV server (p2p, vLLM's default backend)
     assert served["env"]["PYTHONHASHSEED"] == "0"  # LMCache's builtin chain starts from it
     assert "LMCACHE_LOCAL_DISK" not in served["env"]  # diskGiB 0: no disk tier
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
@@ -337,25 +338,116 @@ def test_unset_hash_scheme_follows_the_engine(settings, engine, scheme):
                 if "--hash-scheme" in c["command"]] == [scheme]
 
 
-def test_lmcache_server_backend_runs_the_kv_server_and_points_vllm_pods_at_it(settings):
-    spec = {**NVIDIA, "kvCache": {**NVIDIA["kvCache"], "transferBackend": "lmcache-server"}}
-    kids = children(spec, settings)
-    server = kids[("Deployment", "demo-kvserver")]["spec"]["template"]["spec"]["containers"][0]
-    assert server["command"] == ["python", "-m", "lmcache.v1.server", "0.0.0.0", "65432", "cpu"]
-    assert server["image"] == settings.vllm_image  # LMCache comes with the vLLM image
-    svc = kids[("Service", "demo-kvserver")]["spec"]
-    assert [(p["name"], p["port"]) for p in svc["ports"]] == [("lm", 65432)]
+def pod_containers(kids, role):
+    return kids[("StatefulSet", f"demo-{role}")]["spec"]["template"]["spec"]["containers"]
+
+
+def with_kv(**kv):
+    return {**NVIDIA, "kvCache": {**NVIDIA["kvCache"], **kv}}
+
+
+KVSERVER_ARGV = ["agentserving", "kvserver", "--host", "0.0.0.0", "--port", "65432",
+                 "--api-port", "65433", "--max-gib"]
+
+
+def test_p2p_backend_runs_a_kv_server_in_every_vllm_pod(settings):
+    spec = with_kv(transferBackend="p2p", transferGiB=3)
+    kids = children({**spec, "engine": {"type": "vllm", "imagePullPolicy": "Always"}}, settings)
     for role in ("prefill", "decode"):
+        worker_c, server = pod_containers(kids, role)
+        assert server["name"] == "kvserver"
+        assert server["command"] == [*KVSERVER_ARGV, "3"]
+        assert server["image"] == worker_c["image"] == settings.vllm_image
+        assert server["imagePullPolicy"] == worker_c["imagePullPolicy"] == "Always"
+        assert {p["name"]: p["containerPort"] for p in server["ports"]} == {
+            "lm": 65432, "kv-api": 65433}
+        assert server["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "kv-api"}
+        # small CPU, and room for its 3 GiB bound (a lower limit would kill it, not evict)
+        assert server["resources"]["requests"]["cpu"] == "100m"
+        assert server["resources"]["limits"]["memory"] == f"{3 * 1024 + 256}Mi"
+        assert "nvidia.com/gpu" not in server["resources"]["limits"]
+        cmd = worker_c["command"]  # the engine hands KV to its own server over loopback
+        assert flag(cmd, "--kv-transfer-url") == "lm://127.0.0.1:65432"
+        assert flag(cmd, "--kv-server-api") == "http://127.0.0.1:65433"
+        assert "--kv-transfer-p2p" in cmd
+        assert flag(cmd, "--advertise-host") == "$(POD_IP)"  # where peers reach its server
+    # no central server
+    assert not [k for k in kids if k[1] == "demo-kvserver"]
+
+
+def test_p2p_is_the_default_of_vllm(settings):
+    kv = {k: v for k, v in NVIDIA["kvCache"].items() if k != "transferBackend"}
+    kids = children({**NVIDIA, "kvCache": kv}, settings)
+    assert [c["name"] for c in pod_containers(kids, "decode")] == ["worker", "kvserver"]
+    # the CRD's default bound
+    assert pod_containers(kids, "decode")[1]["command"] == [*KVSERVER_ARGV, "2"]
+    assert ("Deployment", "demo-kvserver") not in kids
+    # the reference engine runs no KV server at all
+    ref = children({"model": {"name": "tiny"}}, settings)
+    assert [c["name"] for c in pod_containers(ref, "prefill")] == ["worker"]
+    assert ("Deployment", "demo-kvserver") not in ref
+
+
+def test_lmcache_server_backend_runs_the_bounded_kv_server_and_points_vllm_pods_at_it(settings):
+    kids = children(with_kv(transferBackend="lmcache-server", transferGiB=0.5), settings)
+    server = kids[("Deployment", "demo-kvserver")]["spec"]["template"]["spec"]["containers"][0]
+    assert server["command"] == [*KVSERVER_ARGV, "0.5"]
+    assert server["image"] == settings.vllm_image  # agentserving comes with the vLLM image
+    assert server["resources"]["limits"]["memory"] == f"{512 + 256}Mi"
+    svc = kids[("Service", "demo-kvserver")]["spec"]
+    assert [(p["name"], p["port"]) for p in svc["ports"]] == [("lm", 65432), ("kv-api", 65433)]
+    for role in ("prefill", "decode"):
+        assert [c["name"] for c in pod_containers(kids, role)] == ["worker"]
+        cmd = worker(kids, role)["command"]
+        assert flag(cmd, "--kv-transfer-url") == "lm://demo-kvserver.ns1.svc:65432"
+        assert flag(cmd, "--kv-server-api") == "http://demo-kvserver.ns1.svc:65433"
+        assert "--kv-transfer-p2p" not in cmd
         served = vllm_serve_of(worker(kids, role))
         assert served["env"]["LMCACHE_REMOTE_URL"] == "lm://demo-kvserver.ns1.svc:65432"
-    # unset, a vllm spec gets the backend vLLM moves KV with; the reference engine none
-    assert ("Deployment", "demo-kvserver") in children(NVIDIA, settings)
-    assert ("Deployment", "demo-kvserver") not in children({"model": {"name": "tiny"}},
-                                                          settings)
+
+
+@pytest.mark.parametrize("backend", ["p2p", "lmcache-server"])
+def test_every_kv_server_reads_the_resources_internal_token(backend):
+    """Its API evicts (and with p2p, one pod's server pulls from another's): it checks the
+    token the workers send."""
+    from agentserving.core.internal_auth import TOKEN_ENV
+    from agentserving.operator.settings import OperatorSettings
+
+    kids = children(with_kv(transferBackend=backend), OperatorSettings(token_key="k"))
+    servers = [c for (kind, _), k in kids.items() if kind in ("Deployment", "StatefulSet")
+               for c in k["spec"]["template"]["spec"]["containers"] if c["name"] == "kvserver"]
+    assert len(servers) == {"p2p": 2, "lmcache-server": 1}[backend]
+    for c in servers:
+        assert c["env"][0]["name"] == TOKEN_ENV
+        assert c["env"][0]["valueFrom"]["secretKeyRef"]["name"] == "demo-internal"
+
+
+@pytest.mark.parametrize("gib", [0, -1, "2", None])
+def test_a_transfer_bound_that_is_not_a_positive_number_is_refused(settings, gib):
+    from agentserving.operator.builders.common import SpecError
+
+    for backend in ("p2p", "lmcache-server"):
+        with pytest.raises(SpecError) as err:
+            children(with_kv(transferBackend=backend, transferGiB=gib), settings)
+        assert err.value.field_path == "spec.kvCache.transferGiB"
+
+
+def test_the_crd_bounds_the_transfer_store():
+    import jsonschema
+
+    from .operator_testing import spec_schema
+
+    kv = spec_schema()["properties"]["kvCache"]
+    assert kv["properties"]["transferGiB"]["default"] == 2
+    check = jsonschema.Draft4Validator(kv)  # apiextensions: a boolean exclusiveMinimum
+    assert check.is_valid({"transferGiB": 0.5})
+    assert not check.is_valid({"transferGiB": 0})
+    assert not check.is_valid({"transferGiB": -1})
+    assert not check.is_valid({"transferBackend": "nfs"})
 
 
 @pytest.mark.parametrize(("engine", "backend"), [("reference", "tcp"),
-                                                 ("vllm", "lmcache-server"),
+                                                 ("vllm", "p2p"),
                                                  ("vllm-ascend", "tcp")])
 def test_unset_transfer_backend_is_the_one_the_engine_moves_kv_with(engine, backend):
     from agentserving.operator.builders.common import with_engine_defaults
@@ -368,7 +460,9 @@ def test_unset_transfer_backend_is_the_one_the_engine_moves_kv_with(engine, back
 
 @pytest.mark.parametrize(("engine", "backend"), [("vllm", "tcp"),
                                                  ("reference", "lmcache-server"),
-                                                 ("vllm-ascend", "lmcache-server")])
+                                                 ("reference", "p2p"),
+                                                 ("vllm-ascend", "lmcache-server"),
+                                                 ("vllm-ascend", "p2p")])
 def test_a_transfer_backend_that_moves_no_kv_is_refused_naming_both_fields(engine, backend):
     from agentserving.operator.builders.common import SpecError
     from agentserving.operator.builders.engines import check_transfer_backend
@@ -390,10 +484,15 @@ def test_vllm_on_tcp_is_refused_before_anything_is_built(settings):
     assert err.value.field_path == "spec.kvCache.transferBackend"
 
 
-def test_lmcache_server_backend_is_for_vllm_only(settings):
+@pytest.mark.parametrize("backend", ["lmcache-server", "p2p"])
+@pytest.mark.parametrize("base", ["reference", "vllm-ascend"])
+def test_kv_server_backends_are_for_vllm_only(settings, backend, base):
     from agentserving.operator.builders.common import SpecError
 
+    spec = {"reference": {"model": {"name": "tiny"}}, "vllm-ascend": ASCEND}[base]
     with pytest.raises(SpecError) as err:
-        children({"model": {"name": "tiny"}, "kvCache": {"transferBackend": "lmcache-server"}},
-                 settings)
+        children({**spec, "kvCache": {**spec.get("kvCache", {}), "transferBackend": backend}},
+                  settings)
     assert err.value.field_path == "spec.kvCache.transferBackend"
+    assert f"spec.engine.type {base} with spec.kvCache.transferBackend {backend} " in str(
+        err.value)

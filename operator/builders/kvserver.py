@@ -29,8 +29,9 @@ from .common import (
 )
 
 LOOPBACK = "127.0.0.1"
-# What the server holds beyond its chunks (the interpreter, buffers in flight), MiB.
-OVERHEAD_MIB = 256
+# What the server holds beyond its chunks, MiB: the interpreter with torch (LMCache's
+# protocol module imports it, ~330 MiB idle) and buffers in flight.
+OVERHEAD_MIB = 512
 
 
 def backend(spec: dict[str, Any]) -> str:

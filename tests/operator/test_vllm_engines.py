@@ -16,6 +16,7 @@ from agentserving.engine.model.folders import MODEL_CACHE
 from agentserving.engine.vllm.serve_command import FORCING_LOGITS
 from agentserving.operator.builders import build_children
 from agentserving.operator.builders.engines import WorkerContext, engine_volumes
+from agentserving.operator.builders.kvserver import OVERHEAD_MIB
 
 from .operator_testing import EXAMPLES, defaulted, make_instance, vllm_serve_of
 from .seed000 import flags, seed_command, seed_spec
@@ -364,7 +365,7 @@ def test_p2p_backend_runs_a_kv_server_in_every_vllm_pod(settings):
         assert server["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "kv-api"}
         # small CPU, and room for its 3 GiB bound (a lower limit would kill it, not evict)
         assert server["resources"]["requests"]["cpu"] == "100m"
-        assert server["resources"]["limits"]["memory"] == f"{3 * 1024 + 256}Mi"
+        assert server["resources"]["limits"]["memory"] == f"{3 * 1024 + OVERHEAD_MIB}Mi"
         assert "nvidia.com/gpu" not in server["resources"]["limits"]
         cmd = worker_c["command"]  # the engine hands KV to its own server over loopback
         assert flag(cmd, "--kv-transfer-url") == "lm://127.0.0.1:65432"
@@ -393,7 +394,7 @@ def test_lmcache_server_backend_runs_the_bounded_kv_server_and_points_vllm_pods_
     server = kids[("Deployment", "demo-kvserver")]["spec"]["template"]["spec"]["containers"][0]
     assert server["command"] == [*KVSERVER_ARGV, "0.5"]
     assert server["image"] == settings.vllm_image  # agentserving comes with the vLLM image
-    assert server["resources"]["limits"]["memory"] == f"{512 + 256}Mi"
+    assert server["resources"]["limits"]["memory"] == f"{512 + OVERHEAD_MIB}Mi"
     svc = kids[("Service", "demo-kvserver")]["spec"]
     assert [(p["name"], p["port"]) for p in svc["ports"]] == [("lm", 65432), ("kv-api", 65433)]
     for role in ("prefill", "decode"):

@@ -1,5 +1,5 @@
-"""The point-to-point hand-off's decisions (pure), and the decode side's pull through a real
-pair of KV servers (``agentserving kvserver`` processes on loopback)."""
+"""The point-to-point hand-off's decisions (pure). The pull itself, through a real pair of KV
+servers, is engine/kvserver/tests/test_vllm_handoff_contract.py."""
 
 from __future__ import annotations
 

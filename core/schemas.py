@@ -423,6 +423,36 @@ class FanoutResponse(BaseModel):
 # ---------------------------------------------------------------- memory API (seed 000)
 
 
+LM_URL_PATTERN = r"^lm://[^/\x00-\x20\x7f:]+:[0-9]{1,5}$"
+
+
+def _check_lm_url(value: str) -> str:
+    if not re.match(LM_URL_PATTERN, value):
+        raise ValueError("must be an lm://HOST:PORT address (a KV server)")
+    return value
+
+
+LmUrlStr = Annotated[str, AfterValidator(_check_lm_url), WithJsonSchema({
+    "type": "string", "pattern": LM_URL_PATTERN,
+    "description": "A KV server's LMCache-protocol address, lm://HOST:PORT."})]
+
+
+class MemoryPullRequest(Strict):
+    source: LmUrlStr = Field(description="The KV server holding the chunks (a prefill pod's "
+                             "own, as its answer named it).")
+    chunk_hashes: list[ChunkHash]
+    timeout_s: float = Field(default=30.0, gt=0, le=600, description="Longest the pull may "
+                             "take; what arrived by then stays.")
+
+
+class MemoryPullResult(BaseModel):
+    num_pulled: int = Field(description="Chunks read into the DRAM tier (per rank: summed).")
+    num_held: int = Field(description="Chunks the DRAM tier held already: not read again.")
+    num_missing: int = Field(description="Chunks the source did not have.")
+    pulled_bytes: int
+    seconds: float
+
+
 class MemoryPrefetchRequest(Strict):
     chunk_hashes: list[ChunkHash]
     lookup_id: str | None = None

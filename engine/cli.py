@@ -50,7 +50,8 @@ setting = settings_option(WorkerSettings)
 @setting("--kv-transfer-p2p/--no-kv-transfer-p2p",
          help="vLLM engine: point-to-point P/D. The KV server at --kv-transfer-url is this "
          "pod's own (needs --kv-server-api); a prefill answer names it at --advertise-host, and "
-         "a decode pod pulls the named chunks from there into its own server before loading.")
+         "a decode pod's ranks read the named chunks from there into their DRAM tier before "
+         "LMCache looks the request up.")
 @setting("--vllm-shm-nap-s", type=click.FloatRange(min=0),
          help="vLLM engine: in the second after each read, when vLLM's engine core and worker "
          "processes spin (sched_yield) for their next shared-memory message, sleep this many "

@@ -8,7 +8,7 @@ Prompt-token reuse by tier and tenant (``ReuseMetrics``) is one contract for bot
 ``agentserving_worker_prompt_tokens{tenant}`` and
 ``agentserving_worker_cached_tokens{tier, tenant}``, tier one of ``device`` (the engine's own
 KV pool: vLLM's prefix cache; the reference engine has none), ``cpu`` (LMCache DRAM), ``disk``
-(LMCache local disk), ``remote`` (pulled from a prefill pod or LMCache's KV server). The pod is
+(LMCache local disk), ``remote`` (pulled from a prefill pod or a KV server). The pod is
 the scrape target, so "per pod" is Prometheus's ``pod``/``instance`` label. The tenant label
 is bounded (``TenantLabels``).
 """

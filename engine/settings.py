@@ -59,11 +59,12 @@ class WorkerSettings(BaseModel):
     kv_server_api: str | None = Field(
         default=None, description="vLLM: HTTP API (http://HOST:PORT) of the KV server at "
         "kv_transfer_url (agentserving kvserver): the pod's evictions reach it, and with "
-        "kv_transfer_p2p a decode pod pulls through it.")
+        "kv_transfer_p2p it is the pod's own, which a prefill answer names.")
     kv_transfer_p2p: bool = Field(
         default=False, description="vLLM: point-to-point P/D. The KV server at "
         "kv_transfer_url is this pod's own; a prefill answer names it (at the advertised "
-        "host), and a decode pod pulls the named chunks from there into its own before loading.")
+        "host), and a decode pod's ranks read the named chunks from there into their DRAM tier "
+        "before loading.")
     # -- identity and role
     role: PodRole = PodRole.BOTH
     pod_name: str = Field(default="worker-0", min_length=1)

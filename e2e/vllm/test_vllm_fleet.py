@@ -154,13 +154,12 @@ def test_pd_moves_kv_and_the_decode_pod_keeps_it(vllm_fleet: VllmFleet) -> None:
     hashes = pd["kv_transfer_params"]["chunk_hashes"]
     chunks = httpx.get(vllm_fleet.memory_url("decode-0") + "/memory/chunks", timeout=10).json()
     assert set(hashes) <= set(chunks["chunks"]["cpu"])
-    # point to point: no process shared by the pods; the decode pod's own KV server pulled
-    # the prefill pod's chunks (the decode pod's pull counters) and both servers hold them
+    # point to point: no process shared by the pods; the prefill pod's own KV server holds
+    # the chunks and the decode pod read them from there into its DRAM tier (its pull counters)
     names = {mp.spec.name for mp in vllm_fleet.fleet.procs}
     assert "kvserver" not in names, names
     assert pulls(vllm_fleet, "ok") >= 1 and pulls(vllm_fleet, "failed") == 0
     assert set(hashes) <= server_chunks(vllm_fleet, "prefill-0")
-    assert set(hashes) <= server_chunks(vllm_fleet, "decode-0")
     # a prompt without one full chunk has nothing to hand over: the decode pod computes it
     short = httpx.post(vllm_fleet.proxy + "/v1/completions", timeout=120,
                        headers={"x-session-id": "pd-short"},
@@ -205,7 +204,7 @@ def test_a_closed_pd_session_leaves_both_pods_kv_servers(vllm_fleet: VllmFleet) 
     hashes = set(r.json()["kv_transfer_params"]["chunk_hashes"])
     assert len(hashes) == len(prompt) // CHUNK
     assert hashes <= server_chunks(vllm_fleet, "prefill-0")
-    assert hashes <= server_chunks(vllm_fleet, "decode-0")
+
     def indexed_on_both() -> bool:  # a close evicts from the pods the kvindex knows
         pods = [{loc["pod"] for loc in httpx.get(f"{vllm_fleet.kvindex}/v1/chunks/{h}",
                                                  timeout=5).json()["locations"]}

@@ -57,7 +57,7 @@ from agentserving.core.logging import get_logger
 from agentserving.core.schemas import PodRole, Tier
 
 from . import paged_cpu, reuse, salting
-from .handoff import HandoffPuller, advertised_api, with_source
+from .handoff import HandoffPuller, advertised_source, with_source
 from .hashes import (
     ChunkHashCache,
     RecordingTokenDatabase,
@@ -67,6 +67,7 @@ from .hashes import (
     merge_chunk_hashes,
     prompt_tokens,
 )
+from .peer_pull import PeerPull, pull_router
 from .scheduler_hooks import SchedulerKvHooks
 from .services import (
     SchedulerServices,
@@ -129,10 +130,12 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
             if self._as_settings.memory_api:
                 self._start_scheduler_services(vllm_config)
             s = self._as_settings
-            if s.kv_transfer_p2p and s.kv_server_api:
-                self._as_source = advertised_api(s.kv_server_api, s.public_host)
-                self._as_puller = HandoffPuller(s.kv_server_api, self._as_source,
-                                                s.kv_pull_timeout_s, s.internal_token)
+            remote = getattr(impl.config, "remote_url", None)
+            if s.kv_transfer_p2p and remote and s.memory_api:
+                self._as_source = advertised_source(str(remote), s.public_host)
+                self._as_puller = HandoffPuller(f"http://127.0.0.1:{s.memory_port_start}",
+                                                self._as_source, s.kv_pull_timeout_s,
+                                                s.internal_token)
         else:
             self._as_steps = StepClock(on_step=_step_observer())
             self._maybe_start_worker_services()
@@ -233,8 +236,12 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
             engine.storage_manager, engine.token_database, engine.metadata,
             cpu_bytes=capacity_bytes(engine.config).get(Tier.CPU, 0),
             pin_share=self._as_settings.pin_share)
+        routers = []
+        if self._as_settings.kv_transfer_p2p and backend.cpu is not None:  # handoff
+            routers.append(pull_router(PeerPull(backend.cpu, backend.keys.key_of)))
         self._as_worker = WorkerServices(self._as_settings, backend,
-                                         int(engine.metadata.worker_id), steps=self._as_steps)
+                                         int(engine.metadata.worker_id), steps=self._as_steps,
+                                         routers=routers)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)

@@ -2,22 +2,24 @@
 
 A prefill pod's LMCache writes a prompt's chunks to its own ``agentserving kvserver`` (its
 ``remote_url``, a container beside the engine). The prefill answer's ``kv_transfer_params``
-name that server's API (``agentserving_kv_source``) next to the chunk hashes, and the proxy
-hands them to the decode pod with the request. Before LMCache looks the request up there, the
-decode pod asks its own server to pull those chunks from the named one (``POST /v1/pull``);
-LMCache then finds them in its remote tier exactly as it would on a central server, and the
-decode pod's own tiers keep what it loaded and computed.
+name that server (``agentserving_kv_source``, ``lm://`` at the pod's advertised host) next to
+the chunk hashes, and the proxy hands them to the decode pod with the request. Before LMCache
+looks the request up there, the decode pod's ranks read those chunks from the named server
+into their own DRAM tier (``POST /memory/pull``, ``peer_pull``), where the lookup finds them;
+the decode pod's tiers keep what it loaded and computed.
 
 So no process is shared by every pod (a central server carries every transfer and, in
-LMCache's own, keeps every chunk forever), and each pod's server is bounded by its LRU. What
-fails degrades: a pull that fails or times out leaves the decode pod to compute the prompt.
+LMCache's own, keeps every chunk forever), each pod's server is bounded by its LRU, and the
+bytes cross one hop. What fails degrades: a pull that fails or times out leaves the decode pod
+to compute what did not arrive.
 
 The pull runs in vLLM's scheduler process, synchronously, once per request: the request's
-first lookup waits for it (a 2k-token prompt of the tiny model is 16 MB over loopback).
+first lookup waits for it (a 2k-token prompt of the tiny model is 16 MB).
 """
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 import urllib.parse
@@ -32,6 +34,7 @@ from prometheus_client import Counter, Histogram
 from agentserving.core.hashing import is_chunk_hash
 from agentserving.core.internal_auth import auth_headers
 from agentserving.core.logging import get_logger
+from agentserving.core.schemas import LM_URL_PATTERN
 
 log = get_logger(__name__)
 
@@ -48,13 +51,12 @@ PULL_SECONDS = Histogram("agentserving_kv_handoff_pull_seconds", "Time a request
                          buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 
 
-def advertised_api(api_url: str, public_host: str) -> str:
-    """The pod's own KV server API as other pods reach it: the configured URL (often
-    loopback: the server is in the pod) with the pod's advertised host."""
-    parts = urllib.parse.urlsplit(api_url)
+def advertised_source(lm_url: str, public_host: str) -> str:
+    """The pod's own KV server as other pods reach it: its ``lm://`` address (loopback: the
+    server is in the pod) with the pod's advertised host."""
+    port = urllib.parse.urlsplit(lm_url).port
     host = f"[{public_host}]" if ":" in public_host else public_host
-    netloc = f"{host}:{parts.port}" if parts.port else host
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", "")).rstrip("/")
+    return f"lm://{host}:{port}"
 
 
 def with_source(params: dict[str, Any] | None, source: str) -> dict[str, Any] | None:
@@ -72,15 +74,15 @@ def pull_plan(params: Mapping[str, Any] | None, own_source: str | None
     if not isinstance(params, Mapping) or not params.get("do_remote_prefill"):
         return None
     source = params.get(SOURCE_PARAM)
-    if not isinstance(source, str) or not source.startswith(("http://", "https://")):
+    if not isinstance(source, str) or not re.match(LM_URL_PATTERN, source):
         return None
-    if own_source is not None and source.rstrip("/") == own_source:
+    if source == own_source:
         return None
     hashes = params.get("chunk_hashes")
     if not isinstance(hashes, list):
         return None
     valid = [h for h in hashes if isinstance(h, str) and is_chunk_hash(h)]
-    return (source.rstrip("/"), valid) if valid else None
+    return (source, valid) if valid else None
 
 
 @dataclass(frozen=True)
@@ -92,11 +94,11 @@ class PullOutcome:
 
 
 class HandoffPuller:
-    """The decode side: one pull per request, through the pod's own KV server."""
+    """The decode side: one pull per request, by the pod's ranks (its memory API)."""
 
-    def __init__(self, server_api: str, own_source: str | None, timeout_s: float,
+    def __init__(self, memory_url: str, own_source: str | None, timeout_s: float,
                  token: str | None = None, remember: int = 4096) -> None:
-        self.server_api = server_api.rstrip("/")
+        self.memory_url = memory_url.rstrip("/")
         self.own_source = own_source
         self.timeout_s = timeout_s
         self._client = httpx.Client(timeout=timeout_s + 5, headers=auth_headers(token))
@@ -127,7 +129,7 @@ class HandoffPuller:
     def _pull(self, source: str, hashes: Sequence[str]) -> PullOutcome:
         t0 = time.perf_counter()
         try:
-            resp = self._client.post(f"{self.server_api}/v1/pull", json={
+            resp = self._client.post(f"{self.memory_url}/memory/pull", json={
                 "source": source, "chunk_hashes": list(hashes), "timeout_s": self.timeout_s})
             resp.raise_for_status()
             body = resp.json()
@@ -139,7 +141,7 @@ class HandoffPuller:
                         error=repr(exc)[:300])
             return PullOutcome("failed", seconds=seconds)
         seconds = time.perf_counter() - t0
-        missing = len(body.get("missing") or ())
+        missing = int(body.get("num_missing") or 0)
         nbytes = int(body.get("pulled_bytes") or 0)
         outcome = PullOutcome("partial" if missing else "ok", nbytes, missing, seconds)
         PULLS.labels(outcome.outcome).inc()

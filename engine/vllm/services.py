@@ -30,11 +30,13 @@ from agentserving.core.logging import get_logger
 from agentserving.core.schemas import (
     MemoryChunks,
     MemoryPrefetchRequest,
+    MemoryPullRequest,
+    MemoryPullResult,
     PodRegistration,
     PodRole,
     Tier,
 )
-from agentserving.core.service import install_metrics_route
+from agentserving.core.service import error_responses, install_metrics_route
 from agentserving.engine.memory_api import (
     EngineFanout,
     MemoryBackend,
@@ -128,6 +130,25 @@ def step_times_router(summary: Callable[[int], dict[str, Any]]) -> Any:
     return router
 
 
+def add_pull_route(app: Any, fanout: EngineFanout) -> None:
+    """``POST /memory/pull`` on the forwarding API: every rank reads its own keys of the
+    chunks from the named KV server (``peer_pull``); the pod's figures are the ranks' sums
+    (a chunk counts as pulled by each rank that read its part)."""
+
+    @app.post("/memory/pull", response_model=MemoryPullResult, tags=["memory"],
+              responses=error_responses(503),
+              summary="Read chunks from another pod's KV server into this pod's DRAM tier "
+                      "(point-to-point P/D).")
+    async def pull(req: MemoryPullRequest) -> MemoryPullResult:
+        parts = [MemoryPullResult.model_validate(r)
+                 for r in await fanout.call("POST", "/memory/pull", req)]
+        return MemoryPullResult(
+            num_pulled=min(p.num_pulled for p in parts), num_held=min(p.num_held for p in parts),
+            num_missing=max(p.num_missing for p in parts),
+            pulled_bytes=sum(p.pulled_bytes for p in parts),
+            seconds=max(p.seconds for p in parts))
+
+
 def add_steps_route(app: Any, fanout: EngineFanout) -> None:
     """``GET /memory/steps`` on the forwarding API: every rank's figures and the pod's (the
     slowest rank's: TP ranks wait for each other). A rank that does not answer is a 503."""
@@ -147,10 +168,10 @@ class WorkerServices:
     """The memory API of one vLLM worker process (TP rank ``rank``)."""
 
     def __init__(self, settings: ConnectorSettings, backend: MemoryBackend, rank: int,
-                 steps: StepClock | None = None) -> None:
+                 steps: StepClock | None = None, routers: Sequence[Any] = ()) -> None:
         self.port = settings.worker_port(rank)
         self.backend = backend
-        routers = [step_times_router(steps.summary)] if steps is not None else []
+        routers = [*routers, *([step_times_router(steps.summary)] if steps is not None else [])]
         self.server, self.thread = _serve_thread(engine_memory_app(backend, routers,
                                                                    token=settings.internal_token),
                                                  settings.memory_host, self.port,
@@ -294,6 +315,8 @@ class SchedulerServices:
             add_finished_hashes_route(app, self.finished)
         add_scheduler_stats_route(app, lambda: self.scheduler_stats)
         add_steps_route(app, fanout)
+        if s.kv_transfer_p2p:
+            add_pull_route(app, fanout)
         api = _Server(uvicorn.Config(app, host=s.memory_host, port=s.memory_port_start,
                                      log_level="warning", access_log=False))
         tasks = [asyncio.create_task(api.serve())]

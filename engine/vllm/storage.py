@@ -44,10 +44,11 @@ REMOTE_BACKEND = "RemoteBackend"
 
 
 def flush_remote_puts(storage_manager: Any, barrier_key: Any, timeout_s: float) -> bool:
-    """Block until LMCache's KV server holds every chunk this process handed it (True), or
-    ``timeout_s`` passes (False). LMCache writes to its remote asynchronously, and a finished
-    write only means the bytes were sent; a prefill pod flushes here so that its answer means
-    "the KV is on the shared server", and the decode pod asked next loads all of it instead of
+    """Block until the KV server (LMCache's remote) holds every chunk this process handed it
+    (True), or ``timeout_s`` passes (False). LMCache writes to its remote asynchronously, and a
+    finished write only means the bytes were sent; a prefill pod flushes here so that its
+    answer means "the KV is on the server" (its own, or the central one), and the decode pod
+    asked next loads all of it instead of
     racing the writes (a shorter hit, or a load that fails and vLLM recomputes). The barrier is
     one ``exists`` round trip on the same connection: the server answers it only after the
     writes sent before it."""

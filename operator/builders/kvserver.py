@@ -6,8 +6,9 @@ vLLM image): LMCache's protocol on 65432, its HTTP API (readiness, metrics, evic
 
 - ``p2p``: one in every vLLM pod, a second container beside the worker. The worker hands KV
   to its own server over loopback; a prefill answer names that server at the pod's address,
-  and the decode pod pulls the named chunks from there through its own. No central server:
-  the hand-off's capacity grows with the pools, and no one server carries every prompt.
+  and the decode pod's ranks read the named chunks from there into their DRAM tier. No
+  central server: the hand-off's capacity grows with the pools, and no one server carries
+  every prompt.
 - ``lmcache-server``: one central Deployment and Service, which every vLLM pod writes to and
   reads from.
 """

@@ -32,9 +32,9 @@ from agentserving.core.cli import option
         help="The disk tier's I/O (each worker's --disk-io): direct reads past the page "
              "cache (O_DIRECT), as an SSD costs once the working set outgrows DRAM.")
 @option("--kv-transfer", type=click.Choice(["p2p", "server"]), default="p2p",
-        help="vLLM P/D: p2p gives each vLLM worker its own KV server and a decode pod pulls "
-        "the prefill pod's chunks from it; server runs one central KV server all pods write "
-        "to (`agentserving kvserver` either way).")
+        help="vLLM P/D: p2p gives each vLLM worker its own KV server and a decode pod reads "
+        "the prefill pod's chunks from it into its DRAM tier; server runs one central KV "
+        "server all pods write to (`agentserving kvserver` either way).")
 @option("--kv-transfer-gib", type=click.FloatRange(min=0, min_open=True), default=2.0,
         help="Bytes of KV each KV server keeps (least recently used goes first).")
 @option("--proxy-port", type=click.IntRange(0, 65535), default=8080,

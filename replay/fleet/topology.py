@@ -90,7 +90,7 @@ class FleetSpec:
     disk_cache_gib: float = 0.0  # 0: no disk tier
     disk_io: str = "buffered"  # the disk tier's I/O (the worker's --disk-io): or "direct"
     # vLLM P/D: how KV reaches a decode pod. p2p: each vLLM worker has its own KV server
-    # (``agentserving kvserver``) and a decode pod pulls from the prefill pod's; server: one
+    # (``agentserving kvserver``) and a decode pod reads from the prefill pod's; server: one
     # central KV server every pod writes to. kv_transfer_gib bounds each server.
     kv_transfer: str = "p2p"
     kv_transfer_gib: float = 2.0

@@ -41,6 +41,23 @@ def write_result(path: Path, result: dict[str, Any]) -> None:
     print(f"wrote {path}")
 
 
+def fleet_work_dir(name: str) -> Path:
+    """Where a fleet bench's processes log: ``$AGENTSERVING_BENCH_DIR`` (default runs/), one
+    folder per run."""
+    return Path(os.environ.get("AGENTSERVING_BENCH_DIR", "runs")) / f"{name}-{os.getpid()}"
+
+
+def save_figure(fig: Any, path: Path) -> None:
+    """Write a bench's matplotlib figure as PNG, close it and say where it went."""
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def percentile(samples: list[float], q: float) -> float:
     """Nearest-rank percentile, q in [0, 1]."""
     ordered = sorted(samples)

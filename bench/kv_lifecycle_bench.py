@@ -36,7 +36,7 @@ import httpx
 
 from agentserving.replay.fleet.supervisor import Fleet
 from agentserving.replay.fleet.topology import FleetSpec, build
-from bench.common import add_run_args, percentile, write_result
+from bench.common import add_run_args, fleet_work_dir, percentile, save_figure, write_result
 
 OUT = Path("bench/results/kv_lifecycle.json")
 TARGET_JCT_RATIO = 1.5  # Continuum: 1.12-3.66x lower delay with pins
@@ -213,16 +213,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
             ax.annotate(f"{v:.2f}", (i, v), ha="center", va="bottom", fontsize=8)
     fig.suptitle(f"KV pins through tool gaps ({result['engine']}, {result['agents']} agents, "
                  f"gap {result['gap_s']} s)", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.time()
-    work = Path(os.environ.get("AGENTSERVING_BENCH_DIR", "runs")) / f"kv-lifecycle-{os.getpid()}"
+    work = fleet_work_dir("kv-lifecycle")
     total = 2 * args.agents * args.turns
     from tqdm import tqdm
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import re
 import time
@@ -37,7 +36,7 @@ import httpx
 
 from agentserving.replay.fleet.supervisor import Fleet
 from agentserving.replay.fleet.topology import FleetSpec, build
-from bench.common import add_run_args, percentile, write_result
+from bench.common import add_run_args, fleet_work_dir, percentile, save_figure, write_result
 
 OUT = Path("bench/results/pd_transfer.json")
 MODES = ("p2p", "server")
@@ -195,16 +194,13 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"P/D hand-off on vLLM ({result['model']}): point to point vs central server",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.time()
-    work = Path(os.environ.get("AGENTSERVING_BENCH_DIR", "runs")) / f"pd-transfer-{os.getpid()}"
+    work = fleet_work_dir("pd-transfer")
     from tqdm import tqdm
 
     with tqdm(total=len(MODES) * len(args.sizes) * args.reps, desc="pd_transfer hand-offs",

@@ -95,7 +95,7 @@ def fleet_spec(args: argparse.Namespace, redis_url: str, work: Path) -> FleetSpe
     """The soaked fleet: tiers small enough that every one of them evicts all along."""
     vllm = args.engine == "vllm"
     # vLLM: LMCache stages two whole prompts in DRAM (the worker's floor at this context)
-    worker_args = (["--enforce-eager", "--max-model-len", "4096", "--kv-cache-blocks", "64"]
+    worker_args = (["--enforce-eager", "--max-model-len", "4096", "--kv-cache-blocks", "96"]
                    if vllm else ["--torch-threads", "1"])
     return FleetSpec(prefill=1, decode=1, kvindex=redis_url, engine=args.engine,
                      model="tiny", cpu_cache_gib=0.07 if vllm else 0.05, disk_cache_gib=0.1,

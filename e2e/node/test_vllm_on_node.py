@@ -1,15 +1,16 @@
 """The vLLM example on the same real node, after the reference one is uninstalled:
 `helm install` with the vllm-cpu image (docker/vllm-cpu.Dockerfile), `kubectl apply -f
 examples/agentserving-vllm-cpu.yaml` (1 prefill + 1 decode pod running real vLLM on the CPU
-with LMCache, each with its own KV server beside it: p2p, the decode pod pulls the prompt's KV
+with LMCache, each with its own KV server beside it: p2p, the decode pod reads the prompt's KV
 from the prefill pod's server), and a session through the proxy Service.
 """
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
-from agentserving.operator.builders.common import PROXY_PORT
+from agentserving.operator.builders.common import MEMORY_PORT_START, PROXY_PORT
 
 from ..k8s.cluster import REPO, cache_dir
 from .conftest import (
@@ -51,7 +52,8 @@ def vllm_deployment(node_cluster, tmp_path_factory):
         helm(node_cluster, "uninstall", RELEASE, "--namespace", OPERATOR_NAMESPACE, "--wait")
 
 
-def test_vllm_pods_serve_a_session_with_prefill_decode_disaggregation(vllm_deployment):
+def test_vllm_pods_serve_a_session_with_prefill_decode_disaggregation(vllm_deployment,
+                                                                      node_cluster, tmp_path):
     pods, proxy_url = vllm_deployment
     images = {c["image"] for p in pods for c in p["spec"]["containers"]
               if component_of(p) in ("prefill", "decode")}
@@ -65,3 +67,12 @@ def test_vllm_pods_serve_a_session_with_prefill_decode_disaggregation(vllm_deplo
     first = turns[0][1]
     assert (first.get("x-agentserving-prefill-pod"), first.get("x-agentserving-decode-pod")) \
         == (f"{NAME}-prefill-0", f"{NAME}-decode-0"), dict(first)
+    # point to point: the decode pod's ranks read the prompt's chunks from the prefill pod's
+    # own KV server, across the node's pod network (its pull counters, on its memory API)
+    with PortForward(node_cluster, f"pod/{NAME}-decode-0", MEMORY_PORT_START,
+                     tmp_path / "decode-memory.log") as pf:
+        text = httpx.get(pf.url + "/metrics", timeout=10).text
+    pulls = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+             if line.startswith("agentserving_kv_handoff_pulls_total{")}
+    assert pulls.get('agentserving_kv_handoff_pulls_total{outcome="ok"}', 0) >= 1, pulls
+    assert pulls.get('agentserving_kv_handoff_pulls_total{outcome="failed"}', 0) == 0, pulls

@@ -374,6 +374,16 @@ def test_bad_requests_name_the_field(fleet):
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
 
 
+def test_a_clients_own_hand_off_parameters_never_reach_a_pod(fleet):
+    # a pod given these would pull KV from wherever they point (the worker refuses this
+    # incomplete set outright: a 400 had it reached the pod)
+    r = httpx.post(fleet.proxy_kv.url + "/v1/completions", timeout=60,
+                   headers={"x-session-id": "hand-off-forger"},
+                   json={"model": "tiny", "prompt": prompt_for(41, 300), "max_tokens": 2,
+                         "kv_transfer_params": {"do_remote_prefill": True}})
+    assert r.status_code == 200, r.text
+
+
 def test_kvindex_stopped_turns_still_answer_degraded(fleet):
     """While its residency replica is fresh the proxy routes as before; once it is stale
     (--replica-max-lag 2) it asks the kvindex, finds it gone and routes by affinity."""

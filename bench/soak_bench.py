@@ -84,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
             pids["redis"] = redis.proc.pid
             load = AgentLoad.from_args(fleet.url("proxy") or "", args.agents, args)
             samples = sample_while(load, fleet, pids, redis.port, args)
-    result = verdicts(samples, load, args)
+    vllm = args.engine == "vllm"
+    result = {"engine": args.engine, "kv_transfer": args.kv_transfer if vllm else None,
+              "kv_transfer_gib": args.kv_transfer_gib if vllm else None,
+              **verdicts(samples, load, args)}
     plot(samples, args.out.with_suffix(".png"))
     print_summary(result)
     write_result(args.out, result)
@@ -217,10 +220,7 @@ def verdicts(samples: list[dict[str, Any]], load: AgentLoad, args: argparse.Name
                       "second_half_rise_per_run": rise,
                       "flat": end <= mid * (1 + args.growth_tolerance) + slack
                       and rise <= mid * args.growth_tolerance + slack}
-    return {"engine": args.engine,
-            "kv_transfer": args.kv_transfer if args.engine == "vllm" else None,
-            "kv_transfer_gib": args.kv_transfer_gib if args.engine == "vllm" else None,
-            "duration_s": duration, "agents": args.agents, "turns": load.turns,
+    return {"duration_s": duration, "agents": args.agents, "turns": load.turns,
             "sessions_closed": load.sessions, "failed_turns": load.failed,
             "errors": load.errors, "turns_per_s": load.turns / duration if duration else 0.0,
             "samples": samples, "series": flat,

@@ -117,10 +117,11 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         self._as_reuse: reuse.SchedulerReuse | None = None
         # the worker's steps: KV wait on the critical path vs forward time (step_times)
         self._as_steps: StepClock | None = None
-        # point-to-point P/D (handoff): this pod's own KV server as peers reach it, and the
-        # decode side's pulls through it
+        # point-to-point P/D (handoff): this pod's own KV server as peers reach it, the
+        # decode side's pull per request (scheduler) and each rank's reads (peer_pull)
         self._as_source: str | None = None
         self._as_puller: HandoffPuller | None = None
+        self._as_peer: PeerPull | None = None
         impl = self._lmcache_engine
         if role == KVConnectorRole.SCHEDULER:
             self._as_reuse = reuse.SchedulerReuse(
@@ -238,7 +239,8 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
             pin_share=self._as_settings.pin_share)
         routers = []
         if self._as_settings.kv_transfer_p2p and backend.cpu is not None:  # handoff
-            routers.append(pull_router(PeerPull(backend.cpu, backend.keys.key_of)))
+            self._as_peer = PeerPull(backend.cpu, backend.keys.key_of)
+            routers.append(pull_router(self._as_peer))
         self._as_worker = WorkerServices(self._as_settings, backend,
                                          int(engine.metadata.worker_id), steps=self._as_steps,
                                          routers=routers)
@@ -289,6 +291,7 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
                 except Exception:  # noqa: BLE001 - shutdown goes on
                     log.exception("agentserving_services_stop_failed")
         self._as_scheduler = self._as_worker = None
-        if getattr(self, "_as_puller", None) is not None:
-            self._as_puller.close()
+        for closing in (getattr(self, "_as_puller", None), getattr(self, "_as_peer", None)):
+            if closing is not None:
+                closing.close()
         return super().shutdown()

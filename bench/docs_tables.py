@@ -65,6 +65,9 @@ PROXY, PROXY_COMMAND = "proxy.json", "python -m bench proxy"
 CONCURRENCY, CONCURRENCY_COMMAND = "concurrency.json", "python -m bench concurrency"
 SOAK = "soak.json"
 SOAK_COMMAND = "python -m bench soak --duration-s 420 --change-feed-max 1000"
+SOAK_VLLM = "soak-vllm.json"
+SOAK_VLLM_COMMAND = ("python -m bench soak --engine vllm --duration-s 1800 --sample-s 15 "
+                     "--change-feed-max 1000")
 FAULTS, FAULTS_COMMAND = "faults.json", "python -m bench faults"
 PREFILL_SCHED, PREFILL_SCHED_COMMAND = "prefill-sched.json", "python -m bench prefill_sched"
 KERNELS, KERNELS_COMMAND = "kernels.json", "python -m bench kernels"
@@ -485,10 +488,10 @@ def _concurrency_table(doc: Doc) -> str:
                    f"{c['step_s']:g} s a level; the knee: {r['knee']['why']}. ")
 
 
-def _soak_table(doc: Doc) -> str:
+def _soak_table(doc: Doc, name: str = SOAK, command: str = SOAK_COMMAND) -> str:
     """Every sampled series: its first value, the middle and last thirds' maxima, and the
     bench's verdict on it."""
-    r = _load(doc.root, SOAK)
+    r = _load(doc.root, name)
 
     def row(name: str, v: dict) -> list[str]:
         num = "{:,.1f}" if name.endswith("MiB table") else "{:,.0f}"
@@ -500,7 +503,7 @@ def _soak_table(doc: Doc) -> str:
     lines = _md(["series (RSS and tables' sizes in MiB, else counts)",
                  "first -> middle third's max -> last third's max", "growing"],
                 [row(n, series[n]) for n in order])
-    return _finish(doc, lines, SOAK_COMMAND, (SOAK,),
+    return _finish(doc, lines, command, (name,),
                    f"{r['duration_s']:.0f} s, {r['agents']} agents: {r['turns']:,} turns "
                    f"({r['turns_per_s']:.2f}/s), {r['sessions_closed']:,} sessions closed, "
                    f"{r['failed_turns']} failed; no failed turn and nothing growing: "
@@ -786,6 +789,7 @@ TABLES: dict[str, Callable[[Doc], str]] = {
     "proxy-overhead": _proxy_overhead_table,
     "concurrency": _concurrency_table,
     "soak": _soak_table,
+    "soak-vllm": lambda d: _soak_table(d, SOAK_VLLM, SOAK_VLLM_COMMAND),
     "faults": _faults_table,
     "prefill-sched": _prefill_sched_table,
     "prefill-sched-shadow": _prefill_shadow_table,

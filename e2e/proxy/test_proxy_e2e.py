@@ -375,13 +375,17 @@ def test_bad_requests_name_the_field(fleet):
 
 
 def test_a_clients_own_hand_off_parameters_never_reach_a_pod(fleet):
-    # a pod given these would pull KV from wherever they point (the worker refuses this
-    # incomplete set outright: a 400 had it reached the pod)
+    # a pod given these would pull KV from wherever they point: the proxy alone sets them
     r = httpx.post(fleet.proxy_kv.url + "/v1/completions", timeout=60,
                    headers={"x-session-id": "hand-off-forger"},
                    json={"model": "tiny", "prompt": prompt_for(41, 300), "max_tokens": 2,
-                         "kv_transfer_params": {"do_remote_prefill": True}})
-    assert r.status_code == 200, r.text
+                         "kv_transfer_params": {"do_remote_prefill": True,
+                                                "remote_host": "10.0.0.9"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
+    assert "proxy's to set" in r.json()["error"]["message"]  # the proxy's answer, not a pod's
+    schema = httpx.get(fleet.proxy_kv.url + "/openapi.json", timeout=10).json()
+    assert "kv_transfer_params" not in schema["components"]["schemas"]["CompletionTurn"][
+        "properties"]
 
 
 def test_kvindex_stopped_turns_still_answer_degraded(fleet):

@@ -135,7 +135,7 @@ def test_reuse_from_disk_via_memory_api_is_identical(stack):
                    json={"chunk_hashes": hashes + ["ab" * 32], "locations": ["LocalCPUBackend"]})
     assert r.status_code == 200
     assert r.json() == {"status": "success", "num_evicted": 3, "num_missing": 1,
-                        "missing": ["ab" * 32]}
+                        "missing": ["ab" * 32], "num_evicted_kv_server": None}
     disk = w.complete(**body)
     assert disk["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"] == {"disk": 768}
     assert disk["choices"][0]["text"] == cold["choices"][0]["text"]

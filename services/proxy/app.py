@@ -105,9 +105,9 @@ def create_app(settings: ProxySettings) -> FastAPI:
             raise ApiError(400, f"{required}: field required", param=required)
         if "stream" in body and not isinstance(body["stream"], bool):
             raise ApiError(400, "stream: must be a boolean", param="stream")
-        # the P/D hand-off's parameters are the proxy's to set: a client's own would send a
-        # pod to pull KV from wherever it names
-        body.pop("kv_transfer_params", None)
+        if "kv_transfer_params" in body:  # a client's would send a pod pulling KV from anywhere
+            raise ApiError(400, "kv_transfer_params: the P/D hand-off's parameters are the "
+                           "proxy's to set, not a client's", param="kv_transfer_params")
         memory = None
         if (raw := body.pop("agent_memory", None)) is not None:
             try:

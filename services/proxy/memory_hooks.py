@@ -28,8 +28,21 @@ from agentserving.core.schemas import (
 )
 
 
+def _never_both(letting_go: str, keeping: str, kept: dict) -> dict:
+    """JSON Schema: ``letting_go`` true and ``keeping`` set (``kept``) cannot come together."""
+    return {"not": {"required": [letting_go, keeping],
+                    "properties": {letting_go: {"const": True}, keeping: kept}}}
+
+
+# what _not_with_a_pin refuses, said in the schema (a client generator or a fuzzer reads it)
+_CONFLICTS = [_never_both(go, keep, kept)
+              for go in ("release", "close_session")
+              for keep, kept in (("pin_ttl_s", {"not": {"type": "null"}}),
+                                 ("pin", {"const": True}))]
+
+
 class AgentMemory(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"allOf": _CONFLICTS})
 
     intent: str | None = Field(default=None, min_length=1, max_length=256)
     evict_intents: list[str] = Field(default_factory=list)

@@ -4,7 +4,8 @@ The proxy reads a turn's body raw and passes it on (a worker, the reference one 
 validates it), so FastAPI sees no body model; these routes document the workers' request
 models, which the reference worker enforces, plus AgentServing's ``agent_memory`` and the
 ecosystem's ``cache_control`` and ``nvext`` (``request_hints``) that the proxy takes off before
-forwarding. Token ids and lengths are bounded by the model behind the
+forwarding; less ``kv_transfer_params``, the P/D hand-off's, which only the proxy sets (a
+client's is a 400). Token ids and lengths are bounded by the model behind the
 proxy, which its schema cannot know: a worker answers 400 with code
 ``token_id_out_of_vocabulary`` or ``context_length_exceeded`` there. The proxy answers
 ``context_length_exceeded`` itself, before routing, where it is certain without a tokenizer
@@ -69,6 +70,8 @@ def document_turn_bodies(app: FastAPI) -> None:
         schema = generate()
         _, defs = models_json_schema([(ChatTurn, "validation"), (CompletionTurn, "validation")],
                                      ref_template="#/components/schemas/{model}")
+        for turn in (ChatTurn, CompletionTurn):  # the proxy sets the hand-off, never a client
+            defs["$defs"][turn.__name__]["properties"].pop("kv_transfer_params", None)
         schema.setdefault("components", {}).setdefault("schemas", {}).update(
             defs.get("$defs", {}))
         return schema

@@ -40,9 +40,10 @@ log = get_logger(__name__)
 
 SOURCE_PARAM = "agentserving_kv_source"
 
-PULLS = Counter("agentserving_kv_handoff_pulls", "Point-to-point P/D pulls a decode pod "
-                "asked its own KV server for, by outcome (ok: every chunk came; partial: the "
-                "source lacked some; failed: the pull did not complete, the pod computes).",
+PULLS = Counter("agentserving_kv_handoff_pulls", "Point-to-point P/D pulls a decode pod's "
+                "ranks made from a prefill pod's KV server, by outcome (ok: every chunk came; "
+                "partial: the source lacked some; failed: the pull did not complete, the pod "
+                "computes).",
                 ["outcome"])
 PULL_BYTES = Counter("agentserving_kv_handoff_pull_bytes", "Bytes of KV pulled point to "
                      "point from prefill pods' KV servers.")
@@ -69,8 +70,8 @@ def with_source(params: dict[str, Any] | None, source: str) -> dict[str, Any] | 
 
 def pull_plan(params: Mapping[str, Any] | None, own_source: str | None
               ) -> tuple[str, list[str]] | None:
-    """(source API, chunk hashes) a decode request asks to pull, or None: not a P/D decode,
-    no source named, the source is this pod itself, or nothing valid to pull."""
+    """(source lm:// address, chunk hashes) a decode request asks to pull, or None: not a
+    P/D decode, no source named, the source is this pod itself, or nothing valid to pull."""
     if not isinstance(params, Mapping) or not params.get("do_remote_prefill"):
         return None
     source = params.get(SOURCE_PARAM)

@@ -46,7 +46,7 @@ class ConnectorSettings:
     # at most this share of the DRAM tier (LMCache) and of vLLM's device pool pinned at once
     pin_share: float = 0.5
     # the KV server this pod's LMCache writes to (its HTTP API): evictions reach it; with
-    # kv_transfer_p2p it is the pod's own, and a decode pod pulls through it (``handoff``)
+    # kv_transfer_p2p it is the pod's own, which a decode pod's ranks read from (``handoff``)
     kv_server_api: str | None = None
     kv_transfer_p2p: bool = False
     kv_pull_timeout_s: float = 30.0

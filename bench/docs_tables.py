@@ -52,6 +52,8 @@ ANNOUNCED_COMMAND = ("agentserving compare --configs agentserving,agentserving-n
 KV_LIFECYCLE = "kv-lifecycle.json"
 PD_TRANSFER = "pd-transfer.json"
 PD_TRANSFER_COMMAND = "python -m bench pd_transfer"
+LAYERWISE_RELOAD = "layerwise-reload-h100.json"
+LAYERWISE_RELOAD_COMMAND = "python -m bench layerwise_reload --repeats 5"
 KV_LIFECYCLE_COMMAND = "python -m bench kv_lifecycle"
 PREFIX_STABILITY = "prefix-stability.json"
 PREFIX_STABILITY_COMMAND = "python -m bench prefix_stability"
@@ -363,6 +365,27 @@ def _pd_transfer_table(doc: Doc) -> str:
                    f"vLLM pod ({r['model']}), each KV server bounded at "
                    f"{r['kv_transfer_gib']:g} GiB. The decode pod's first token, point to point "
                    f"against the central server: {ratios}. ")
+
+
+def _layerwise_reload_table(doc: Doc) -> str:
+    """A cached context reloaded whole vs layer by layer on a GPU, next to its forward."""
+    r = _load(doc.root, LAYERWISE_RELOAD)
+    c = r["config"]
+    rows = []
+    for case in r["cases"]:
+        p, e, share = case["p50_ms"], case["exposed_kv_wait_ms"], case["exposed_share_of_forward"]
+        rows.append([f"{case['context']:,}", f"{case['chunk']:,}",
+                     f"{case['kv_bytes'] / 2**30:g} GiB", _ms(p["resident"]),
+                     f"{_ms(e['whole'])} ({share['whole']:.1%})",
+                     f"{_ms(e['layerwise'])} ({share['layerwise']:.1%})",
+                     f"{case['reload_GBps_whole']:.0f} GB/s"])
+    lines = _md(["cached tokens D", "new tokens C", "KV", "forward, KV resident",
+                 "KV wait, whole reload", "KV wait, layer-wise", "host -> GPU"], rows)
+    return _finish(doc, lines, LAYERWISE_RELOAD_COMMAND, (LAYERWISE_RELOAD,),
+                   f"P50 of {c['repeats']} rounds, the three ways alternating; {r['staging']}, "
+                   f"torch {r['torch']}; {c['layers']} decoder layers of hidden {c['hidden']}, "
+                   f"{c['heads']} query and {c['kv_heads']} KV heads, MLP {c['ffn']}, "
+                   f"{c['dtype']} (an 8B model's shapes, random weights). ")
 
 
 def _prefix_stability_table(doc: Doc) -> str:
@@ -784,6 +807,7 @@ TABLES: dict[str, Callable[[Doc], str]] = {
     "announced-turns": _announced_table,
     "kv-lifecycle": _kv_lifecycle_table,
     "pd-transfer": _pd_transfer_table,
+    "layerwise-reload": _layerwise_reload_table,
     "proxy-replicas": _proxy_replicas_table,
     "control-plane-load": _control_plane_table,
     "proxy-overhead": _proxy_overhead_table,

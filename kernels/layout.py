@@ -104,6 +104,14 @@ def as_layers(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     raise ValueError(f"expected [blocks, block_size, heads, dim] or with layers, got {k.shape}")
 
 
+def contiguous_run(table: torch.Tensor) -> int | None:
+    """The first block id when ``table`` is one run of consecutive blocks (no hole), else None:
+    such a table's tokens are one slice of the cache, which a copy reads without a gather."""
+    first = int(table[0])
+    want = torch.arange(first, first + table.numel(), dtype=table.dtype, device=table.device)
+    return first if first >= 0 and torch.equal(table, want) else None
+
+
 def check_tokens(table: torch.Tensor, block_size: int, tokens: int | None) -> int:
     """The token count to move: default every slot of every listed block."""
     if table.dim() != 1 or table.numel() == 0:

@@ -13,7 +13,11 @@ Contract:
 - Layers are taken in order 0, 1, ..., layers-1 (``get`` of anything else raises).
 - Overlap: on CUDA the gathers run on a side stream ordered by events; on the CPU on one worker
   thread (torch's copy kernels release the GIL). ``target`` (e.g. ``"cuda"``) stages from a
-  host cache into device buffers: gather on the host, then a non-blocking copy.
+  host cache into device buffers: gather on the host into a pinned slot, then a non-blocking
+  copy; the host slot is rewritten only once its previous copy has run (the CPU runs ahead of
+  the device, and a DMA still queued would otherwise read the next layer's bytes). A table
+  that is one contiguous run of blocks needs no gather: the copy reads the cache itself (one
+  DMA for K, one for V; asynchronous when the cache is pinned, as LMCache's DRAM tier is).
 """
 
 from __future__ import annotations
@@ -50,17 +54,33 @@ class LayerStager:
         self._stream = torch.cuda.Stream(self.target) if self._cuda else None
         self._ready: list[object] = [None, None]      # Future (CPU) or Event (CUDA) per slot
         self._released: list[object] = [None, None]   # CUDA: consumer done with the slot
+        self._copied: list[object] = [None, None]     # host slot -> device copy enqueued
+        self._run = layout.contiguous_run(block_table) if self._host is not None else None
         self._pool = None if self._cuda else ThreadPoolExecutor(1, "kv-stager")
         self._next = 0        # the layer get() expects
         self.log: list[tuple[str, int]] = []  # ("stage", i) / ("get", i), in call order
 
     # -- staging
     def _gather(self, layer: int, slot: int) -> None:
-        dst = self._host[slot] if self._host is not None else self.buffers[slot]
+        if self._host is None:
+            dispatch.gather_blocks(self.k[layer], self.v[layer], self.table,
+                                   tokens=self.tokens, out=self.buffers[slot], impl=self.impl)
+            return
+        if self._run is not None:  # contiguous blocks: DMA straight from the cache
+            first, last = self._run, self._run + self.table.numel()
+            for which, cache in enumerate((self.k[layer], self.v[layer])):
+                rows = cache[first:last].flatten(0, 1)[: self.tokens]
+                self.buffers[slot][which].copy_(rows, non_blocking=True)
+            return
+        if self._copied[slot] is not None:  # the slot's last DMA must have read it
+            self._copied[slot].synchronize()
         dispatch.gather_blocks(self.k[layer], self.v[layer], self.table, tokens=self.tokens,
-                               out=dst, impl=self.impl)
-        if self._host is not None:
-            self.buffers[slot].copy_(dst, non_blocking=True)
+                               out=self._host[slot], impl=self.impl)
+        self.buffers[slot].copy_(self._host[slot], non_blocking=True)
+        if self._cuda:
+            copied = torch.cuda.Event()
+            copied.record(torch.cuda.current_stream(self.target))
+            self._copied[slot] = copied
 
     def _stage(self, layer: int) -> None:
         slot = layer % 2

@@ -87,9 +87,12 @@ def _prefill_mask(out_ptr, chunk, cached, stride_r, stride_c,
 
 def _offset_causal_attn(q_ptr, k_ptr, v_ptr, o_ptr, chunk, cached, head_dim, group, scale,
                         sqh, sqm, sqd, skh, skn, skd, svh, svn, svd, soh, som, sod,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                        PRECISION: tl.constexpr):
     """Flash-style attention; the offset-causal predicate ``col <= row + cached`` is computed
-    per tile in registers, so no mask exists in memory at any shape."""
+    per tile in registers, so no mask exists in memory at any shape. ``PRECISION``: the dots'
+    (``ieee`` for float32 inputs: on a GPU ``tl.dot`` otherwise rounds them to TF32, 1e-3 off
+    the reference, as an H100 showed; ``tf32`` for half inputs, already coarser than it)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     kvh = (h // group).to(tl.int64)
@@ -110,7 +113,7 @@ def _offset_causal_attn(q_ptr, k_ptr, v_ptr, o_ptr, chunk, cached, head_dim, gro
         cmask = cols < cached + chunk
         kt = tl.load(k_ptr + kvh * skh + cols.to(tl.int64)[None, :] * skn + dims[:, None] * skd,
                      mask=cmask[None, :] & dmask[:, None], other=0.0).to(tl.float32)
-        s = tl.dot(q, kt) * scale
+        s = tl.dot(q, kt, input_precision=PRECISION) * scale
         allowed = (cols[None, :] <= rows[:, None] + cached) & cmask[None, :]
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
@@ -119,7 +122,7 @@ def _offset_causal_attn(q_ptr, k_ptr, v_ptr, o_ptr, chunk, cached, head_dim, gro
         l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
         vt = tl.load(v_ptr + kvh * svh + cols.to(tl.int64)[:, None] * svn + dims[None, :] * svd,
                      mask=cmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, vt)
+        acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision=PRECISION)
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(o_ptr + h * soh + rows.to(tl.int64)[:, None] * som + dims[None, :] * sod,
@@ -191,5 +194,6 @@ def offset_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     _kernel("_offset_causal_attn", q.device)[grid](
         q, k, v, out, chunk, cached, dim, heads // k.shape[0], scale,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d)
+        BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_d,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
     return out

@@ -56,3 +56,31 @@ def test_host_cache_to_device_buffers() -> None:
     with LayerStager(k, v, table, tokens=tokens, target="cuda") as stager:
         got = [kv.cpu() for _, kv in stager]
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+
+
+def test_a_contiguous_run_is_found_and_a_hole_breaks_it() -> None:
+    from agentserving.kernels.layout import contiguous_run
+
+    assert contiguous_run(torch.tensor([3, 4, 5])) == 3
+    assert contiguous_run(torch.tensor([3, 5])) is None
+    assert contiguous_run(torch.tensor([HOLE, 0])) is None
+    assert contiguous_run(torch.tensor([2], dtype=torch.int32)) == 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: device staging not exercised")
+@pytest.mark.parametrize("table", [[4, HOLE, 1], [1, 2, 3]], ids=["gathered", "contiguous"])
+def test_host_slots_are_not_rewritten_under_a_queued_copy(table: list[int]) -> None:
+    """The CPU stages far ahead of a busy device: every layer must still arrive intact."""
+    layers = 12
+    g = torch.Generator().manual_seed(9)
+    cache = torch.randn(layers, 2, 6, 64, 8, 64, generator=g).pin_memory()
+    k, v = split_stacked(cache)
+    table_t, tokens = torch.tensor(table), 64 * len(table) - 5
+    want = gather_blocks(k, v, table_t, tokens=tokens)
+    got = []
+    with LayerStager(k, v, table_t, tokens=tokens, target="cuda") as stager:
+        for _, kv in stager:
+            torch.cuda._sleep(2_000_000)  # the consumer's layer keeps the device busy
+            got.append(kv.clone())        # enqueued, not waited for: the CPU runs ahead
+    torch.cuda.synchronize()
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))

@@ -26,7 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from agentserving.prefill.shadow import SEED_003_N1, PrefetchScore, WindowScore
+from agentserving.prefill.shadow import (
+    MISS_REASONS,
+    SEED_003_N1,
+    PrefetchScore,
+    WindowScore,
+)
 from agentserving.replay.metrics import METRIC_KEYS, TABLE, ratios
 
 # The targets agentserving must meet against each baseline: seed 003's gains over independent
@@ -77,10 +82,13 @@ def shadow_figures(config: Mapping[str, Any]) -> dict[str, Any] | None:
     prefetch = PrefetchScore(**pf).as_dict()
     # the turns the proxy announced during their tool calls (pods that predate them: none)
     announced = [p["announced"] for p in pods if "announced" in p]
+    # the window's misses by cause (pods that predate the breakdown: none)
+    misses = {k: sum(p.get("n_plus_1_misses", {}).get(k, 0) for p in pods) for k in MISS_REASONS}
     return {"accuracy": rates["accuracy"], "precision": rates["precision"],
             "recall": rates["recall"], "consumption_precision": prefetch["consumption_precision"],
             "survival": prefetch["survival"], "window": n,
             "prefetch": {k: pf[k] for k in ("chunks", "used", "landed")},
+            "misses": misses if any("n_plus_1_misses" in p for p in pods) else None,
             "announced": {k: sum(a[k] for a in announced) for k in announced[0]}
             if announced else None}
 
@@ -316,8 +324,12 @@ def print_report(report: Mapping[str, Any], title: str) -> str:
         + f"; {fig['window']['tp'] + fig['window']['fn']} admissions after a wait, "
         f"{fig['prefetch']['chunks']} chunks prefetched"
         for name, m in report["configs"].items() if (fig := shadow_figures(m))]
+    shadow += [f"{name}: missed {n} ({MISS_REASONS[why]})" for name, m in report["configs"].items()
+               if (fig := shadow_figures(m)) and fig["misses"]
+               for why, n in sorted(fig["misses"].items(), key=lambda kv: -kv[1]) if n]
     if shadow:
-        console.print("N+1 window in vLLM's scheduler, live (seed 003's in brackets):")
+        console.print("N+1 window in vLLM's scheduler, live (seed 003's in brackets), and "
+                      "its missed predictions by cause:")
         for line in shadow:
             console.print(f"  {line}")
     return (text + "\n".join(lines) + f"\ntargets met: {met} of {len(lines)}\n"

@@ -139,8 +139,13 @@ def test_the_live_n_plus_1_figures_are_summed_over_pods_and_printed():
     assert fig["accuracy"] == 26 / 30 and fig["consumption_precision"] == 0.9
     assert fig["survival"] == 0.9 and fig["prefetch"] == {"chunks": 10, "used": 9, "landed": 10}
     assert shadow_figures(_summary()) is None  # vLLM's own scheduler: nothing to report
+    assert fig["misses"] is None  # pods that predate the breakdown
+    cand["scheduler"]["prefill-0"]["n_plus_1_misses"] = {"engine_refused": 2, "held_back": 1}
+    cand["scheduler"]["prefill-1"]["n_plus_1_misses"] = {"held_back": 1}
+    assert shadow_figures(cand)["misses"]["held_back"] == 2
     text = print_report(build_report({"vllm-rr": _summary(), "agentserving": cand}), title="t")
     assert "N+1 window agentserving: accuracy 86.7% (95.88%), precision 81.8% (91.24%)" in text
+    assert "agentserving: missed 2 (the policy admitted it at N+1 but the engine did not" in text
 
 
 def test_summarize_counts_sessions_and_percentiles():

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -427,6 +427,64 @@ class WindowScore:
     def as_dict(self) -> dict[str, Any]:
         return {"tp": self.tp, "fp": self.fp, "fn": self.fn, "tn": self.tn,
                 "fn_new_arrivals": self.new_arrivals, **self.rates()}
+
+
+# Why a prediction of the N+1 window failed, as the report states it
+MISS_REASONS = {
+    # predicted for N+1, not admitted then
+    "left_queue": "it left the queue before step N+1 (aborted or cancelled)",
+    "engine_refused": "the policy admitted it at N+1 but the engine did not schedule it "
+                      "(no free KV blocks, or the engine's own step limits)",
+    "overtaken_by_arrival": "a request that arrived during step N was admitted ahead of it",
+    "policy_deferred": "the policy gave step N+1 to others (the running requests' chunks or "
+                       "the budget came out differently from the look-ahead)",
+    # admitted at N+1, not predicted for it
+    "predicted_later": "the look-ahead placed it at step N+2 or later (a step predicted "
+                       "longer or a budget smaller than it was)",
+    "held_back": "predicted for N+1 but kept out of the window: its chance of surviving "
+                 "step N's arrivals was under the robust threshold",
+    "beyond_look_ahead": "the look-ahead did not reach it",
+}
+
+
+@dataclasses.dataclass
+class WindowMisses:
+    """The N+1 window's false positives and false negatives (``WindowScore``'s ``fp`` and
+    ``fn``) by cause, so a shortfall against the seed's precision and recall says which
+    predictions failed and why (``MISS_REASONS``). Pure: the caller gives what it knew at
+    step N (window, waiting, predictions) and what happened at N+1."""
+
+    counts: dict[str, int] = dataclasses.field(
+        default_factory=lambda: dict.fromkeys(MISS_REASONS, 0))
+
+    def add(self, window: frozenset[str] | set[str], waiting: Sequence[str],
+            predictions: Mapping[str, Prediction], *, waiting_next: set[str] | frozenset[str],
+            policy_admit: set[str] | frozenset[str], admitted: set[str] | frozenset[str]
+            ) -> None:
+        before = set(waiting)
+        arrival_admitted = bool(set(admitted) - before)
+        for rid in window:
+            if rid not in before or rid in admitted:
+                continue  # an announced turn, or a true positive
+            if rid not in waiting_next:
+                self.counts["left_queue"] += 1
+            elif rid in policy_admit:
+                self.counts["engine_refused"] += 1
+            elif arrival_admitted:
+                self.counts["overtaken_by_arrival"] += 1
+            else:
+                self.counts["policy_deferred"] += 1
+        for rid in set(admitted) & before - set(window):
+            pred = predictions.get(rid)
+            if pred is None:
+                self.counts["beyond_look_ahead"] += 1
+            elif pred.offset <= 1:
+                self.counts["held_back"] += 1
+            else:
+                self.counts["predicted_later"] += 1
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.counts)
 
 
 @dataclasses.dataclass

@@ -63,6 +63,7 @@ from agentserving.prefill.shadow import (
     EXPECTED,
     PrefetchScore,
     ShadowScheduler,
+    WindowMisses,
     WindowScore,
     split_shadow_options,
 )
@@ -192,6 +193,7 @@ class ShadowGlue:
         self.clock = clock
         self.keep = keep
         self.window = WindowScore()
+        self.misses = WindowMisses()  # the window's fp and fn by cause
         self.prefetch = PrefetchScore()
         self.steps = 0
         self.observed = 0
@@ -199,8 +201,9 @@ class ShadowGlue:
         # added to vLLM's prefix cache, and the disk-only chunks among them
         self.plans = {"requests": 0, "lmcache_tokens": 0, "disk_chunks": 0}
         self._last: tuple[Decision, SchedState, float] | None = None
-        self._scored: tuple[frozenset[str], list[str]] | None = None  # to score next
-        self._pending: tuple[frozenset[str], list[str]] | None = None  # this step's
+        # (window, waiting ids, predictions) of a step: the one to score next, this step's
+        self._scored: tuple[frozenset[str], list[str], dict[str, Any]] | None = None
+        self._pending: tuple[frozenset[str], list[str], dict[str, Any]] | None = None
         # request id -> (the prefetch's lookup id, its chunks), measured at admission
         self._prefetched: collections.OrderedDict[str, tuple[str, tuple[str, ...]]] = (
             collections.OrderedDict())
@@ -236,7 +239,7 @@ class ShadowGlue:
             self.prefetch.chunks += len(hashes)
         while len(self._prefetched) > self.keep:  # finished or aborted before admission
             self._prefetched.popitem(last=False)
-        self._pending = (res.window, [w.req_id for w in state.waiting])
+        self._pending = (res.window, [w.req_id for w in state.waiting], res.predictions)
         self._last = (res.decision, state, now)
         self.steps += 1
         return res.decision
@@ -307,7 +310,13 @@ class ShadowGlue:
     def admitted(self, request_ids: set[str]) -> None:
         """The requests vLLM newly scheduled in the step just decided."""
         if self._scored is not None:
-            self.window.add(*self._scored, request_ids)
+            window, waiting, predictions = self._scored
+            self.window.add(window, waiting, request_ids)
+            now = self._pending
+            self.misses.add(window, waiting, predictions,
+                            waiting_next=set(now[1]) if now is not None else set(),
+                            policy_admit=set(self._last[0].admit) if self._last else set(),
+                            admitted=request_ids)
         self._scored, self._pending = self._pending, None
         done = [self._prefetched.pop(rid) for rid in request_ids if rid in self._prefetched]
         if not done or not self.measure:
@@ -321,6 +330,7 @@ class ShadowGlue:
         return {"policy": self.shadow.name, "lookahead": self.shadow.lookahead,
                 "prefetch_window": self.shadow.prefetch_window, "steps": self.steps,
                 "steps_observed": self.observed, "n_plus_1_prediction": self.window.as_dict(),
+                "n_plus_1_misses": self.misses.as_dict(),
                 "prefetch": self.prefetch.as_dict(),
                 "prefetch_measured": self.measure, "plans": dict(self.plans),
                 "announced": self.announced.score.as_dict(),

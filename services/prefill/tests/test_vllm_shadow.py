@@ -15,7 +15,10 @@ from agentserving.prefill import vllm_plugin
 from agentserving.prefill.expected_turns import ExpectedTurns
 from agentserving.prefill.shadow import (
     EXPECTED,
+    MISS_REASONS,
+    Prediction,
     ShadowScheduler,
+    WindowMisses,
     WindowScore,
     split_shadow_options,
 )
@@ -49,6 +52,26 @@ def test_window_score_counts_every_waiting_request_once():
     score.add(frozenset({"a", "b"}), ["a", "b", "c", "d"], {"a", "c", "new"})
     assert (score.tp, score.fp, score.fn, score.tn, score.new_arrivals) == (1, 1, 1, 1, 1)
     assert score.rates()["precision"] == 0.5 and score.rates()["accuracy"] == 0.5
+
+
+def test_every_missed_prediction_gets_one_cause():
+    misses = WindowMisses()
+    pred = {"refused": Prediction(1, 0.1), "deferred": Prediction(1, 0.1),
+            "gone": Prediction(1, 0.1), "late": Prediction(3, 0.5),
+            "held": Prediction(1, 0.1, p_admit=0.2)}
+    window = frozenset({"refused", "deferred", "gone", "hit", EXPECTED + "turn"})
+    waiting = ["refused", "deferred", "gone", "hit", "late", "held", "far"]
+    # no arrival admitted: a deferred prediction is the policy's own change of plan
+    misses.add(window, waiting, pred, waiting_next={"refused", "deferred", "late", "held", "far"},
+               policy_admit={"refused", "hit", "late", "held", "far"},
+               admitted={"hit", "late", "held", "far"})
+    assert misses.as_dict() == {**dict.fromkeys(MISS_REASONS, 0), "left_queue": 1,
+                                "engine_refused": 1, "policy_deferred": 1, "predicted_later": 1,
+                                "held_back": 1, "beyond_look_ahead": 1}
+    # a newcomer admitted at N+1: the same deferral is now an overtaking
+    misses.add(frozenset({"a"}), ["a"], {"a": Prediction(1, 0.1)}, waiting_next={"a", "new"},
+               policy_admit={"new"}, admitted={"new"})
+    assert misses.counts["overtaken_by_arrival"] == 1 and misses.counts["policy_deferred"] == 1
 
 
 class Scheduled(StandIn):
@@ -146,6 +169,7 @@ def test_the_shadow_prefetches_the_n_plus_1_window_and_scores_itself(monkeypatch
     stats = hooks.published()
     window = stats["n_plus_1_prediction"]
     assert window["tp"] >= 1 and window["tp"] + window["fp"] + window["fn"] + window["tn"] > 2
+    assert sum(stats["n_plus_1_misses"].values()) == window["fp"] + window["fn"]
     # every prefetched chunk was in DRAM at admission and had landed: consumption, survival 1
     assert stats["prefetch"] == {"chunks": 16, "used": 16, "landed": 16, "alive": 16,
                                  "consumption_precision": 1.0, "survival": 1.0}

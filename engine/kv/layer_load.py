@@ -28,9 +28,13 @@ class LayerLoad:
     def __init__(self, num_layers: int, copy_layer: Callable[[int], None], *,
                  on_exit: Callable[[], None] | None = None,
                  on_wait: Callable[[LayerLoad, int, float], None] | None = None,
-                 name: str = "kv-layer-load", background: bool = True) -> None:
+                 name: str = "kv-layer-load", background: bool = True,
+                 on_thread_start: Callable[[], None] | None = None) -> None:
         self.num_layers = num_layers
         self._copy = copy_layer
+        # run first on the loader thread only (never on a helping forward thread): e.g. the
+        # thread's own CPU affinity
+        self._on_thread_start = on_thread_start
         self._helpable = bool(getattr(copy_layer, "helpable", False))
         self._on_exit = on_exit
         # (load, layer, seconds waited) after each successful wait; handed the load rather than
@@ -74,6 +78,11 @@ class LayerLoad:
 
     def _run(self) -> None:
         try:
+            if self._thread is not None and self._on_thread_start is not None:
+                try:
+                    self._on_thread_start()
+                except Exception:  # noqa: BLE001 - a tuning hook never fails the load
+                    pass
             for i in range(self.num_layers):
                 if self.error is not None:
                     break

@@ -2,10 +2,11 @@
 
 On admission the engine knows which chunks of a request's prefix are cached and has them
 verified (``KVStore.fetch_prefix``: LMCache memory objects, references held). Copying them
-into the request's paged blocks is the bulk of the load; ``LayerLoad`` does it on a background
-thread, layer 0 first (``chunk_copier``: two GIL-free ops per layer into one contiguous run of
-blocks, or one ``kernels.scatter_blocks`` launch per chunk for a fragmented table), with the
-LMCache object's slice as the staging buffer. The forward pass starts at once: the paged
+into the request's paged blocks is the bulk of the load; ``LayerLoad`` (``layer_load``, which
+the vLLM-CPU pods' layer-wise retrieve shares) does it on a background thread, layer 0 first
+(``chunk_copier``: two GIL-free ops per layer into one contiguous run of blocks, or one
+``kernels.scatter_blocks`` launch per chunk for a fragmented table), with the LMCache object's
+slice as the staging buffer. The forward pass starts at once: the paged
 cache's layer ``i`` waits for ``done[i]`` only (``paged.PagedLayer.materialize``) while later
 layers keep loading, so the load hides behind the compute of the layers before it. The time a
 layer actually waits is the *exposed* KV time the benchmark reports

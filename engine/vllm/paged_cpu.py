@@ -38,6 +38,7 @@ modes (bench/vllm_layerwise_bench.py).
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,26 @@ from agentserving.core.logging import get_logger
 from agentserving.engine.kv.layer_load import LayerLoad
 
 log = get_logger(__name__)
+
+
+# The loader thread's CPUs: vLLM-CPU binds its OMP threads, the forward's thread included, one
+# core each, and a thread inherits its creator's binding: left alone, the loader would share the
+# forward thread's core. "all": every CPU the process may use (the kernel picks an idle one);
+# "inherit": the creator's.
+LOADER_AFFINITY_ENV = "AGENTSERVING_KV_LOADER_AFFINITY"
+
+
+def loader_affinity() -> str:
+    value = os.environ.get(LOADER_AFFINITY_ENV, "all")
+    if value not in ("all", "inherit"):
+        raise ValueError(f"{LOADER_AFFINITY_ENV}: expected 'all' or 'inherit', got {value!r}")
+    return value
+
+
+def _unbind_thread() -> None:
+    """Let the calling thread run on any CPU of the process's cpuset (the kernel narrows the
+    set to it)."""
+    os.sched_setaffinity(0, range(os.cpu_count() or 1))
 
 
 def _base() -> type:
@@ -76,6 +97,7 @@ class VLLMCPUPagedConnector(_base()):  # type: ignore[misc]
         self.head_size = head_size
         self.kvcaches: list[torch.Tensor] | None = None
         self.layerwise = layerwise
+        self._thread_start = _unbind_thread if loader_affinity() == "all" else None
         self._pending: list[_Deferred] = []  # this step's retrieves, not copied yet
         self._load: LayerLoad | None = None  # the step's layer-wise copy
 
@@ -185,7 +207,7 @@ class VLLMCPUPagedConnector(_base()):  # type: ignore[misc]
                 w.obj.ref_count_down()
 
         self._load = LayerLoad(self.num_layers, copy_layer, on_exit=release,
-                               name="vllm-kv-layer-load")
+                               name="vllm-kv-layer-load", on_thread_start=self._thread_start)
         return self._load
 
     def wait_layer(self, layer: int) -> bool:

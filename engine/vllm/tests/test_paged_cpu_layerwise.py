@@ -151,3 +151,39 @@ def test_a_failed_copy_raises_in_the_forward_and_still_releases(engine) -> None:
     with pytest.raises(LoadFailed):
         paged.finish()
     assert [o.get_ref_count() for o in objs] == [n - 1 for n in held]
+
+
+def test_the_loader_thread_leaves_the_forwards_core(monkeypatch) -> None:
+    """vLLM-CPU binds the forward's thread to one core and a new thread inherits that: the
+    loader widens its own binding to every CPU of the process, the forward's stays as it was."""
+    import os
+    import threading
+
+    from agentserving.engine.vllm import paged_cpu
+
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("one CPU: nothing to widen")
+    seen: dict[str, set[int]] = {}
+
+    def loader() -> None:
+        seen["inherited"] = os.sched_getaffinity(0)
+        paged_cpu._unbind_thread()
+        seen["loader"] = os.sched_getaffinity(0)
+
+    first = min(allowed)
+    os.sched_setaffinity(0, {first})  # as vLLM binds its forward thread
+    try:
+        t = threading.Thread(target=loader)
+        t.start()
+        t.join()
+        assert os.sched_getaffinity(0) == {first}  # the forward's own binding untouched
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert seen["inherited"] == {first} and seen["loader"] == allowed
+    assert VLLMCPUPagedConnector(1, 1, 1)._thread_start is paged_cpu._unbind_thread
+    monkeypatch.setenv(paged_cpu.LOADER_AFFINITY_ENV, "inherit")
+    assert VLLMCPUPagedConnector(1, 1, 1)._thread_start is None
+    monkeypatch.setenv(paged_cpu.LOADER_AFFINITY_ENV, "core0")
+    with pytest.raises(ValueError, match=paged_cpu.LOADER_AFFINITY_ENV):
+        VLLMCPUPagedConnector(1, 1, 1)

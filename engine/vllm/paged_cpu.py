@@ -191,14 +191,26 @@ class VLLMCPUPagedConnector(_base()):  # type: ignore[misc]
         if not work:
             return None
 
+        # one destination per set of layer tensors (a step's requests share vLLM's)
+        groups: dict[int, list[_Deferred]] = {}
+        for w in work:
+            groups.setdefault(id(w.layers[0]), []).append(w)
+        plans = [(ws, torch.cat([w.blocks for w in ws]), torch.cat([w.offsets for w in ws]))
+                 for ws in groups.values()]
+        heads, dim = self.num_kv_heads, self.head_size
+
         def copy_layer(i: int) -> None:
-            # one index_put per K and V per layer for each object (GIL-free copies)
-            for w in work:
-                blocks, heads, block_size, width = w.layers[i].shape
-                kv = w.layers[i].view(blocks, heads, 2, block_size, width // 2)
-                for which in (0, 1):
-                    rows = self._rows(w.obj, which, i, w.n)[w.skip:]
-                    kv[w.blocks, :, which, w.offsets, :] = rows.to(kv.dtype)
+            # a fixed number of GIL-free ops per layer, however many chunks: the objects' rows
+            # joined ([2, tokens, heads * dim]), then one index_put of K and V together. One op
+            # per chunk would take the GIL back from the forward pass that many times per layer
+            for ws, blocks, offsets in plans:
+                rows = [w.obj.tensor[:, i, w.skip:w.n] for w in ws]
+                src = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)
+                nblocks, _, block_size, width = ws[0].layers[i].shape
+                kv = ws[0].layers[i].view(nblocks, heads, 2, block_size, width // 2)
+                # kv[blocks, :, :, offsets, :] is [tokens, heads, 2, dim]
+                kv[blocks, :, :, offsets, :] = src.view(2, -1, heads, dim).permute(
+                    1, 2, 0, 3).to(kv.dtype)
 
         copy_layer.helpable = True  # type: ignore[attr-defined]  # reads DRAM only
 

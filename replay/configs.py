@@ -17,6 +17,9 @@ On vLLM (the default engine, what users deploy):
   disk -> DRAM prefetch);
 - ``agentserving-fcfs``: the same without the scheduler (vLLM's own FCFS on the prefill pod);
 - ``agentserving-noprefetch``: the same scheduler without the ShadowScheduler's prefetch;
+- ``agentserving-nolayerwise``: the same with every vLLM pod's KV reload from LMCache's tiers
+  copied whole before the forward pass (``--no-kv-layerwise-load``), not layer by layer behind
+  it;
 - ``agentserving-allpd``: the same without conditional disaggregation: every turn's prefill
   runs on the prefill pod, as in seed 003 (the proxy's ``--local-prefill-tokens 0
   --max-prefill-backlog 0``).
@@ -78,7 +81,7 @@ DEFAULT_TIME_SCALE = {"reference": 1.0, "vllm": 0.5}
 DEFAULT_CONFIGS = {"reference": ("baseline", "agentserving"),
                    "vllm": ("vllm-rr", "vllm-session", "vllm-precise", "agentserving",
                             "agentserving-fcfs", "agentserving-noprefetch",
-                            "agentserving-allpd")}
+                            "agentserving-nolayerwise", "agentserving-allpd")}
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,7 @@ class BenchConfig:
     prefill_policy: str | None = None  # None: the engine's PREFILL_POLICY; "fcfs": stock
     precise: bool = False  # vLLM KV events -> kvindex; the proxy hashes prompts vLLM's way
     proxy_args: tuple[str, ...] = ()  # agentserving's proxy, after the engine's and the run's
+    layerwise_load: bool = True  # the workers' --kv-layerwise-load
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
@@ -123,6 +127,10 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 "its tool call (a session's KV on disk is read when its turn is scheduled)",
                 routing="kv-aware", disaggregated=True, prefill_policy=VLLM_PREFILL_POLICY,
                 proxy_args=("--no-tool-prefetch",)),
+    BenchConfig("agentserving-nolayerwise", ("vllm",), "agentserving without the layer-wise "
+                "KV load: a reload from LMCache's tiers is copied into vLLM's pages whole, "
+                "before the forward pass, not layer by layer behind it", routing="kv-aware",
+                disaggregated=True, layerwise_load=False),
     BenchConfig("agentserving-allpd", ("vllm",), "agentserving without conditional "
                 "disaggregation: every turn's prefill on the prefill pod, as in seed 003",
                 routing="kv-aware", disaggregated=True,
@@ -185,6 +193,7 @@ def fleet_spec(config: BenchConfig, sizes: FleetSizes) -> Any:
         if not config.tiers:
             worker_args += ["--vllm-kv-connector", "none"]
     common: dict[str, Any] = dict(model=sizes.model, worker_args=worker_args,
+                                  kv_layerwise_load=config.layerwise_load,
                                   worker_env=dict(sizes.worker_env), engine=engine,
                                   startup_timeout_s=sizes.startup_timeout_s,
                                   worker_command=sizes.worker_command, routing=config.routing)

@@ -8,6 +8,11 @@ server, so "evicted from every tier" means what it says there) and a second prox
 kv-aware over ``worker-0`` and ``prefill-0`` (plain turns, no P/D: which pod a session goes
 back to is the routing's choice alone).
 
+worker-0 (and the decode pod) copy a reload from LMCache's tiers into vLLM's pages layer by
+layer behind the forward pass (``--kv-layerwise-load``, the default); prefill-0 copies it whole
+before the forward (``--no-kv-layerwise-load``), so one fleet holds both sides of that
+ablation.
+
 Three vLLM instances take ~14 GB and start together in 60-130 s on 2 cores. The tests skip
 when the vLLM env is missing (``scripts/vllm-env.sh``; ``make test`` installs it) unless CI is
 set, where a missing env is a failure.
@@ -102,7 +107,7 @@ def _standalone(spec: FleetSpec, run_dir: Path, ports: PortAllocator, kv_url: st
               "--port", str(port), "--memory-port-start", str(mem), "--pod-name", "worker-0",
               "--kvindex", kv_url, "--cpu-cache-gib", "0.5", "--chunk-size", str(CHUNK),
               "--disk-cache-dir", str(run_dir / "disk" / "worker-0"), "--disk-cache-gib", "1",
-              "--disk-io", "direct", *WORKER_ARGS])
+              "--disk-io", "direct", "--kv-layerwise-load", *WORKER_ARGS])
     pport = ports.one()
     proxy = ProcessSpec(
         name="proxy-routing", role="proxy-routing", url=f"http://{LOOPBACK}:{pport}",
@@ -136,7 +141,8 @@ def vllm_fleet(tmp_path_factory: pytest.TempPathFactory, lmcache_none_hash: int)
     ports = PortAllocator()
     spec = FleetSpec(engine="vllm", prefill=1, decode=1, cpu_cache_gib=0.5,
                      disk_cache_gib=1.0, worker_args=WORKER_ARGS, startup_timeout_s=420.0,
-                     proxy_args=["--local-prefill-tokens", "2048"])
+                     proxy_args=["--local-prefill-tokens", "2048"],
+                     role_args={"prefill": ["--no-kv-layerwise-load"]})
     specs = build(spec, run_dir, ports)
     kv_url = next(s.url for s in specs if s.role == "kvindex")
     prefill_url = next(s.url for s in specs if s.name == "prefill-0")

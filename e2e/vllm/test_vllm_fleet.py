@@ -300,6 +300,8 @@ def test_restore_from_every_tier_equals_recompute(vllm_fleet: VllmFleet) -> None
     steps = httpx.get(vllm_fleet.memory_url("worker-0") + "/memory/steps", timeout=10).json()
     assert steps["pod"]["loading_steps"] >= 2, steps["pod"]  # from DRAM, then from disk
     assert steps["pod"]["kv_wait_exposed_p50_s"] > 0 and steps["pod"]["forward_p50_s"] > 0
+    # worker-0 loads layer by layer: its loading steps waited per layer
+    assert steps["pod"]["layerwise_steps"] == steps["pod"]["loading_steps"], steps["pod"]
     since = steps["pod"]["last_step"]
     later = httpx.get(vllm_fleet.memory_url("worker-0") + "/memory/steps",
                       params={"since": since}, timeout=10).json()
@@ -327,6 +329,50 @@ def test_restore_from_every_tier_equals_recompute(vllm_fleet: VllmFleet) -> None
             break
         assert time.monotonic() < deadline, where
         time.sleep(0.3)
+
+
+def _restored_from_dram(fleet: VllmFleet, pod: str, prompt: list[int]) -> tuple[dict, dict]:
+    """``prompt`` computed on ``pod``, then (vLLM's own cache reset) restored from LMCache's
+    DRAM tier: (the restore's answer, the pod's steps summary of that restore alone)."""
+    url, mem = fleet.url(pod), fleet.memory_url(pod)
+    first = completion(url, prompt)
+    n = len(first["kv_transfer_params"]["chunk_hashes"]) * CHUNK
+    _reset_vllm_prefix_cache(url)
+    since = httpx.get(mem + "/memory/steps", timeout=10).json()["pod"]["last_step"]
+    before = vllm_metrics(url)
+    restored = completion(url, prompt)
+    assert delta(before, vllm_metrics(url), EXTERNAL) == n  # every full chunk from LMCache
+    same_output(first, restored, SPLIT_TOL)  # against the recompute: greedy tokens equal
+    steps = httpx.get(mem + "/memory/steps", params={"since": since}, timeout=10).json()
+    return restored, steps["pod"]
+
+
+def test_a_layerwise_restore_equals_a_whole_one_and_waits_per_layer(
+        vllm_fleet: VllmFleet) -> None:
+    """worker-0 copies a DRAM restore into vLLM's pages layer by layer behind the forward,
+    prefill-0 whole before it: the same KV and the same split of the forward, so the answers
+    are identical (greedy tokens and top-5 logprobs at LOGPROB_TOL), and only worker-0's
+    restore is a step that waited per layer."""
+    prompt = prompt_ids(57, 3100)
+    layerwise, lw_steps = _restored_from_dram(vllm_fleet, "worker-0", prompt)
+    whole, whole_steps = _restored_from_dram(vllm_fleet, "prefill-0", prompt)
+    same_output(layerwise, whole)
+    assert lw_steps["loading_steps"] == 1 and lw_steps["layerwise_steps"] == 1, lw_steps
+    assert whole_steps["loading_steps"] == 1 and whole_steps["layerwise_steps"] == 0, \
+        whole_steps
+    for s in (lw_steps, whole_steps):  # the exposed wait and the forward of that step
+        assert s["kv_wait_exposed_p50_s"] > 0 and s["forward_p50_s"] > 0, s
+    # the pods' logs say which load each runs
+    assert _load_mode(vllm_fleet, "worker-0") and not _load_mode(vllm_fleet, "prefill-0")
+
+
+def _load_mode(fleet: VllmFleet, pod: str) -> bool:
+    """Whether the pod's connector said it loads layer by layer (its ``vllm_cpu_kv_load``
+    line, in whichever form the pod's log renders it)."""
+    lines = [ln for ln in fleet.log(pod).read_text(errors="replace").splitlines()
+             if "vllm_cpu_kv_load" in ln]
+    assert lines, f"{pod} never logged its KV load mode"
+    return re.search(r"layerwise\W{0,4}(true|True)", lines[-1]) is not None
 
 
 def test_kvindex_finds_vllm_chunks_and_routing_returns_the_session(

@@ -21,6 +21,14 @@ adds, as LMCache-Ascend does on NPUs (seed 000):
   engine exists (after ``register_kv_caches``).
 - both: prompt-token reuse by tier and tenant (``reuse``): prompt tokens and vLLM's own
   prefix-cache hits (device) in the scheduler, LMCache's cpu/disk/remote loads in rank 0.
+- worker role, ``layerwise_load`` (default on): LMCache's retrieve in ``start_load_kv`` only
+  queues the copy into vLLM's pages (``paged_cpu``); it runs layer by layer on a thread, and
+  ``wait_for_layer_load(layer)``, which vLLM calls before each layer's attention, waits for that
+  layer alone, so the reload overlaps the forward pass (seed 003's layer-wise load). The step's
+  ``StepClock`` times those waits: the KV wait a step shows is what the forward still waited
+  for. ``wait_for_save`` waits for any copy still running, so no step ends with a layer half
+  written. A failed copy (a CPU memcpy: not expected) is logged and raised in the forward, which
+  fails the step as a failed synchronous retrieve would.
 
 The glue below only reads vLLM/LMCache objects and calls the pure functions of ``hashes``,
 ``settings`` and ``services``. Settings: ``settings.parse_settings``.
@@ -32,7 +40,8 @@ What was exercised:
   blocking and streamed answers (``stream_hashes``), the memory API of both processes
   (prefetch, evict by location, 4xx naming the field), residency in the kvindex with resync
   after a kvindex restart, tenants' ``cache_salt`` (``salting``), P/D through LMCache's KV
-  server with the prefill pod's write flush, restores equal to recomputes.
+  server with the prefill pod's write flush, restores equal to recomputes, layer-wise
+  (the default) and whole (bench/vllm_layerwise_bench.py runs both).
 - Against vLLM 0.33.0's classes without an engine (engine/vllm/tests, the CUDA wheel
   installed ``--no-deps`` by ``scripts/vllm-test-env.sh``): the connector built in the
   scheduler role from a real ``VllmConfig``, ``get_num_new_matched_tokens`` /
@@ -122,6 +131,9 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         self._as_source: str | None = None
         self._as_puller: HandoffPuller | None = None
         self._as_peer: PeerPull | None = None
+        # layer-wise retrieve (paged_cpu): vLLM's layer names -> the kv_caches' order
+        self._as_paged: paged_cpu.VLLMCPUPagedConnector | None = None
+        self._as_layer_index: dict[str, int] = {}
         impl = self._lmcache_engine
         if role == KVConnectorRole.SCHEDULER:
             self._as_reuse = reuse.SchedulerReuse(
@@ -247,7 +259,20 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         super().register_kv_caches(kv_caches)
+        self._use_layerwise(kv_caches)
         self._maybe_start_worker_services()
+
+    def _use_layerwise(self, kv_caches: dict[str, Any]) -> None:
+        """Switch LMCache's CPU paged connector to layer-wise retrieve (``layerwise_load``);
+        LMCache hands it ``kv_caches`` in this order, so a layer's name maps to its index."""
+        engine = self._lmcache_engine.lmcache_engine
+        paged = getattr(engine, "gpu_connector", None) if engine is not None else None
+        if not isinstance(paged, paged_cpu.VLLMCPUPagedConnector):
+            return  # CUDA and the rest: LMCache's own connector, synchronous here
+        paged.layerwise = self._as_settings.layerwise_load
+        self._as_paged = paged if paged.layerwise else None
+        self._as_layer_index = {name: i for i, name in enumerate(kv_caches)}
+        log.info("vllm_cpu_kv_load", layerwise=paged.layerwise, layers=len(kv_caches))
 
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
@@ -255,23 +280,60 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
             self._as_steps.begin(loads=loading_requests(connector_metadata))
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self._as_steps is None:
-            super().start_load_kv(forward_context, **kwargs)
-        else:
-            with self._as_steps.timed():  # synchronous: all of it on the critical path
+        # layer-wise, LMCache's retrieve only queues the copies: they start here, and what the
+        # forward waits for is timed in wait_for_layer_load
+        try:
+            if self._as_steps is None:
                 super().start_load_kv(forward_context, **kwargs)
+            else:
+                with self._as_steps.timed():  # synchronous: all of it on the critical path
+                    super().start_load_kv(forward_context, **kwargs)
+        finally:
+            if (paged := getattr(self, "_as_paged", None)) is not None:
+                paged.start_layer_load()
         if self._as_worker is None:  # engines initialised from the forward context
             self._maybe_start_worker_services()
 
+    def _wait_layer(self, layer_name: str) -> bool:
+        """Wait for ``layer_name``'s KV (all of it for a layer not registered); True when a
+        layer-wise load was running."""
+        paged = getattr(self, "_as_paged", None)
+        if paged is None:
+            return False
+        try:
+            idx = self._as_layer_index.get(layer_name)
+            return paged.finish() if idx is None else paged.wait_layer(idx)
+        except Exception:
+            log.exception("layerwise_kv_load_failed", layer=layer_name)
+            raise
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._as_steps is None:
+            self._wait_layer(layer_name)
             return super().wait_for_layer_load(layer_name)
         with self._as_steps.timed():  # layer-wise: only what the forward still waits for
+            if self._wait_layer(layer_name):
+                self._as_steps.layer_waited()
             return super().wait_for_layer_load(layer_name)
+
+    def _finish_layerwise(self) -> None:
+        """No copy still in flight once the forward is over (normally all done already)."""
+        paged = getattr(self, "_as_paged", None)
+        if paged is None:
+            return
+        try:
+            paged.finish()
+        except Exception:
+            log.exception("layerwise_kv_load_failed", layer=None)
+            raise
 
     def wait_for_save(self) -> None:
         if self._as_steps is not None:
+            with self._as_steps.timed():
+                self._finish_layerwise()
             self._as_steps.end()  # the forward is over; the stores are not its time
+        else:
+            self._finish_layerwise()
         super().wait_for_save()
         if self._as_settings.pod_role is PodRole.PREFILL:  # the hand-off is done when we answer
             engine = self._lmcache_engine.lmcache_engine
@@ -284,6 +346,10 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
                 log.warning("remote_puts_pending", timeout_s=self._as_settings.handoff_timeout_s)
 
     def shutdown(self) -> Any:
+        try:  # LMCache's memory objects go back before its engine closes
+            self._finish_layerwise()
+        except Exception:  # noqa: BLE001 - shutdown goes on (logged)
+            pass
         for svc in (self._as_scheduler, self._as_worker):
             if svc is not None:
                 try:

@@ -36,6 +36,8 @@ so a pod and a test run the same command line. What each worker setting becomes:
   so a decode pod keeps what it pulled and computed;
 - pod_name, advertise_host, memory_port_start, kvindex_url, heartbeat and residency
   intervals, metrics_max_tenants: the connector's ``kv_connector_extra_config``;
+- kv_layerwise_load: the connector's ``layerwise_load`` (LMCache's reloads copied into vLLM's
+  pages layer by layer behind the forward pass, ``engine.vllm.paged_cpu``);
 - log_level, lmcache_log_level: ``VLLM_LOGGING_LEVEL``, ``LMCACHE_LOG_LEVEL``.
 
 Settings that only the reference engine has (its other scheduler policies, P/D pull timeouts,
@@ -213,6 +215,7 @@ def kv_transfer_config(settings: WorkerSettings) -> dict[str, object]:
         "handoff_timeout_s": settings.kv_transfer_timeout_s,
         "metrics_max_tenants": settings.metrics_max_tenants,
         "pin_share": settings.pin_share,
+        "layerwise_load": settings.kv_layerwise_load,
     }
     if settings.kv_server_api:
         extra.update(kv_server_api=settings.kv_server_api,

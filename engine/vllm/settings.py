@@ -50,6 +50,9 @@ class ConnectorSettings:
     kv_server_api: str | None = None
     kv_transfer_p2p: bool = False
     kv_pull_timeout_s: float = 30.0
+    # vLLM-CPU: LMCache's reloads copied into vLLM's pages layer by layer behind the forward
+    # pass (paged_cpu); off: all of it in start_load_kv, before the forward
+    layerwise_load: bool = True
     # core.internal_auth: from the environment only (kv_connector_extra_config is on vLLM's
     # command line, where every process on the host can read it)
     internal_token: str | None = field(default=None, repr=False)
@@ -157,6 +160,7 @@ def parse_settings(extra: Mapping[str, Any] | None, env: Mapping[str, str]) -> C
         kv_server_api=str(server_api).rstrip("/") if server_api else None,
         kv_transfer_p2p=p2p,
         kv_pull_timeout_s=_positive("kv_pull_timeout_s", extra.get("kv_pull_timeout_s", 30.0)),
+        layerwise_load=_bool("layerwise_load", extra.get("layerwise_load", True)),
         internal_token=env.get(TOKEN_ENV) or None,
     )
 

@@ -9,7 +9,8 @@ two figures:
 - ``start_load_kv``: LMCache's retrieve; synchronous (not layer-wise) it returns only when the
   step's KV is in vLLM's pages, so all of it is on the critical path (``waited``);
 - ``wait_for_layer_load(layer)``: layer-wise, what the forward still waits for before each
-  layer's attention (``waited``, once per layer);
+  layer's attention (``waited``, once per layer; ``layer_waited`` counts the layers that
+  waited on a layer-wise load, so a summary tells layer-wise steps from whole ones);
 - ``wait_for_save``: the forward is over (``end``); the KV stores that follow are the next
   figure's business, not the forward's.
 
@@ -36,6 +37,7 @@ class StepTime:
     kv_wait_s: float  # exposed: what the step waited for KV before or between its layers
     forward_s: float  # the step's time minus kv_wait_s
     loads: int  # requests whose KV this step loaded from LMCache's tiers
+    layer_waits: int = 0  # layers that waited on a layer-wise load (0: whole or none)
 
 
 class StepClock:
@@ -51,12 +53,18 @@ class StepClock:
         self._start: float | None = None
         self._waited = 0.0
         self._loads = 0
+        self._layer_waits = 0
 
     def begin(self, loads: int = 0) -> None:
         self._start, self._waited, self._loads = self.clock(), 0.0, loads
+        self._layer_waits = 0
 
     def waited(self, seconds: float) -> None:
         self._waited += max(0.0, seconds)
+
+    def layer_waited(self) -> None:
+        """One layer waited on a layer-wise load (its time goes through ``timed``)."""
+        self._layer_waits += 1
 
     def timed(self) -> _Timed:
         """``with clock.timed(): ...`` adds the block's time to the step's KV wait."""
@@ -67,7 +75,7 @@ class StepClock:
             return None
         total = self.clock() - self._start
         step = StepTime(kv_wait_s=self._waited, forward_s=max(0.0, total - self._waited),
-                        loads=self._loads)
+                        loads=self._loads, layer_waits=self._layer_waits)
         self._start = None
         with self._lock:
             self.count += 1
@@ -112,12 +120,14 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def summarize(steps: Iterable[StepTime]) -> dict[str, Any]:
     """P50/P95 of the KV wait and the forward over the steps that loaded KV (the seed's
-    per-reload figure), their ratio at P50, and how many steps there were of each kind."""
+    per-reload figure), their ratio at P50, and how many steps there were of each kind
+    (``layerwise_steps``: loading steps whose KV came layer by layer)."""
     steps = list(steps)
     loading = [s for s in steps if s.loads > 0]
     wait = [s.kv_wait_s for s in loading]
     fwd = [s.forward_s for s in loading]
     out: dict[str, Any] = {"steps": len(steps), "loading_steps": len(loading),
+                           "layerwise_steps": sum(1 for s in loading if s.layer_waits),
                            "kv_wait_exposed_p50_s": percentile(wait, 50),
                            "kv_wait_exposed_p95_s": percentile(wait, 95),
                            "forward_p50_s": percentile(fwd, 50),
@@ -130,10 +140,12 @@ def summarize(steps: Iterable[StepTime]) -> dict[str, Any]:
 
 def pooled(summaries: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """The figures over several summaries' loading steps together (the pods of one fleet)."""
+    summaries = [s for s in summaries if s]
     samples = [x for s in summaries if s for x in s.get("loading") or ()]
     steps = sum(int(s.get("steps") or 0) for s in summaries if s)
     out = summarize(StepTime(w, f, 1) for w, f in samples)
-    return {**out, "steps": steps}
+    layerwise = sum(int(s.get("layerwise_steps") or 0) for s in summaries if s)
+    return {**out, "steps": steps, "layerwise_steps": layerwise}
 
 
 def merge_summaries(parts: Iterable[dict[str, Any]]) -> dict[str, Any] | None:

@@ -31,6 +31,9 @@ from agentserving.core.cli import option
 @option("--disk-io", type=click.Choice(["buffered", "direct"]), default="buffered",
         help="The disk tier's I/O (each worker's --disk-io): direct reads past the page "
              "cache (O_DIRECT), as an SSD costs once the working set outgrows DRAM.")
+@option("--kv-layerwise-load/--no-kv-layerwise-load", default=True,
+        help="Each worker copies a reused prefix into its KV blocks layer by layer while the "
+        "forward pass runs (each worker's --kv-layerwise-load); off: all of it before.")
 @option("--kv-transfer", type=click.Choice(["p2p", "server"]), default="p2p",
         help="vLLM P/D: p2p gives each vLLM worker its own KV server and a decode pod reads "
         "the prefill pod's chunks from it into its DRAM tier; server runs one central KV "
@@ -46,8 +49,9 @@ from agentserving.core.cli import option
 @option("--startup-timeout", "startup_timeout_s", type=click.FloatRange(min=1), default=180.0,
         help="Seconds a worker may take to become healthy.")
 def command(prefill: int, decode: int, kvindex: str, model: str, engine: str, routing: str,
-            cpu_cache_gib: float, disk_cache_gib: float, disk_io: str, kv_transfer: str,
-            kv_transfer_gib: float, proxy_port: int, run_dir: Path | None,
+            cpu_cache_gib: float, disk_cache_gib: float, disk_io: str,
+            kv_layerwise_load: bool, kv_transfer: str, kv_transfer_gib: float,
+            proxy_port: int, run_dir: Path | None,
             worker_args: tuple[str, ...], startup_timeout_s: float) -> None:
     """Start kvindex, workers and proxy on loopback; stop them all on Ctrl-C or SIGTERM.
 
@@ -63,7 +67,8 @@ def command(prefill: int, decode: int, kvindex: str, model: str, engine: str, ro
     run_dir = run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-up"
     spec = FleetSpec(prefill=prefill, decode=decode, kvindex=kvindex, model=model, engine=engine,
                      routing=routing, cpu_cache_gib=cpu_cache_gib,
-                     disk_cache_gib=disk_cache_gib, disk_io=disk_io, kv_transfer=kv_transfer,
+                     disk_cache_gib=disk_cache_gib, disk_io=disk_io,
+                     kv_layerwise_load=kv_layerwise_load, kv_transfer=kv_transfer,
                      kv_transfer_gib=kv_transfer_gib, proxy_port=proxy_port,
                      worker_args=list(worker_args), startup_timeout_s=startup_timeout_s)
     fleet = Fleet(build(spec, run_dir), run_dir, on_event=lambda m: click.echo(f"[up] {m}"))

@@ -89,6 +89,9 @@ class FleetSpec:
     cpu_cache_gib: float = 2.0
     disk_cache_gib: float = 0.0  # 0: no disk tier
     disk_io: str = "buffered"  # the disk tier's I/O (the worker's --disk-io): or "direct"
+    # a reused prefix copied into the KV blocks layer by layer behind the forward pass (the
+    # worker's --kv-layerwise-load, both engines); False: the ablation, all of it before
+    kv_layerwise_load: bool = True
     # vLLM P/D: how KV reaches a decode pod. p2p: each vLLM worker has its own KV server
     # (``agentserving kvserver``) and a decode pod reads from the prefill pod's; server: one
     # central KV server every pod writes to. kv_transfer_gib bounds each server.
@@ -192,6 +195,8 @@ def build(spec: FleetSpec, run_dir: Path, ports: PortAllocator | None = None
         if spec.disk_cache_gib > 0:
             values.update(disk_cache_dir=disk_root(spec, run_dir) / name,
                           disk_cache_gib=spec.disk_cache_gib, disk_io=spec.disk_io)
+        if not spec.kv_layerwise_load:  # the workers' default is on
+            values["kv_layerwise_load"] = False
         if name in events:
             values["kv_events_endpoint"] = events[name]
         if handoff and spec.kv_transfer == "p2p":  # the pod's own, started before it

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
@@ -17,6 +19,7 @@ from agentserving.replay.configs import (
     fleet_spec,
     resolve,
 )
+from agentserving.replay.fleet.topology import PortAllocator, build
 from testkit.servers import ThreadedServer
 
 
@@ -62,6 +65,16 @@ def test_the_vllm_configurations_share_pods_and_device_kv(tmp_path):
     assert s["agentserving-noprefetch"].role_args["prefill"] == [
         "--scheduler-policy", "longcap-dynamic?short_order=shortest"]  # the same, no lookahead
     assert "decode" not in cand.role_args  # the reference engine's decode-pod policy only
+    # the layer-wise ablation: the same fleet, every pod's KV reload whole before the forward
+    nolw = s["agentserving-nolayerwise"]
+    assert cand.kv_layerwise_load and not nolw.kv_layerwise_load
+    assert replace(nolw, kv_layerwise_load=True) == cand
+    argv = [a for sp in build(nolw, tmp_path, PortAllocator()) if sp.role in ("prefill",
+                                                                            "decode")
+            for a in sp.argv]
+    assert argv.count("--no-kv-layerwise-load") == 3
+    assert "--no-kv-layerwise-load" not in [a for sp in build(cand, tmp_path / "c",
+                                                              PortAllocator()) for a in sp.argv]
     # the disk tier reads the way the run asks (the main job: past the page cache)
     assert specs("vllm", disk_io="direct")["agentserving"].disk_io == "direct"
     # decode pods may run a prefill policy too; each ablation takes it out there as well
@@ -182,7 +195,8 @@ def test_configurations_that_differ_in_their_proxy_alone_share_one_fleet():
     groups = fleet_groups([(n, s[n]) for n in DEFAULT_CONFIGS["vllm"]])
     assert [[n for n, _ in g] for g in groups] == [
         ["vllm-rr", "vllm-session", "vllm-precise"], ["agentserving"], ["agentserving-fcfs"],
-        ["agentserving-noprefetch"], ["agentserving-allpd"]]  # fresh fleets: see below
+        ["agentserving-noprefetch"], ["agentserving-nolayerwise"],
+        ["agentserving-allpd"]]  # fresh fleets: see below
     assert same_pods(s["vllm-rr"], s["vllm-precise"])
     # the ablations' prefill pods differ
     assert not same_pods(s["agentserving"], s["agentserving-fcfs"])

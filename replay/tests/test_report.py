@@ -214,6 +214,13 @@ def test_the_ablations_are_drawn_side_by_side_and_the_kv_wait_checked(tmp_path):
                                             "steps": {**steps, "kv_wait_share_p50": 0.6}}}
     report = build_report(configs)
     assert report["run_checks"]["agentserving: kv_wait_share_p50"]["ok"]
+    # layer by layer, a loading step waits less than with the whole reload before it
+    lw = report["comparisons"]["agentserving-nolayerwise"]["checks"]["kv_wait_exposed_p50_ratio"]
+    assert lw["ok"] and abs(lw["value"] - 0.02 / 0.3) < 1e-9
+    same = build_report({**configs, "agentserving-nolayerwise": {
+        **configs["agentserving-nolayerwise"], "kv_wait_exposed_p50_s": 0.02}})
+    assert not same["comparisons"]["agentserving-nolayerwise"]["checks"][
+        "kv_wait_exposed_p50_ratio"]["ok"]
     path = draw_ablations(tmp_path, report)
     assert path == tmp_path / "ablations.png" and path.stat().st_size > 10_000
     assert draw_ablations(tmp_path, build_report({"vllm-rr": _summary(),

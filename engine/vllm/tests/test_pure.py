@@ -30,6 +30,9 @@ def test_settings_from_extra_config_over_env():
     assert s.memory_port_start == 7100 and s.worker_port(2) == 7103
     assert s.worker_urls(2) == ["http://127.0.0.1:7101", "http://127.0.0.1:7102"]
     assert s.hash_scheme == "lmcache-ascend" and s.chunk_hashes is False and s.memory_api
+    assert s.layerwise_load is True  # vLLM-CPU's reloads layer by layer unless told
+    assert parse_settings({"layerwise_load": "false"}, {}).layerwise_load is False
+    assert parse_settings({"layerwise_load": False}, {}).layerwise_load is False
     assert parse_settings({"kvindex_url": None}, {"AGENTSERVING_KVINDEX_URL": "http://x"}
                           ).kvindex_url is None  # explicit null turns reporting off
 
@@ -41,6 +44,7 @@ def test_settings_from_extra_config_over_env():
     ({"kvindex_url": "kvi:8300"}, "kvindex_url"),
     ({"memory_api": "maybe"}, "memory_api"),
     ({"report_interval_s": 0}, "report_interval_s"),
+    ({"layerwise_load": "sometimes"}, "layerwise_load"),
 ])
 def test_bad_settings_name_the_key(extra, key):
     with pytest.raises(ConnectorConfigError) as err:

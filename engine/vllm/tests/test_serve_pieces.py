@@ -78,6 +78,11 @@ def test_the_connector_reads_what_the_command_writes() -> None:
     s = parse_settings(extra, {})
     assert (s.pod_name, s.pod_role.value, s.heartbeat_interval_s) == ("p9", "prefill", 2.5)
     assert s.hash_scheme is HashScheme.LMCACHE_BUILTIN
+    assert s.layerwise_load is True  # the worker's --kv-layerwise-load default
+    off = _build(kv_layerwise_load=False).argv
+    off_extra = json.loads(_flag(off, "--kv-transfer-config"))["kv_connector_extra_config"]
+    assert off_extra["layerwise_load"] is False
+    assert parse_settings(off_extra, {}).layerwise_load is False
 
 
 def test_plain_vllm_has_no_connector_and_sized_device_kv() -> None:

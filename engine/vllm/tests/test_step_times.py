@@ -20,11 +20,13 @@ from testkit.clock import ManualClock
 
 
 def _step(clock: StepClock, fake: ManualClock, *, loads: int, waits: list[float],
-          forward: float) -> None:
+          forward: float, layerwise: bool = False) -> None:
     clock.begin(loads=loads)
     for w in waits:  # e.g. one synchronous retrieve, or one wait per layer
         with clock.timed():
             fake.now += w
+            if layerwise:
+                clock.layer_waited()
     fake.now += forward
     clock.end()
 
@@ -34,12 +36,14 @@ def test_a_step_splits_into_its_kv_wait_and_its_forward() -> None:
     seen = []
     clock = StepClock(clock=fake, on_step=seen.append)
     _step(clock, fake, loads=1, waits=[0.2], forward=1.0)  # a synchronous reload
-    _step(clock, fake, loads=2, waits=[0.01] * 4, forward=2.0)  # layer-wise: four short waits
+    _step(clock, fake, loads=2, waits=[0.01] * 4, forward=2.0,
+          layerwise=True)  # layer-wise: four short waits
     _step(clock, fake, loads=0, waits=[0.0], forward=0.05)  # a decode step
-    assert [(round(s.kv_wait_s, 6), round(s.forward_s, 6), s.loads) for s in seen] == [
-        (0.2, 1.0, 1), (0.04, 2.0, 2), (0.0, 0.05, 0)]
+    assert [(round(s.kv_wait_s, 6), round(s.forward_s, 6), s.loads, s.layer_waits)
+            for s in seen] == [(0.2, 1.0, 1, 0), (0.04, 2.0, 2, 4), (0.0, 0.05, 0, 0)]
     s = clock.summary()
     assert s["steps"] == 3 and s["loading_steps"] == 2 and s["last_step"] == 3
+    assert s["layerwise_steps"] == 1  # the second step's KV came layer by layer
     assert s["kv_wait_exposed_p50_s"] == pytest.approx(0.12)  # loading steps only
     assert s["forward_p50_s"] == pytest.approx(1.5)
     assert s["kv_wait_share_p50"] == pytest.approx(0.08)
@@ -67,9 +71,10 @@ def test_pods_pool_their_loading_steps_and_a_pod_takes_its_slowest_rank() -> Non
     a, b = StepClock(clock=fake), StepClock(clock=fake)
     _step(a, fake, loads=1, waits=[0.1], forward=1.0)
     _step(b, fake, loads=1, waits=[0.3], forward=1.0)
-    _step(b, fake, loads=1, waits=[0.5], forward=1.0)
-    both = pooled([a.summary(), b.summary()])
+    _step(b, fake, loads=1, waits=[0.5], forward=1.0, layerwise=True)
+    both = pooled(iter([a.summary(), b.summary()]))  # any iterable, read once
     assert both["loading_steps"] == 3 and both["kv_wait_exposed_p50_s"] == pytest.approx(0.3)
+    assert both["layerwise_steps"] == 1 and both["steps"] == 3
     assert merge_summaries([a.summary(), b.summary()])["kv_wait_total_s"] == pytest.approx(0.8)
     assert merge_summaries([]) is None
 

@@ -43,18 +43,21 @@ TARGET_JCT_RATIO = 1.5  # Continuum: 1.12-3.66x lower delay with pins
 
 
 # flag, type, default, help: the workload and the pod, sized so the flood overflows the pod's
-# device and DRAM tiers between two turns of an agent while the pin share holds every agent
+# device and DRAM tiers between two turns of an agent while the pins hold every agent (device:
+# two ~7k-token contexts, 2 x 110 blocks, within the pin bound of 384 blocks, which leaves room
+# for one 8k-token turn; a context recomputed costs seconds, as a long agent context does on an
+# accelerator, where a smaller one would cost less than the flood's own queueing)
 FLAGS: tuple[tuple[str, type, Any, str], ...] = (
     ("--model", str, "tiny", "Model the pod serves."),
     ("--agents", int, 2, "Agents (what the pin share of this small pod holds)."),
-    ("--context", int, 2500, "First turn's prompt tokens."),
+    ("--context", int, 6500, "First turn's prompt tokens."),
     ("--append", int, 200, "Tokens each later turn adds."),
     ("--gap-s", float, 1.0, "Tool gap between turns, seconds."),
-    ("--flood-tokens", int, 2000, "Prompt tokens of each one-shot flood request."),
+    ("--flood-tokens", int, 4000, "Prompt tokens of each one-shot flood request."),
     ("--flood-streams", int, 2, "Flood requests in flight at once."),
-    ("--device-blocks", int, 160, "vLLM's device KV blocks (--kv-cache-blocks)."),
-    ("--cpu-cache-gib", float, 0.07, "The pod's LMCache DRAM tier, GiB (no disk tier)."),
-    ("--max-model-len", int, 4096, "The pod's context limit (vLLM sizes its smallest DRAM "
+    ("--device-blocks", int, 384, "vLLM's device KV blocks (--kv-cache-blocks)."),
+    ("--cpu-cache-gib", float, 0.13, "The pod's LMCache DRAM tier, GiB (no disk tier)."),
+    ("--max-model-len", int, 8192, "The pod's context limit (vLLM sizes its smallest DRAM "
      "tier by it)."),
     ("--pin-share", float, 0.75, "The pod's --pin-share: what pins may hold of DRAM and "
      "device KV."),

@@ -9,8 +9,11 @@ inside vLLM's scheduler (``make_device_kv_scheduler``):
   ``vllm_xargs`` for a turn that asks for a pin) has its cached blocks taken one more reference
   when it finishes (``BlockPool.touch``): vLLM keeps them out of the free queue until the TTL
   lapses or the session is released, then gives them back (``free_blocks``). A later pinned
-  turn of the same context replaces the earlier pin. Pins hold at most ``max_blocks`` (the
-  pod's pin share of the pool), so they never starve admission; past it a pin is refused.
+  turn of the same context replaces the earlier pin. Pins hold at most ``max_blocks``
+  (``pin_bound``: the pod's pin share of the pool, and never so much that the rest cannot
+  hold one request of the model's full length), so they never starve admission; past it a pin
+  is refused. (A share alone did: on a 96-block pool, a 72-block pin share left 24 blocks for
+  64-block turns, which waited for pins to lapse.)
 - release and evict by chunk hash (the pod's ``POST /memory/unpin`` and ``/memory/evict``, the
   kvindex's release and close): the pins covering those chunks are given back and, for an
   evict, the chunks' blocks leave the prefix cache (``evict_blocks``).
@@ -75,6 +78,13 @@ def chunk_blocks(blocks: Sequence[Any], chunk_hashes: Sequence[str], block_size:
             break
         out.append((chunk, mine))
     return out
+
+
+def pin_bound(pool_blocks: int, share: float, block_size: int, max_model_len: int) -> int:
+    """The blocks pins may hold: ``share`` of the pool, less whatever would leave the rest
+    too small for one request of ``max_model_len`` tokens (a pin must never keep a turn out)."""
+    longest = -(-max(0, max_model_len) // max(1, block_size))
+    return max(0, min(int(share * pool_blocks), pool_blocks - longest))
 
 
 @dataclasses.dataclass
@@ -195,10 +205,12 @@ def make_device_kv_scheduler(base: type) -> type:
             settings = getattr(getattr(self, "connector", None), "_as_settings", None)
             share = float(getattr(settings, "pin_share", 0.5))
             blocks = int(getattr(getattr(self, "cache_config", None), "num_gpu_blocks", 0) or 0)
+            block_size = int(getattr(self, "block_size", 16))
             self.device_kv = DeviceKv(
-                pool, block_size=int(getattr(self, "block_size", 16)),
+                pool, block_size=block_size,
                 chunk_tokens=lmcache_chunk_tokens(getattr(self, "connector", None)) or 256,
-                max_blocks=int(share * blocks))
+                max_blocks=pin_bound(blocks, share, block_size,
+                                     int(getattr(self, "max_model_len", 0) or 0)))
             if self._device_hooks is not None:
                 self._device_hooks.take_device(self.device_kv)
 

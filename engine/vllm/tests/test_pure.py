@@ -165,3 +165,13 @@ def test_registration_and_roles():
     assert reg.memory_api_url == "http://10.1.2.3:6999" and reg.api_url == "http://10.1.2.3:8000"
     assert reg.role == PodRole.PREFILL and reg.labels["engine_processes"] == "2"
     assert pod_role("kv_consumer") == PodRole.DECODE and pod_role(None) == PodRole.BOTH
+
+
+def test_pins_never_keep_a_full_length_request_out_of_the_pool():
+    from agentserving.engine.vllm.device_kv import pin_bound
+
+    # 96 blocks of 64 tokens, 4,096-token requests (64 blocks): a 0.75 share (72) would leave 24
+    assert pin_bound(96, 0.75, 64, 4096) == 32
+    assert pin_bound(1000, 0.5, 16, 4096) == 500  # a large pool: the share binds
+    assert pin_bound(40, 0.75, 64, 4096) == 0  # no room beside one longest request: no pins
+    assert pin_bound(100, 0.75, 64, 0) == 75  # no length known: the share alone

@@ -10,7 +10,7 @@ inside vLLM's scheduler (``make_device_kv_scheduler``):
   when it finishes (``BlockPool.touch``): vLLM keeps them out of the free queue until the TTL
   lapses or the session is released, then gives them back (``free_blocks``). A later pinned
   turn of the same context replaces the earlier pin. Pins hold at most ``max_blocks``
-  (``pin_bound``: the pod's pin share of the pool, and never so much that the rest cannot
+  (``device_pin_bound``: the pod's pin share of the pool, and never so much that the rest cannot
   hold one request of the model's full length), so they never starve admission; past it a pin
   is refused. (A share alone did: on a 96-block pool, a 72-block pin share left 24 blocks for
   64-block turns, which waited for pins to lapse.)
@@ -80,7 +80,7 @@ def chunk_blocks(blocks: Sequence[Any], chunk_hashes: Sequence[str], block_size:
     return out
 
 
-def pin_bound(pool_blocks: int, share: float, block_size: int, max_model_len: int) -> int:
+def device_pin_bound(pool_blocks: int, share: float, block_size: int, max_model_len: int) -> int:
     """The blocks pins may hold: ``share`` of the pool, less whatever would leave the rest
     too small for one request of ``max_model_len`` tokens (a pin must never keep a turn out)."""
     longest = -(-max(0, max_model_len) // max(1, block_size))
@@ -209,7 +209,7 @@ def make_device_kv_scheduler(base: type) -> type:
             self.device_kv = DeviceKv(
                 pool, block_size=block_size,
                 chunk_tokens=lmcache_chunk_tokens(getattr(self, "connector", None)) or 256,
-                max_blocks=pin_bound(blocks, share, block_size,
+                max_blocks=device_pin_bound(blocks, share, block_size,
                                      int(getattr(self, "max_model_len", 0) or 0)))
             if self._device_hooks is not None:
                 self._device_hooks.take_device(self.device_kv)

@@ -168,10 +168,10 @@ def test_registration_and_roles():
 
 
 def test_pins_never_keep_a_full_length_request_out_of_the_pool():
-    from agentserving.engine.vllm.device_kv import pin_bound
+    from agentserving.engine.vllm.device_kv import device_pin_bound
 
     # 96 blocks of 64 tokens, 4,096-token requests (64 blocks): a 0.75 share (72) would leave 24
-    assert pin_bound(96, 0.75, 64, 4096) == 32
-    assert pin_bound(1000, 0.5, 16, 4096) == 500  # a large pool: the share binds
-    assert pin_bound(40, 0.75, 64, 4096) == 0  # no room beside one longest request: no pins
-    assert pin_bound(100, 0.75, 64, 0) == 75  # no length known: the share alone
+    assert device_pin_bound(96, 0.75, 64, 4096) == 32
+    assert device_pin_bound(1000, 0.5, 16, 4096) == 500  # a large pool: the share binds
+    assert device_pin_bound(40, 0.75, 64, 4096) == 0  # no room beside one longest request: no pins
+    assert device_pin_bound(100, 0.75, 64, 0) == 75  # no length known: the share alone

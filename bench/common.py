@@ -158,3 +158,15 @@ def progress(enabled: bool) -> Iterator[Any]:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), transient=False) as bar:
         yield bar
+
+
+def vllm_env_ready(bench: str) -> bool:
+    """Whether the vLLM CPU environment a vLLM bench starts its pods from is installed; if not,
+    says so (naming the bench and the script that installs it)."""
+    from agentserving.engine.vllm.serve_command import DEFAULT_ENV_DIR
+
+    if (DEFAULT_ENV_DIR / "bin" / "python").exists():
+        return True
+    print(f"{bench}: no vLLM env at {DEFAULT_ENV_DIR} (scripts/vllm-env.sh)", file=sys.stderr)
+    return False
+

@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import add_out_args, write_result
+from bench.common import add_out_args, vllm_env_ready, write_result
 
 NAME = "vllm_layerwise"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
@@ -206,11 +206,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from agentserving.engine.vllm.serve_command import DEFAULT_ENV_DIR
-
-    if not (DEFAULT_ENV_DIR / "bin" / "python").exists():
-        print(f"vllm layerwise bench: no vLLM env at {DEFAULT_ENV_DIR} (scripts/vllm-env.sh)",
-              file=sys.stderr)
+    if not vllm_env_ready("vllm layerwise bench"):
         return 1
     started = time.time()
     print(f"vllm layerwise bench: context {args.context} tokens, {args.reps} rep(s) per mode, "

@@ -45,7 +45,7 @@ from typing import Any
 import httpx
 
 from agentserving.prefill.shadow import SEED_003_N1
-from bench.common import add_out_args, percentile, write_result
+from bench.common import add_out_args, percentile, vllm_env_ready, write_result
 
 NAME = "vllm_prefill_sched"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
@@ -196,11 +196,7 @@ def prefetch_study(args: argparse.Namespace, run_dir: Path, contexts: list[list[
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from agentserving.engine.vllm.serve_command import DEFAULT_ENV_DIR
-
-    if not (DEFAULT_ENV_DIR / "bin" / "python").exists():
-        print(f"vllm prefill sched bench: no vLLM env at {DEFAULT_ENV_DIR} "
-              "(scripts/vllm-env.sh)", file=sys.stderr)
+    if not vllm_env_ready("vllm prefill sched bench"):
         return 1
     contexts, turns = make_trace(args)
     started = time.time()

@@ -39,7 +39,13 @@ from typing import Any
 
 import httpx
 
-from bench.common import finish_session_args, finish_session_bench, session_parser, wait_on_disk
+from bench.common import (
+    finish_session_args,
+    finish_session_bench,
+    session_parser,
+    vllm_env_ready,
+    wait_on_disk,
+)
 
 NAME = "vllm_worker"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
@@ -234,11 +240,7 @@ def run_pd(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    from agentserving.engine.vllm.serve_command import DEFAULT_ENV_DIR
-
-    if not (DEFAULT_ENV_DIR / "bin" / "python").exists():
-        print(f"vllm worker bench: no vLLM env at {DEFAULT_ENV_DIR} (scripts/vllm-env.sh)",
-              file=sys.stderr)
+    if not vllm_env_ready("vllm worker bench"):
         return 1
     started = time.time()
     with tempfile.TemporaryDirectory(prefix="vllm-worker-bench-") as tmp:

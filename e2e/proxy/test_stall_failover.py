@@ -147,7 +147,10 @@ def test_a_stalled_decode_pod_costs_no_turn_and_comes_back(fleet):
             assert headers["x-agentserving-decode-pod"] != victim, sid
         affected = {sid: r for sid, r in results.items()
                     if victim in r[1].get("x-agentserving-retried", "").split(",")}
-        assert "s0" in affected  # its own pod, still listed: the deadline moved it
+        # the pod is still listed: a deadline moved the turns sent to it (s0's own, unless
+        # another turn's deadline had already marked the pod stalled when s0 was routed, as
+        # happens when the four turns start unevenly on a busy machine)
+        assert affected and ("s0" in affected or results["s0"][0] < FIRST_TOKEN_S), affected
         for sid, (seconds, _h, _e) in {**affected, blocking: results[blocking]}.items():
             # the first-token deadline, then about one normal turn elsewhere (the machine is
             # shared: twice the slowest normal turn, plus a second of slack)

@@ -34,33 +34,49 @@ import torch.nn.functional as F  # noqa: N812 - torch's own alias
 from agentserving.kernels import LayerStager, split_stacked
 from bench.common import add_out_args, write_result
 
+# Sizes by device, each overridable by its flag: on a GPU an 8B model's shapes and long
+# contexts; on the CPU a ~100M-parameter model's and one 4k context (the GPU sizes need ~25 GB
+# of host memory and minutes a step there); --quick: a smoke run anywhere.
+SIZES = {
+    "cuda": dict(layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, block_size=256,
+                 contexts="8192,32768", chunks="256,2048", repeats=10),
+    "cpu": dict(layers=8, hidden=1024, heads=8, kv_heads=2, ffn=2816, block_size=256,
+                contexts="4096", chunks="256", repeats=5),
+    "quick": dict(layers=2, hidden=256, heads=4, kv_heads=2, ffn=512, block_size=64,
+                  contexts="1024", chunks="64", repeats=3),
+}
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench layerwise_reload", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=32, help="Decoder layers (default: an "
-                        "8B model's 32).")
-    parser.add_argument("--hidden", type=int, default=4096, help="Hidden size.")
-    parser.add_argument("--heads", type=int, default=32, help="Query heads.")
-    parser.add_argument("--kv-heads", type=int, default=8, help="KV heads (grouped).")
-    parser.add_argument("--ffn", type=int, default=14336, help="MLP width.")
-    parser.add_argument("--block-size", type=int, default=256, help="Tokens per cached block "
-                        "(LMCache's chunk).")
-    parser.add_argument("--contexts", default="8192,32768",
-                        help="Cached context lengths D, comma-separated.")
-    parser.add_argument("--chunks", default="256,2048",
-                        help="New tokens C per turn (a tool result's append, a prefill chunk).")
+    gpu, cpu = SIZES["cuda"], SIZES["cpu"]
+
+    def sized(flag: str, key: str, kind: type, text: str) -> None:
+        parser.add_argument(flag, type=kind, default=None,
+                            help=f"{text} (default {gpu[key]} on a GPU, {cpu[key]} on the CPU).")
+
+    sized("--layers", "layers", int, "Decoder layers")
+    sized("--hidden", "hidden", int, "Hidden size")
+    sized("--heads", "heads", int, "Query heads")
+    sized("--kv-heads", "kv_heads", int, "KV heads (grouped)")
+    sized("--ffn", "ffn", int, "MLP width")
+    sized("--block-size", "block_size", int, "Tokens per cached block (LMCache's chunk)")
+    sized("--contexts", "contexts", str, "Cached context lengths D, comma-separated")
+    sized("--chunks", "chunks", str, "New tokens C per turn (a tool result's append, a "
+          "prefill chunk), comma-separated")
+    sized("--repeats", "repeats", int, "Timed rounds per case")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--repeats", type=int, default=10, help="Timed rounds per case.")
     parser.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda if present).")
     add_out_args(parser, Path("bench/results/layerwise-reload.json"),
                  quick="2 layers, hidden 256, D 1024, C 64, 3 rounds")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.layers, args.hidden, args.heads, args.kv_heads, args.ffn = 2, 256, 4, 2, 512
-        args.block_size, args.contexts, args.chunks, args.repeats = 64, "1024", "64", 3
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    sizes = SIZES["quick" if args.quick else "cuda" if args.device == "cuda" else "cpu"]
+    for key, value in sizes.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     return args
 
 

@@ -71,6 +71,19 @@ def _retrieve(eng: Any, paged: VLLMCPUPagedConnector, tokens: list[int], cache: 
     return int(got.sum())
 
 
+def _queue_stored(eng: Any, paged: VLLMCPUPagedConnector, tokens: list[int],
+                  source: Any, store_slots: torch.Tensor, dest: Any,
+                  dest_slots: torch.Tensor) -> tuple[list[Any], list[int]]:
+    """Store ``tokens`` from ``source``, then retrieve them layer-wise into ``dest`` (queued,
+    not copied): the queued memory objects and their reference counts before the load."""
+    paged.kvcaches = None
+    eng.store(torch.tensor(tokens), kvcaches=source, slot_mapping=store_slots)
+    paged.layerwise = True
+    _retrieve(eng, paged, tokens, dest, dest_slots)
+    objs = [w.obj for w in paged._pending]
+    return objs, [o.get_ref_count() for o in objs]
+
+
 def test_a_step_loads_layer_by_layer_behind_lmcaches_retrieve(engine) -> None:
     eng, paged = engine
     source = _cache(seed=1)
@@ -119,13 +132,8 @@ def test_a_step_loads_layer_by_layer_behind_lmcaches_retrieve(engine) -> None:
 def test_finish_waits_for_every_layer_and_releases_the_objects(engine) -> None:
     eng, paged = engine
     source, tokens, slots = _cache(seed=2), list(range(7, 39)), _slots([2, 3, 4, 5])
-    paged.kvcaches = None
-    eng.store(torch.tensor(tokens), kvcaches=source, slot_mapping=slots)
-    paged.layerwise = True
     dest = _cache(0.0)
-    _retrieve(eng, paged, tokens, dest, _slots([8, 9, 10, 11]))
-    objs = [w.obj for w in paged._pending]
-    held = [o.get_ref_count() for o in objs]
+    objs, held = _queue_stored(eng, paged, tokens, source, slots, dest, _slots([8, 9, 10, 11]))
     paged.start_layer_load()
     assert paged.finish() is True  # without a single wait_layer: all of it in
     assert [o.get_ref_count() for o in objs] == [n - 1 for n in held]
@@ -138,13 +146,8 @@ def test_finish_waits_for_every_layer_and_releases_the_objects(engine) -> None:
 def test_a_failed_copy_raises_in_the_forward_and_still_releases(engine) -> None:
     eng, paged = engine
     source, tokens, slots = _cache(seed=3), list(range(40, 72)), _slots([0, 1, 2, 3])
-    paged.kvcaches = None
-    eng.store(torch.tensor(tokens), kvcaches=source, slot_mapping=slots)
-    paged.layerwise = True
     outside = slots + BLOCKS * BLOCK  # slots past the cache: the copy itself fails
-    _retrieve(eng, paged, tokens, _cache(0.0), outside)
-    objs = [w.obj for w in paged._pending]
-    held = [o.get_ref_count() for o in objs]
+    objs, held = _queue_stored(eng, paged, tokens, source, slots, _cache(0.0), outside)
     paged.start_layer_load()
     with pytest.raises(LoadFailed):
         paged.wait_layer(0)

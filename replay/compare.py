@@ -49,6 +49,7 @@ from agentserving.replay.configs import (
     FleetSizes,
     fleet_spec,
     resolve,
+    schedulers,
 )
 from agentserving.replay.mooncake_cli import mooncake_options
 
@@ -473,9 +474,11 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
                        chunk_size=DEFAULT_CHUNK_SIZE)
     summaries: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
-    for group in fleet_groups([(c.name, fleet_spec(c, sizes)) for c in chosen]):
+    specs = [(c.name, fleet_spec(c, sizes)) for c in chosen]
+    pools = {name: schedulers(spec.role_args) for name, spec in specs}
+    for group in fleet_groups(specs):
         for name, summary in run_group(group, trace, run_dir, replay_opts, click.echo).items():
-            summaries[name] = {**summary, "engine": engine,
+            summaries[name] = {**summary, "engine": engine, "schedulers": pools[name],
                                "description": CONFIGS[name].description}
     settings = {"engine": engine, "prefill": prefill, "decode": decode, "model": model,
                 "cpu_cache_gib": cpu_cache_gib, "disk_cache_gib": disk_cache_gib,

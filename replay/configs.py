@@ -52,7 +52,16 @@ VLLM_PREFILL_POLICY = "longcap-dynamic?short_order=shortest"
 PREFILL_POLICY = {"reference": "fcfs", "vllm": VLLM_PREFILL_POLICY + "&lookahead=5"}
 # ... and on its decode pods, which prefill what conditional disaggregation keeps off the
 # prefill pod (short appends, and first turns while the prefill pod is busy): None keeps the
-# engine's own scheduler there (vLLM's FCFS; the reference engine's DECODE_POD_ARGS)
+# engine's own scheduler there (vLLM's FCFS; the reference engine's DECODE_POD_ARGS).
+# Longcap shortest-first there too (--decode-policy 'longcap-dynamic?short_order=shortest',
+# three `make run`s, December 2026) made short turns faster than agentserving-fcfs in every
+# run (TTFT P50 x1.80 / x1.14 / x2.08, P85 x1.14 / x1.20 / x1.52) but cost the tail: E2E P95
+# x1.79 / x0.94 / x1.78 of agentserving-fcfs's and x0.97 / x0.68 / x1.00 of vllm-precise's
+# (x0.43-0.71 with vLLM's own), targets met 16 / 19 / 17 of 23 (19 / 17 / 19): the decode
+# pods' long prefills, one at a time behind a stream of appends, became the slowest turns.
+# With four long prefills at a time and half the step for them while shorts wait
+# ('...&max_long_running=4&long_cap=0.5', one A/B against agentserving-fcfs): short TTFT P50
+# / P85 x1.56 / x1.95 better, E2E P95 x0.93, req/s x1.02; not yet three runs
 DECODE_POLICY: dict[str, str | None] = {"reference": None, "vllm": None}
 VLLM_STEP_TOKENS = 2048  # tokens per vLLM step (--max-num-batched-tokens) on every vLLM pod
 VLLM_BLOCK_TOKENS = 128  # vLLM-CPU's KV block
@@ -175,6 +184,17 @@ class FleetSizes:
     # agentserving's fleets: the token between their components (core.internal_auth), as
     # the deployment has it; the fleets of what users run today have none
     internal_token: str | None = field(default=None, repr=False)
+
+
+def schedulers(role_args: dict[str, list[str]]) -> dict[str, str]:
+    """What each pool of a fleet schedules its prefills with, as ``report.json`` names it: the
+    ``--scheduler-policy`` its pods get, or ``engine`` for the engine's own scheduler."""
+    out = {}
+    for role in ("prefill", "decode"):
+        args = role_args.get(role, [])
+        out[role] = args[args.index("--scheduler-policy") + 1] \
+            if "--scheduler-policy" in args[:-1] else "engine"
+    return out
 
 
 def fleet_spec(config: BenchConfig, sizes: FleetSizes) -> Any:

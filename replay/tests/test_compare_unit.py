@@ -18,6 +18,7 @@ from agentserving.replay.configs import (
     FleetSizes,
     fleet_spec,
     resolve,
+    schedulers,
 )
 from agentserving.replay.fleet.topology import PortAllocator, build
 from testkit.servers import ThreadedServer
@@ -65,6 +66,11 @@ def test_the_vllm_configurations_share_pods_and_device_kv(tmp_path):
     assert s["agentserving-noprefetch"].role_args["prefill"] == [
         "--scheduler-policy", "longcap-dynamic?short_order=shortest"]  # the same, no lookahead
     assert "decode" not in cand.role_args  # the reference engine's decode-pod policy only
+    # what report.json names per configuration
+    assert schedulers(cand.role_args) == {
+        "prefill": "longcap-dynamic?short_order=shortest&lookahead=5", "decode": "engine"}
+    assert schedulers(fcfs.role_args) == {"prefill": "fcfs", "decode": "engine"}
+    assert schedulers(s["vllm-rr"].role_args) == {"prefill": "engine", "decode": "engine"}
     # the layer-wise ablation: the same fleet, every pod's KV reload whole before the forward
     nolw = s["agentserving-nolayerwise"]
     assert cand.kv_layerwise_load and not nolw.kv_layerwise_load

@@ -8,11 +8,12 @@ The decisions are the same policy objects the reference engine and the simulator
 (``policies.build_policy``); this module only translates. The vLLM-facing surface is two
 methods of vLLM's v1 ``Scheduler`` (``vllm.v1.core.sched.scheduler``, checked against 0.33.0):
 
-1. ``schedule()``: before vLLM's own pass, build ``ReqView``s from ``self.waiting`` /
-   ``self.running`` (``views_from_vllm``), ask the policy for a ``Decision``, move the
-   admitted waiting requests to the head of the FCFS queue in the policy's order
-   (``order_waiting``), keep the per-request token budgets (``budgets``), then call vLLM's
-   ``schedule()`` unchanged.
+1. ``schedule()``: before vLLM's own pass, build ``ReqView``s from ``self.waiting`` and
+   from ``self.running`` with ``self.kv_holding_waiting`` (``views_from_vllm``), ask the
+   policy for a ``Decision``, move the admitted waiting requests to the head of the FCFS
+   queue in the policy's order (``order_waiting``), keep the per-request token budgets
+   (``budgets``; none for a step the policy would leave idle, ``idles_the_pod``), then call
+   vLLM's ``schedule()`` unchanged.
 2. ``_mamba_block_aligned_split(request, n, ...)``: vLLM's per-request "clip this chunk" hook,
    called for every running and every newly scheduled request after vLLM has sized its chunk
    (and only when ``need_mamba_block_aligned_split`` is set, which the subclass sets). The
@@ -90,6 +91,8 @@ def views_from_vllm(waiting: Iterable[Any], running: Iterable[Any],
     def view(r: Any, is_running: bool) -> ReqView:
         if is_running:
             computed = r.num_computed_tokens
+        elif pulls_its_prompt(r):
+            computed = r.num_prompt_tokens - 1
         else:
             known = getattr(r, "num_cached_tokens", 0) or 0
             computed = max(0, known, cached(r) if cached is not None else 0)
@@ -98,6 +101,26 @@ def views_from_vllm(waiting: Iterable[Any], running: Iterable[Any],
                        disk_chunks=disk(r) if disk is not None and not is_running else ())
 
     return (tuple(view(r, False) for r in waiting), tuple(view(r, True) for r in running))
+
+
+def idles_the_pod(decision: Decision, state: SchedState) -> bool:
+    """The policy grants no prefill token although a request has prompt left. Its KV check is
+    a banker's check with no preemption: on a pod whose started requests already hold most of
+    the blocks (a decode pod's pulled P/D contexts) no grant is safe and, step after step,
+    nothing runs. vLLM preempts to make room, so such a step is left to vLLM's own pass: the
+    policy orders and sizes work, it never stops it."""
+    return decision.new_tokens == 0 and any(
+        r.prefilling for r in (*state.running, *state.waiting))
+
+
+def pulls_its_prompt(request: Any) -> bool:
+    """A P/D turn on a decode pod: the prefill pod computed its prompt and the connector pulls
+    the KV, which vLLM counts as an external hit only once the request is scheduled. To the
+    policy it is a turn with its last token left (vLLM always computes that one), never a long
+    prefill: a decode pod running Longcap would otherwise cap and queue the very turns whose
+    prompt is done."""
+    params = getattr(request, "kv_transfer_params", None)
+    return isinstance(params, dict) and bool(params.get("do_remote_prefill"))
 
 
 def budgets(decision: Decision) -> dict[str, int]:
@@ -388,6 +411,7 @@ def make_scheduler_cls(base: type, default_policy: str = "longcap-dynamic") -> t
             self._vllm_split = bool(getattr(self, "need_mamba_block_aligned_split", False))
             self.need_mamba_block_aligned_split = True  # route every chunk through clip()
             self._grants: dict[str, int] | None = None
+            self.vllm_steps = 0  # steps left to vLLM's own pass (``idles_the_pod``)
             block_size = int(getattr(self, "block_size", 16))
             blocks = int(getattr(getattr(self, "cache_config", None), "num_gpu_blocks", 0)
                          or 0)
@@ -413,14 +437,18 @@ def make_scheduler_cls(base: type, default_policy: str = "longcap-dynamic") -> t
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             waiting = list(self.waiting)
             plans = {r.request_id: self._plan(r) for r in waiting}
-            state = self.glue.state(waiting, self.running, lambda r: plans[r.request_id][0],
+            state = self.glue.state(waiting, self.started(), lambda r: plans[r.request_id][0],
                                     lambda r: plans[r.request_id][1])
             shadow = self.shadow_glue
             decision = shadow.step(state) if shadow is not None else self.glue.policy.decide(
                 state)
             self.waiting.clear()
             self.waiting.extend(order_waiting(waiting, decision))
-            self._grants = budgets(decision)
+            if idles_the_pod(decision, state):
+                self.vllm_steps += 1
+                self._grants = None
+            else:
+                self._grants = budgets(decision)
             try:
                 out = super().schedule(*args, **kwargs)
             finally:
@@ -432,6 +460,16 @@ def make_scheduler_cls(base: type, default_policy: str = "longcap-dynamic") -> t
             if self.kv_hooks is not None:
                 self.kv_hooks.forget(new)
             return out
+
+        def started(self) -> list[Any]:
+            """The requests the policy plans as started: vLLM's running ones, then those
+            waiting that hold KV blocks (``kv_holding_waiting``: a P/D turn whose pulled KV
+            has landed, a request resumed with its blocks). vLLM drains the latter before the
+            waiting queue, through the same clip; a request the policy never saw gets no grant,
+            its chunk is clipped to 0 and vLLM stops admitting for the step, every step while
+            it heads that queue (a decode pod running the policy stalled so, turns waiting and
+            none running)."""
+            return [*self.running, *getattr(self, "kv_holding_waiting", ())]
 
         def _plan(self, request: Any) -> tuple[int, tuple[str, ...]]:
             """(cached prompt tokens, disk-only chunks) of a waiting request: vLLM's prefix

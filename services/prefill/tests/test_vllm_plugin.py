@@ -25,6 +25,7 @@ class FakeRequest:
     num_prompt_tokens: int
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
+    kv_transfer_params: dict | None = None
 
 
 class FCFSQueue(deque):
@@ -33,8 +34,9 @@ class FCFSQueue(deque):
 
 class StandIn:
     """vLLM v1 ``Scheduler.schedule``'s shape, reduced to what the glue touches: running
-    requests first (chunk = min(left, budget), clip hook, 0 -> skip), then the FCFS waiting
-    queue popped from the head (clip hook, 0 -> stop admitting)."""
+    requests first (chunk = min(left, budget), clip hook, 0 -> skip), then the waiting
+    requests that hold KV blocks (``kv_holding_waiting``), then the FCFS waiting queue, each
+    popped from the head (clip hook, 0 -> stop admitting)."""
 
     def __init__(self, budget: int, num_gpu_blocks: int = 1 << 20, block_size: int = 16):
         self.max_num_scheduled_tokens = budget
@@ -43,6 +45,7 @@ class StandIn:
         self.cache_config = type("C", (), {"num_gpu_blocks": num_gpu_blocks})()
         self.need_mamba_block_aligned_split = False
         self.waiting: FCFSQueue = FCFSQueue()
+        self.kv_holding_waiting: FCFSQueue = FCFSQueue()
         self.running: list[FakeRequest] = []
 
     def _mamba_block_aligned_split(self, request, num_new_tokens, *args):
@@ -58,14 +61,17 @@ class StandIn:
                 continue
             out[r.request_id] = n
             budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_running_reqs:
-            r = self.waiting[0]
+        while budget > 0 and len(self.running) < self.max_num_running_reqs:
+            queue = self.kv_holding_waiting or self.waiting
+            if not queue:
+                break
+            r = queue[0]
             n = min(r.num_prompt_tokens - r.num_computed_tokens, budget)
             if self.need_mamba_block_aligned_split:
                 n = self._mamba_block_aligned_split(r, n, 0, 0)
             if n == 0:
                 break
-            self.waiting.popleft()
+            queue.popleft()
             self.running.append(r)
             out[r.request_id] = n
             budget -= n
@@ -164,6 +170,56 @@ def test_a_waiting_requests_cached_prefix_comes_from_the_schedulers_lookup():
                                              kv_capacity_tokens=1 << 20, block_size=16)).prefill)
     assert step(wait) == {"first": 1912, "append": 136}
     assert "append" not in step(vllm_plugin.views_from_vllm([first, append], [])[0])
+
+
+def test_a_request_holding_kv_blocks_is_planned_not_left_to_stall_the_pod(monkeypatch):
+    """A decode pod running the policy: a P/D turn whose pulled KV landed (4,864 of its 5,000
+    tokens computed) waits in vLLM's ``kv_holding_waiting``, which vLLM drains first. The
+    policy plans it as started, so it gets its 136 tokens and the waiting first turn is
+    admitted beside it; unseen, its chunk was clipped to 0 and nothing ran, step after step."""
+    monkeypatch.setenv(vllm_plugin.POLICY_ENV, "longcap-dynamic?short_tokens=512")
+    sched = vllm_plugin.make_scheduler_cls(StandIn)(budget=2048)
+    sched.kv_holding_waiting.append(FakeRequest("pd", 1.0, 5000, num_computed_tokens=4864))
+    sched.waiting.append(FakeRequest("first", 2.0, 3000))
+    first_step = sched.schedule()
+    assert first_step["pd"] == 136 and first_step.get("first", 0) > 0, first_step
+    steps = 1
+    while sched.waiting or sched.running or sched.kv_holding_waiting:
+        assert sched.schedule(), f"step {steps} scheduled nothing"
+        steps += 1
+        assert steps < 50
+
+
+def test_a_step_the_policy_would_leave_idle_is_vllms_own(monkeypatch):
+    """A pod whose KV the policy's banker's check finds too full for any grant (a 1,000-token
+    prompt, 320 tokens of blocks): the policy grants nothing; the step is vLLM's own pass, which
+    preempts or chunks as it does without a policy, instead of an idle step, every step."""
+    monkeypatch.setenv(vllm_plugin.POLICY_ENV, "longcap-dynamic")
+    sched = vllm_plugin.make_scheduler_cls(StandIn)(budget=2048, num_gpu_blocks=20)
+    sched.waiting.append(FakeRequest("big", 0.0, 1000))
+    state = sched.glue.state(sched.waiting, sched.running)
+    alone = sched.glue.policy.decide(state)
+    assert alone.new_tokens == 0 and vllm_plugin.idles_the_pod(alone, state)
+    assert sched.schedule() == {"big": 1000}
+    assert sched.vllm_steps == 1
+
+
+def test_a_pd_turn_on_a_decode_pod_is_one_token_left_not_a_long_prefill():
+    """A decode pod running Longcap: the P/D turn whose 5,000-token prompt the prefill pod
+    computed (its KV pulled by the connector) is admitted in the first step with its last
+    token, ahead of a local 3,000-token first turn; read as 5,000 uncached tokens it would be
+    a second long one, left waiting behind the first."""
+    pulled = FakeRequest("pd", 1.0, num_prompt_tokens=5000,
+                         kv_transfer_params={"do_remote_prefill": True, "remote_host": "p0"})
+    local = FakeRequest("local", 0.5, num_prompt_tokens=3000)
+    done = FakeRequest("done", 0.2, num_prompt_tokens=3000,
+                       kv_transfer_params={"do_remote_decode": True})  # a prefill pod's turn
+    wait, _ = vllm_plugin.views_from_vllm([local, pulled, done], [])
+    assert [(v.req_id, v.computed) for v in wait] == [("local", 0), ("pd", 4999), ("done", 0)]
+    policy = LongcapDynamic(step_tokens=2048, short_tokens=512)
+    plan = dict(policy.decide(SchedState(wait[:2], (), max_running=8,
+                                         kv_capacity_tokens=1 << 20, block_size=16)).prefill)
+    assert plan["pd"] == 1 and plan["local"] > 0
 
 
 def test_the_policy_plans_vllms_step_budget_unless_told_otherwise(monkeypatch):

@@ -60,8 +60,9 @@ PREFILL_POLICY = {"reference": "fcfs", "vllm": VLLM_PREFILL_POLICY + "&lookahead
 # (x0.43-0.71 with vLLM's own), targets met 16 / 19 / 17 of 23 (19 / 17 / 19): the decode
 # pods' long prefills, one at a time behind a stream of appends, became the slowest turns.
 # With four long prefills at a time and half the step for them while shorts wait
-# ('...&max_long_running=4&long_cap=0.5', one A/B against agentserving-fcfs): short TTFT P50
-# / P85 x1.56 / x1.95 better, E2E P95 x0.93, req/s x1.02; not yet three runs
+# ('...&max_long_running=4&long_cap=0.5', two A/Bs against agentserving-fcfs): short TTFT P50
+# / P85 x1.56 / x1.95 and x1.83 / x1.41 better, but E2E P95 x0.93 and x1.55, req/s x1.02 and
+# x0.86: the tail still pays in one run of two
 DECODE_POLICY: dict[str, str | None] = {"reference": None, "vllm": None}
 VLLM_STEP_TOKENS = 2048  # tokens per vLLM step (--max-num-batched-tokens) on every vLLM pod
 VLLM_BLOCK_TOKENS = 128  # vLLM-CPU's KV block

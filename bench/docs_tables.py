@@ -31,6 +31,10 @@ OPENING = re.compile(r"^<!-- table:([\w.-]+) -->$", re.M)
 
 MAIN_RUNS = ("main-job/run1.json", "main-job/run2.json", "main-job/run3.json")
 MAIN_COMMAND = "make run"  # agentserving compare, its defaults
+DECODE_LONGCAP_RUNS = ("decode-longcap/run1.json", "decode-longcap/run2.json",
+                       "decode-longcap/run3.json")
+DECODE_LONGCAP_COMMAND = ("agentserving compare --decode-policy "
+                          "'longcap-dynamic?short_order=shortest'")
 MIX_RUNS = {
     "0.5": ("agent-mix/time-scale-0.5-run1.json", "agent-mix/time-scale-0.5-run2.json",
             "agent-mix/time-scale-0.5-run3.json"),
@@ -798,6 +802,8 @@ TABLES: dict[str, Callable[[Doc], str]] = {
     "main-job-by-source": lambda d: _by_source_table(d, MAIN_RUNS),
     "main-job-shadow": lambda d: _shadow_table(d, MAIN_RUNS),
     "main-job-kv-wait": lambda d: _kv_wait_table(d, MAIN_RUNS),
+    "decode-longcap": lambda d: _comparison_table(d, DECODE_LONGCAP_RUNS, None,
+                                                  DECODE_LONGCAP_COMMAND),
     "agent-mix-0.5": lambda d: _comparison_table(d, MIX_RUNS["0.5"], None, MIX_COMMAND["0.5"],
                                                  short_ttft=False),
     "agent-mix-0.25": lambda d: _comparison_table(d, MIX_RUNS["0.25"], None,

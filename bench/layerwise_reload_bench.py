@@ -68,8 +68,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sized("--repeats", "repeats", int, "Timed rounds per case")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--device", default="auto", help="cuda, cpu or auto (cuda if present).")
+    q = SIZES["quick"]
     add_out_args(parser, Path("bench/results/layerwise-reload.json"),
-                 quick="2 layers, hidden 256, D 1024, C 64, 3 rounds")
+                 quick=f"{q['layers']} layers, hidden {q['hidden']}, D {q['contexts']}, "
+                       f"C {q['chunks']}, {q['repeats']} rounds")
     args = parser.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -35,6 +35,10 @@ DECODE_LONGCAP_RUNS = ("decode-longcap/run1.json", "decode-longcap/run2.json",
                        "decode-longcap/run3.json")
 DECODE_LONGCAP_COMMAND = ("agentserving compare --decode-policy "
                           "'longcap-dynamic?short_order=shortest'")
+DECODE_WAIT_RUNS = ("decode-longcap-wait/run1.json", "decode-longcap-wait/run2.json",
+                    "decode-longcap-wait/run3.json")
+DECODE_WAIT_COMMAND = ("agentserving compare --decode-policy 'longcap-dynamic?short_order="
+                       "shortest&max_long_running=4&long_cap=0.5&long_max_wait_s=1'")
 MIX_RUNS = {
     "0.5": ("agent-mix/time-scale-0.5-run1.json", "agent-mix/time-scale-0.5-run2.json",
             "agent-mix/time-scale-0.5-run3.json"),
@@ -804,6 +808,8 @@ TABLES: dict[str, Callable[[Doc], str]] = {
     "main-job-kv-wait": lambda d: _kv_wait_table(d, MAIN_RUNS),
     "decode-longcap": lambda d: _comparison_table(d, DECODE_LONGCAP_RUNS, None,
                                                   DECODE_LONGCAP_COMMAND),
+    "decode-longcap-wait": lambda d: _comparison_table(d, DECODE_WAIT_RUNS, None,
+                                                       DECODE_WAIT_COMMAND),
     "agent-mix-0.5": lambda d: _comparison_table(d, MIX_RUNS["0.5"], None, MIX_COMMAND["0.5"],
                                                  short_ttft=False),
     "agent-mix-0.25": lambda d: _comparison_table(d, MIX_RUNS["0.25"], None,

@@ -31,11 +31,13 @@ reuse at all), ``baseline-apc`` (round-robin workers reusing only their own pref
 
 from __future__ import annotations
 
+import urllib.parse
 from dataclasses import dataclass, field
 from typing import Any
 
 from agentserving.core.hashing import HashScheme
 from agentserving.engine.scheduler.policy import DECODE_POD_CHUNK_TOKENS, DECODE_POD_POLICY
+from agentserving.prefill.shadow import SHADOW_OPTIONS
 
 # Decode pods prefill the short appends the proxy keeps off the prefill pod (conditional
 # disaggregation): small chunks, each followed by decode-only steps, so the turns decoding beside
@@ -62,7 +64,15 @@ PREFILL_POLICY = {"reference": "fcfs", "vllm": VLLM_PREFILL_POLICY + "&lookahead
 # With four long prefills at a time and half the step for them while shorts wait
 # ('...&max_long_running=4&long_cap=0.5', two A/Bs against agentserving-fcfs): short TTFT P50
 # / P85 x1.56 / x1.95 and x1.83 / x1.41 better, but E2E P95 x0.93 and x1.55, req/s x1.02 and
-# x0.86: the tail still pays in one run of two
+# x0.86: the tail still pays in one run of two. Bounding a long turn's wait behind the shorts
+# to 1 s as well (DECODE_POD_LONGCAP, three `make run`s with it as the default, table
+# decode-longcap-wait in docs/replay.md): short TTFT P50 x1.17 / x0.55 / x0.75 and P85 x0.70 /
+# x0.94 / x1.06 of agentserving-fcfs's, E2E P95 x1.12 / x1.51 / x1.03, targets met 18 / 17 /
+# 20 of 23: the tail still pays in every run and the short turns' gain is not steady; not the
+# default either. On those pods the policy left 25-55 % of its steps to vLLM's own pass
+# (report.json's policy_steps): with 64 blocks, its KV check found no safe grant that often.
+DECODE_POD_LONGCAP = ("longcap-dynamic?short_order=shortest&max_long_running=4&long_cap=0.5"
+                      "&long_max_wait_s=1")
 DECODE_POLICY: dict[str, str | None] = {"reference": None, "vllm": None}
 VLLM_STEP_TOKENS = 2048  # tokens per vLLM step (--max-num-batched-tokens) on every vLLM pod
 VLLM_BLOCK_TOKENS = 128  # vLLM-CPU's KV block
@@ -187,6 +197,17 @@ class FleetSizes:
     internal_token: str | None = field(default=None, repr=False)
 
 
+def without_shadow(spec: str) -> str:
+    """A ``--scheduler-policy`` spec with the ShadowScheduler taken out (its options dropped,
+    ``shadow`` named by its base policy): the policy a no-prefetch ablation runs."""
+    name, _, query = spec.partition("?")
+    opts = [(k, v) for k, v in urllib.parse.parse_qsl(query) if k not in SHADOW_OPTIONS]
+    if name == "shadow":
+        name = dict(opts).get("base", "longcap-dynamic")
+        opts = [(k, v) for k, v in opts if k != "base"]
+    return name + ("?" + "&".join(f"{k}={v}" for k, v in opts) if opts else "")
+
+
 def schedulers(role_args: dict[str, list[str]]) -> dict[str, str]:
     """What each pool of a fleet schedules its prefills with, as ``report.json`` names it: the
     ``--scheduler-policy`` its pods get, or ``engine`` for the engine's own scheduler."""
@@ -243,8 +264,8 @@ def fleet_spec(config: BenchConfig, sizes: FleetSizes) -> Any:
     decode_policy = sizes.decode_policy or DECODE_POLICY[engine]
     if config.prefill_policy == "fcfs":  # the ablation: the engine's own scheduler everywhere
         decode_policy = None
-    elif config.prefill_policy and decode_policy:  # the ablation's policy, the decode pods' options
-        decode_policy = config.prefill_policy
+    elif config.prefill_policy and decode_policy:  # noprefetch: the same, without the shadow
+        decode_policy = without_shadow(decode_policy)
     if decode_policy:
         role_args["decode"] = ["--scheduler-policy", decode_policy]
     elif engine == "reference":

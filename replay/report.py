@@ -96,6 +96,16 @@ def shadow_figures(config: Mapping[str, Any]) -> dict[str, Any] | None:
             if announced else None}
 
 
+def policy_step_figures(config: Mapping[str, Any]) -> dict[str, dict[str, int]] | None:
+    """Per pod running a policy, the steps it decided and those it left to vLLM's own pass
+    (``vllm_steps``: no KV-safe grant while prompts waited), from the pods' live scheduler
+    stats; None without any. A large share left to vLLM says the policy steered little of
+    that pod's work (its KV check refused on a pod short of blocks)."""
+    pods = {name: {"policy_steps": s["policy_steps"], "vllm_steps": s["vllm_steps"]}
+            for name, s in (config.get("scheduler") or {}).items() if "policy_steps" in s}
+    return pods or None
+
+
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
@@ -125,6 +135,8 @@ def build_report(configs: Mapping[str, Mapping[str, Any]], *,
     report["run_checks"] = run_checks(configs, candidate)
     report["shadow"] = {name: {**fig, "seed_003": SEED_003_N1} for name, c in configs.items()
                         if (fig := shadow_figures(c))}
+    report["policy_steps"] = {name: fig for name, c in configs.items()
+                              if (fig := policy_step_figures(c))}
     report.update(extra)
     return report
 
@@ -336,8 +348,17 @@ def print_report(report: Mapping[str, Any], title: str) -> str:
                       "its missed predictions by cause:")
         for line in shadow:
             console.print(f"  {line}")
+    left = [f"{name}: " + ", ".join(f"{pod} {f['vllm_steps']} of {f['policy_steps']}"
+                                    for pod, f in pods.items())
+            for name, pods in (report.get("policy_steps") or {}).items()]
+    if left:
+        console.print("steps each policy left to vLLM's own pass (no KV-safe grant while "
+                      "prompts waited), per pod:")
+        for line in left:
+            console.print(f"  {line}")
     return (text + "\n".join(lines) + f"\ntargets met: {met} of {len(lines)}\n"
-            + "".join(f"N+1 window {ln}\n" for ln in shadow))
+            + "".join(f"N+1 window {ln}\n" for ln in shadow)
+            + "".join(f"steps left to vLLM {ln}\n" for ln in left))
 
 
 def _console() -> Any:

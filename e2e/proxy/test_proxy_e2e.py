@@ -13,6 +13,7 @@ import time
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from agentserving.core.schemas import TENANT_HEADER
 from agentserving.proxy.auth import ApiKeys
@@ -285,6 +286,18 @@ def metric(proc, name: str, **labels: str) -> float:  # type: ignore[no-untyped-
     return 0.0
 
 
+def tenant_prompt_tokens(proc) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    """A worker's prompt tokens by tenant label."""
+    text = httpx.get(proc.url + "/metrics", timeout=5).text
+    return {s.labels["tenant"]: s.value for f in text_string_to_metric_families(text)
+            for s in f.samples if s.name == "agentserving_worker_prompt_tokens_total"}
+
+
+def subtract(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """The labels that grew, by how much."""
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+
+
 def test_kv_aware_routing_reads_the_in_process_replica(fleet):
     """With two prefill pods every turn of a session is looked up, and the proxy's
     residency replica answers: the kvindex serves no lookup, and the session still goes
@@ -318,8 +331,10 @@ def test_tenants_never_share_prefixes(fleet, tmp_path):
     proxy = fleet.start_proxy("--prefill", fleet.workers["w0"].url, "--api-keys", str(keys),
                               name="proxy-auth")
     prompt = prompt_for(13, 520)
+    w0_prompt_tokens = tenant_prompt_tokens(fleet.workers["w0"])
     ra, _ = turn(client(proxy, api_key="sk-tenant-a-0001"), "t", prompt,
                  extra={"agent_memory": {"intent": "plan"}})
+    after_a = tenant_prompt_tokens(fleet.workers["w0"])
     wait_for(lambda: kvindex_get(fleet, "/v1/sessions/t", "a").status_code == 200,
              what="a's intent written back")
 
@@ -331,9 +346,11 @@ def test_tenants_never_share_prefixes(fleet, tmp_path):
     wait_for(lambda: w0_holds(chunk_hashes_of(ra)[0]), what="a's chunks stored on w0")
     # b names a's session id and asks to evict its "plan" and close it: b's memory verbs act
     # on b's own session "t" (the kvindex scopes sessions by tenant), never on a's
+    before_b = tenant_prompt_tokens(fleet.workers["w0"])
     rb, _ = turn(client(proxy, api_key="sk-tenant-b-0001"), "t", prompt,
                  extra={"agent_memory": {"evict_intents": ["plan"], "intent": "plan",
                                          "close_session": True}})
+    after_b = tenant_prompt_tokens(fleet.workers["w0"])
     assert set(chunk_hashes_of(ra)).isdisjoint(chunk_hashes_of(rb))
     assert rb.usage.prompt_tokens_details.cached_tokens == 0  # a's KV is invisible to b
     closed = 'proxy_memory_hook_calls_total{ok="true",op="close"} 1.0'
@@ -354,11 +371,10 @@ def test_tenants_never_share_prefixes(fleet, tmp_path):
     assert probe("tenant:a") == 0
     real = ApiKeys.load(keys).authenticate("Bearer sk-tenant-a-0001").cache_salt
     assert probe(real) >= 512
-    # the proxy tells the pod whose turn it runs: w0's reuse metrics are per tenant by name
-    assert metric(fleet.workers["w0"], "agentserving_worker_prompt_tokens_total",
-                  tenant="a") == len(prompt)
-    assert metric(fleet.workers["w0"], "agentserving_worker_prompt_tokens_total",
-                  tenant="b") == len(prompt)
+    # the proxy tells the pod whose turn it runs: w0's reuse metrics are per tenant by name,
+    # each turn's prompt under its own tenant and no other's
+    assert subtract(after_a, w0_prompt_tokens) == {"a": len(prompt)}, (w0_prompt_tokens, after_a)
+    assert subtract(after_b, before_b) == {"b": len(prompt)}, (before_b, after_b)
     with pytest.raises(openai.AuthenticationError):
         client(proxy, api_key="sk-wrong-key-000").models.list()
 

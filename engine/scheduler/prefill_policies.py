@@ -26,7 +26,7 @@ from typing import Any
 from agentserving.core.schemas import Tier
 from agentserving.engine.scheduler.policy import PrefillWork, SchedulerContext, StepPlan
 from agentserving.engine.scheduler.request import EngineRequest, RequestState
-from agentserving.prefill.policies import build_policy
+from agentserving.prefill.policies import FLOAT_OPTIONS, build_policy
 from agentserving.prefill.policies.base import PurePolicy
 from agentserving.prefill.policies.types import ReqView, SchedState
 from agentserving.prefill.shadow import ShadowScheduler, split_shadow_options
@@ -104,14 +104,11 @@ _INT_OPTS = {"step_tokens", "short_tokens", "min_chunk", "max_long_running", "ch
              "block_size", "chunk_tokens"}
 
 
-_FLOAT_OPTS = {"long_cap", "context_cost", "split_overhead", "attention_cost", "step_cost"}
-
-
 def make_engine_policy(name: str, chunk_tokens: int, **options: Any) -> EnginePolicy:
     """Factory behind the engine's ``POLICIES`` entries. ``chunk_tokens`` is the worker's
     ``--prefill-chunk-tokens``: the fixed chunk of ``fcfs-chunk``; the others default their
     step budget to 4x it."""
-    opts = {k: (int(v) if k in _INT_OPTS else float(v) if k in _FLOAT_OPTS else v)
+    opts = {k: (int(v) if k in _INT_OPTS else float(v) if k in FLOAT_OPTIONS else v)
             for k, v in options.items()}
     shadow_kw, opts = split_shadow_options(opts, 5 if name == "shadow" else 0)
     engine_kw = {k: opts.pop(k) for k in ("kv_capacity_tokens", "block_size") if k in opts}

@@ -250,7 +250,8 @@ def _ignore(changes: list[Change]) -> None:
 def add_scheduler_stats_route(app: Any, stats: Callable[[], Callable[[], dict[str, Any]] | None]
                               ) -> None:
     """``GET /memory/scheduler``: the live figures of the prefill policy running in this
-    pod's vLLM scheduler (``prefill.vllm_plugin``: the N+1 window's prediction quality, the
+    pod's vLLM scheduler (``prefill.vllm_plugin``: the steps it decided and those it left to
+    vLLM's own pass; with the ShadowScheduler, the N+1 window's prediction quality and the
     prefetches it started); 404 when vLLM's own scheduler runs."""
     from agentserving.core.service import ApiError
 

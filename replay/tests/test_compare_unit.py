@@ -13,12 +13,14 @@ from agentserving.replay.compare import scrape_worker_metrics, time_breakdown
 from agentserving.replay.configs import (
     CONFIGS,
     DECODE_POD_ARGS,
+    DECODE_POD_LONGCAP,
     DEFAULT_CONFIGS,
     VLLM_BLOCK_TOKENS,
     FleetSizes,
     fleet_spec,
     resolve,
     schedulers,
+    without_shadow,
 )
 from agentserving.replay.fleet.topology import PortAllocator, build
 from testkit.servers import ThreadedServer
@@ -83,13 +85,22 @@ def test_the_vllm_configurations_share_pods_and_device_kv(tmp_path):
                                                               PortAllocator()) for a in sp.argv]
     # the disk tier reads the way the run asks (the main job: past the page cache)
     assert specs("vllm", disk_io="direct")["agentserving"].disk_io == "direct"
-    # decode pods may run a prefill policy too; each ablation takes it out there as well
+    # decode pods may run a prefill policy too; the fcfs ablation takes it out there, the
+    # noprefetch one its shadow
+    tuned = specs("vllm", decode_policy=DECODE_POD_LONGCAP)
+    assert tuned["agentserving"].role_args["decode"] == ["--scheduler-policy", DECODE_POD_LONGCAP]
+    assert tuned["agentserving-noprefetch"].role_args["decode"] == \
+        tuned["agentserving"].role_args["decode"]
     d = specs("vllm", decode_policy="longcap-dynamic?lookahead=5")
     assert d["agentserving"].role_args["decode"] == ["--scheduler-policy",
                                                      "longcap-dynamic?lookahead=5"]
     assert "decode" not in d["agentserving-fcfs"].role_args  # vLLM's own everywhere
     assert d["agentserving-noprefetch"].role_args["decode"] == [
-        "--scheduler-policy", "longcap-dynamic?short_order=shortest"]
+        "--scheduler-policy", "longcap-dynamic"]  # the same policy, without the shadow
+    assert without_shadow("shadow?base=fcfs-chunk&lookahead=3&robust=0.5&chunk_tokens=512") \
+        == "fcfs-chunk?chunk_tokens=512"
+    assert without_shadow(DECODE_POD_LONGCAP) == DECODE_POD_LONGCAP
+    assert without_shadow("shadow?lookahead=5") == "longcap-dynamic"
     # first turns may go local, and an idle prefill pod may keep a session
     assert cand.proxy_args == ["--max-prefill-backlog", "1"]
     precise = s["vllm-precise"]

@@ -14,6 +14,7 @@ from agentserving.replay.report import (
     checks,
     comparisons_for,
     config_rows,
+    policy_step_figures,
     print_report,
     run_checks,
     shadow_figures,
@@ -146,6 +147,19 @@ def test_the_live_n_plus_1_figures_are_summed_over_pods_and_printed():
     text = print_report(build_report({"vllm-rr": _summary(), "agentserving": cand}), title="t")
     assert "N+1 window agentserving: accuracy 86.7% (95.88%), precision 81.8% (91.24%)" in text
     assert "agentserving: missed 2 (the policy admitted it at N+1 but the engine did not" in text
+    assert policy_step_figures(cand) is None  # pods that predate the step counts
+
+
+def test_the_steps_each_policy_left_to_vllm_are_reported_per_pod():
+    cand = {**_summary(), "scheduler": {
+        "prefill-0": {"policy": "shadow(longcap-dynamic)", "policy_steps": 23, "vllm_steps": 0},
+        "decode-0": {"policy": "longcap-dynamic", "policy_steps": 621, "vllm_steps": 157}}}
+    report = build_report({"vllm-rr": _summary(), "agentserving": cand})
+    assert report["policy_steps"] == {"agentserving": {
+        "prefill-0": {"policy_steps": 23, "vllm_steps": 0},
+        "decode-0": {"policy_steps": 621, "vllm_steps": 157}}}
+    assert "steps left to vLLM agentserving: prefill-0 0 of 23, decode-0 157 of 621" in \
+        print_report(report, title="t")
 
 
 def test_summarize_counts_sessions_and_percentiles():

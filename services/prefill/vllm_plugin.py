@@ -57,7 +57,7 @@ from typing import Any
 
 from agentserving.core.schemas import MemoryPrefetchRequest, Tier
 from agentserving.prefill.expected_turns import ExpectedTurns
-from agentserving.prefill.policies import POLICY_CLASSES, build_policy
+from agentserving.prefill.policies import FLOAT_OPTIONS, POLICY_CLASSES, build_policy
 from agentserving.prefill.policies.base import PurePolicy
 from agentserving.prefill.policies.types import Decision, ReqView, SchedState
 from agentserving.prefill.shadow import (
@@ -79,7 +79,8 @@ MEASURE_ENV = "AGENTSERVING_SHADOW_MEASURE"
 
 def views_from_vllm(waiting: Iterable[Any], running: Iterable[Any],
                     cached: Callable[[Any], int] | None = None,
-                    disk: Callable[[Any], tuple[str, ...]] | None = None) -> tuple[
+                    disk: Callable[[Any], tuple[str, ...]] | None = None,
+                    clock_offset: float = 0.0) -> tuple[
         tuple[ReqView, ...], tuple[ReqView, ...]]:
     """vLLM ``Request``s (``request_id``, ``arrival_time``, ``num_prompt_tokens``,
     ``num_computed_tokens``, ``num_cached_tokens``) -> ``ReqView``s. Decode progress is not
@@ -87,7 +88,9 @@ def views_from_vllm(waiting: Iterable[Any], running: Iterable[Any],
     prefix is ``cached(request)`` (the scheduler's prefix-cache lookup, and LMCache's tiers):
     vLLM itself only knows it once the request is scheduled, and without it a short append to
     a long cached context looks like a long prompt. ``disk(request)``: its chunks LMCache holds
-    on disk only (what the ShadowScheduler prefetches)."""
+    on disk only (what the ShadowScheduler prefetches). ``clock_offset`` moves vLLM's
+    arrival times (wall clock) onto the clock of the state's ``now`` (the monotonic one, which
+    the announced turns' predicted arrivals use too): a request's wait is ``now - arrival``."""
     def view(r: Any, is_running: bool) -> ReqView:
         if is_running:
             computed = r.num_computed_tokens
@@ -96,7 +99,8 @@ def views_from_vllm(waiting: Iterable[Any], running: Iterable[Any],
         else:
             known = getattr(r, "num_cached_tokens", 0) or 0
             computed = max(0, known, cached(r) if cached is not None else 0)
-        return ReqView(r.request_id, float(r.arrival_time), int(r.num_prompt_tokens),
+        return ReqView(r.request_id, float(r.arrival_time) + clock_offset,
+                       int(r.num_prompt_tokens),
                        computed=int(min(computed, r.num_prompt_tokens)), running=is_running,
                        disk_chunks=disk(r) if disk is not None and not is_running else ())
 
@@ -180,10 +184,11 @@ class PolicyGlue:
     def state(self, waiting: Iterable[Any], running: Iterable[Any],
               cached: Callable[[Any], int] | None = None,
               disk: Callable[[Any], tuple[str, ...]] | None = None) -> SchedState:
-        wait, run = views_from_vllm(waiting, running, cached, disk)
+        now = time.monotonic()
+        wait, run = views_from_vllm(waiting, running, cached, disk, now - time.time())
         return SchedState(wait, run, max_running=self.max_running,
                           kv_capacity_tokens=self.kv_capacity_tokens,
-                          block_size=self.block_size, now=time.monotonic())
+                          block_size=self.block_size, now=now)
 
     def decide(self, waiting: Iterable[Any], running: Iterable[Any],
                cached: Callable[[Any], int] | None = None) -> Decision:
@@ -360,9 +365,6 @@ class ShadowGlue:
                 "step_model": [float(c) for c in self.shadow.model.coef]}
 
 
-_FLOAT_OPTS = ("long_cap", "context_cost", "split_overhead", "attention_cost", "step_cost")
-
-
 def policy_from_env(default: str, step_tokens: int | None = None
                     ) -> PurePolicy | ShadowScheduler:
     """``policy_from_spec`` of ``AGENTSERVING_PREFILL_POLICY`` (vLLM passes no options to a
@@ -392,7 +394,7 @@ def policy_from_spec(spec: str, step_tokens: int | None = None
         opts["step_tokens"] = step_tokens
     for k, v in raw.items():
         opts[k] = (int(v) if v.lstrip("-").isdigit() else
-                   float(v) if k in _FLOAT_OPTS else v)
+                   float(v) if k in FLOAT_OPTIONS else v)
     policy = build_policy(name, **opts)
     return ShadowScheduler(policy, **shadow_kw) if shadow_kw else policy
 
@@ -411,7 +413,8 @@ def make_scheduler_cls(base: type, default_policy: str = "longcap-dynamic") -> t
             self._vllm_split = bool(getattr(self, "need_mamba_block_aligned_split", False))
             self.need_mamba_block_aligned_split = True  # route every chunk through clip()
             self._grants: dict[str, int] | None = None
-            self.vllm_steps = 0  # steps left to vLLM's own pass (``idles_the_pod``)
+            self.policy_steps = 0  # steps the policy decided
+            self.vllm_steps = 0  # of them, steps left to vLLM's own pass (``idles_the_pod``)
             block_size = int(getattr(self, "block_size", 16))
             blocks = int(getattr(getattr(self, "cache_config", None), "num_gpu_blocks", 0)
                          or 0)
@@ -431,8 +434,9 @@ def make_scheduler_cls(base: type, default_policy: str = "longcap-dynamic") -> t
                 self.shadow_glue = ShadowGlue(policy, self.kv_hooks, measure=measure,
                                               chunk_tokens=self.lmcache_chunk_tokens or 256)
                 if self.kv_hooks is not None:
-                    self.kv_hooks.publish(self.shadow_glue.stats)
                     self.kv_hooks.take_announced(self.shadow_glue.take)
+            if self.kv_hooks is not None:
+                self.kv_hooks.publish(self.figures)
 
         def schedule(self, *args: Any, **kwargs: Any) -> Any:
             waiting = list(self.waiting)
@@ -444,6 +448,7 @@ def make_scheduler_cls(base: type, default_policy: str = "longcap-dynamic") -> t
                 state)
             self.waiting.clear()
             self.waiting.extend(order_waiting(waiting, decision))
+            self.policy_steps += 1
             if idles_the_pod(decision, state):
                 self.vllm_steps += 1
                 self._grants = None
@@ -460,6 +465,15 @@ def make_scheduler_cls(base: type, default_policy: str = "longcap-dynamic") -> t
             if self.kv_hooks is not None:
                 self.kv_hooks.forget(new)
             return out
+
+        def figures(self) -> dict[str, Any]:
+            """What ``GET /memory/scheduler`` answers on a pod running a policy: the steps it
+            decided and how many of them it left to vLLM's own pass (a share that grows when
+            the policy's KV check finds no safe grant), and the ShadowScheduler's window and
+            prefetch figures where it runs."""
+            base = {"policy": self.glue.policy.name, "policy_steps": self.policy_steps,
+                    "vllm_steps": self.vllm_steps}
+            return {**base, **self.shadow_glue.stats()} if self.shadow_glue else base
 
         def started(self) -> list[Any]:
             """The requests the policy plans as started: vLLM's running ones, then those

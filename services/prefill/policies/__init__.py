@@ -22,6 +22,9 @@ POLICY_CLASSES: dict[str, type] = {
 # what a --scheduler-policy may name besides the engine's own scheduler: the pure policies, and
 # ``shadow`` (longcap-dynamic under the ShadowScheduler)
 SCHEDULER_POLICY_NAMES = (*POLICY_CLASSES, "shadow")
+# the options of the policies that take fractions (how a NAME?opt=value spec parses them)
+FLOAT_OPTIONS = frozenset({"long_cap", "context_cost", "split_overhead", "attention_cost",
+                           "step_cost", "long_max_wait_s"})
 
 
 def build_policy(name: str, **options: Any) -> PurePolicy:
@@ -33,6 +36,6 @@ def build_policy(name: str, **options: Any) -> PurePolicy:
     return cls(**options)
 
 
-__all__ = ["Decision", "FcfsChunk", "FcfsNoChunk", "LongcapDynamic", "POLICY_CLASSES",
-           "PurePolicy", "ReqView", "SCHEDULER_POLICY_NAMES", "SchedState", "advance",
+__all__ = ["FLOAT_OPTIONS", "POLICY_CLASSES", "SCHEDULER_POLICY_NAMES", "Decision", "FcfsChunk",
+           "FcfsNoChunk", "LongcapDynamic", "PurePolicy", "ReqView", "SchedState", "advance",
            "build_policy", "is_safe", "max_advance"]

@@ -26,6 +26,14 @@ Requests are banded by remaining prefill length: *short* (at most ``short_tokens
 - ``step_cost`` (new-token units, 0: off): the head short's chunk is as large as fits that
   predicted cost (``tokens_within``), never below ``short_step`` or its ``min_split``: a
   shallow turn runs in a few large chunks, a deep one in small ones.
+- Longest wait (``long_max_wait_s``, seconds; 0: off): a long request that has waited that
+  long since its arrival is served as if no short were pending: its band takes the whole step
+  (up to ``long_chunk_max``), and it is admitted past ``max_long_running``. Why: under a
+  steady stream of shorts the long band's cap makes every long turn's prefill run at
+  ``long_cap`` of the pod for as long as shorts keep coming, and the longs queue behind each
+  other (one at a time); on a pod that takes short and long turns alike (a decode pod
+  prefilling the appends of the sessions it hosts) those longs became the slowest turns of the
+  run. The bound gives shorts their priority for that long, then lets FCFS finish the long.
 - Dynamic Chunk: the step budget and the long band's chunk follow the queue and the free KV.
   While shorts are pending a step carries at most ``short_step`` tokens (default:
   ``step_tokens``): every turn in a step finishes only when the step does, so a small step
@@ -58,7 +66,7 @@ class LongcapDynamic(_Base):
                  short_step: int | None = None, short_order: str = "fcfs",
                  context_cost: float = 0.0, split_overhead: float = 0.25,
                  attention_cost: float = 0.0, shorts_per_step: int = 0,
-                 step_cost: float = 0.0) -> None:
+                 step_cost: float = 0.0, long_max_wait_s: float = 0.0) -> None:
         if not 0.0 < long_cap <= 1.0:
             raise ValueError("long_cap must be in (0, 1]")
         long_chunk_max = step_tokens if long_chunk_max is None else long_chunk_max
@@ -71,9 +79,9 @@ class LongcapDynamic(_Base):
             raise ValueError("min_chunk and short_step must be >= chunk_align")
         if short_order not in SHORT_ORDERS:
             raise ValueError(f"short_order must be one of {SHORT_ORDERS}")
-        if min(context_cost, attention_cost, step_cost, shorts_per_step) < 0:
-            raise ValueError("context_cost, attention_cost, step_cost and shorts_per_step "
-                             "must be >= 0")
+        if min(context_cost, attention_cost, step_cost, shorts_per_step, long_max_wait_s) < 0:
+            raise ValueError("context_cost, attention_cost, step_cost, shorts_per_step and "
+                             "long_max_wait_s must be >= 0")
         self.step_tokens = step_tokens
         self.short_tokens = step_tokens if short_tokens is None else short_tokens
         self.long_cap = long_cap
@@ -88,6 +96,11 @@ class LongcapDynamic(_Base):
         self.attention_cost = attention_cost
         self.shorts_per_step = shorts_per_step
         self.step_cost = step_cost
+        self.long_max_wait_s = long_max_wait_s
+
+    def overdue(self, r, state: SchedState) -> bool:  # noqa: ANN001
+        """``r`` has waited ``long_max_wait_s`` since its arrival (never, when that is 0)."""
+        return bool(self.long_max_wait_s) and state.now - r.arrival >= self.long_max_wait_s
 
     def long_chunk(self, state: SchedState, shorts_left: int, shorts_pending: bool,
                    budget: int | None = None) -> int:
@@ -155,6 +168,7 @@ class LongcapDynamic(_Base):
         wait_long = []
         for w in state.waiting:
             (shorts if w.remaining <= short_tokens else wait_long).append(w)
+        wait_long.sort(key=lambda x: x.arrival)  # (a caller's queue may be in any order)
         if self.short_order == "cost":
             # cheapest remaining work first (SRPT on the model's cost, not on token counts)
             shorts.sort(key=lambda x: (self.cost(x, state), not x.running, x.arrival))
@@ -165,7 +179,10 @@ class LongcapDynamic(_Base):
             shorts.sort(key=lambda x: (not x.running, x.arrival))  # started ones, then FCFS
         shorts_left = sum(r.remaining for r in shorts)
         budget = self.step_budget(shorts)
-        long_budget = min(budget, self.long_chunk(state, shorts_left, bool(shorts), budget))
+        # an overdue long (the oldest running one, else the oldest waiting) lifts the cap
+        overdue = any(self.overdue(r, state) for r in run_long[:1] or wait_long[:1])
+        long_budget = min(budget, self.long_chunk(state, shorts_left, bool(shorts) and not
+                                                  overdue, budget))
 
         # 1. the long band's share (running longs first, then the oldest waiting long)
         long_used = 0
@@ -175,7 +192,8 @@ class LongcapDynamic(_Base):
             long_used += p.grant(r, want - long_used)
         n_long = len(run_long)
         for w in wait_long:
-            if n_long >= self.max_long_running or long_used >= long_budget:
+            if (n_long >= self.max_long_running and not self.overdue(w, state)) \
+                    or long_used >= long_budget:
                 break
             n = p.admit(w, long_budget - long_used)
             if n == 0:

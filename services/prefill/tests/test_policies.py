@@ -68,6 +68,29 @@ def test_longcap_caps_the_long_band_and_lets_shorts_slip_in():
     assert dict(alone.prefill)["L"] == 8192
 
 
+def test_an_overdue_long_is_served_as_if_no_short_were_pending():
+    """A decode pod's long first turn behind a stream of appends: capped while it is young;
+    once it has waited ``long_max_wait_s`` it takes the step, and a second long that waited
+    as long is admitted beside it past ``max_long_running``."""
+    long = ReqView("L", 0.0, 40000, computed=4096, running=True)
+    shorts = [w(f"s{i}", 1000, 1.0 + i) for i in range(8)]
+    p = LongcapDynamic(step_tokens=8192, short_tokens=1024, long_cap=0.25, min_chunk=512,
+                       long_max_wait_s=3.0)
+    young = dict(p.decide(state([*shorts, w("L2", 30000, 0.5)], [long], now=2.9)).prefill)
+    assert young["L"] == 2048 and "L2" not in young
+    old = dict(p.decide(state([*shorts, w("L2", 30000, 0.5)], [long], now=3.5)).prefill)
+    assert old["L"] == 8192 and not any(k.startswith("s") for k in old)
+    # the first overdue long took the whole step; with room left the second joins it
+    room = dict(p.decide(state([*shorts, w("L2", 30000, 0.5)],
+                               [dataclasses.replace(long, computed=38000)], now=3.5)).prefill)
+    assert room["L"] == 2000 and room["L2"] == 8192 - 2000
+    # off (the default): the cap holds however long the long has waited
+    capped = LongcapDynamic(step_tokens=8192, short_tokens=1024, long_cap=0.25, min_chunk=512)
+    assert dict(capped.decide(state(shorts, [long], now=1e6)).prefill)["L"] == 2048
+    with pytest.raises(ValueError, match="long_max_wait_s"):
+        LongcapDynamic(long_max_wait_s=-1)
+
+
 def test_longcap_long_share_when_shorts_fill_the_step():
     long = ReqView("L", 0, 40000, computed=0, running=True)
     shorts = [w(f"s{i}", 2000, 1 + i) for i in range(8)]
@@ -205,6 +228,10 @@ POLICIES = [
                              min_chunk=256, long_chunk_max=1024, short_step=256,
                              short_order="cost", context_cost=0.08, attention_cost=1e-4,
                              shorts_per_step=1, step_cost=1500, chunk_align=a),
+    # the decode pods' shape: four longs at a time, half the step, a bound on a long's wait
+    lambda a: LongcapDynamic(step_tokens=2048, short_tokens=1024, long_cap=0.5,
+                             min_chunk=256, max_long_running=4, short_order="shortest",
+                             long_max_wait_s=5.0, chunk_align=a),
 ]
 
 jobs = st.lists(st.tuples(st.integers(1, 6000), st.integers(0, 3000), st.integers(0, 20),
@@ -220,6 +247,7 @@ def test_invariants_hold_and_everything_finishes(jobs, which, align, capacity, m
     s = SchedState((), (), max_running=max_running, kv_capacity_tokens=capacity, block_size=16)
     done: set[str] = set()
     for step in range(5000):
+        s = dataclasses.replace(s, now=float(step))  # one step a second: waits grow
         while pending and pending[0][0] <= step:
             t, i, n, c, dec = pending.pop(0)
             s = dataclasses.replace(s, waiting=s.waiting + (ReqView(

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
 from collections import deque
 from pathlib import Path
 
@@ -201,7 +202,7 @@ def test_a_step_the_policy_would_leave_idle_is_vllms_own(monkeypatch):
     alone = sched.glue.policy.decide(state)
     assert alone.new_tokens == 0 and vllm_plugin.idles_the_pod(alone, state)
     assert sched.schedule() == {"big": 1000}
-    assert sched.vllm_steps == 1
+    assert sched.figures() == {"policy": "longcap-dynamic", "policy_steps": 1, "vllm_steps": 1}
 
 
 def test_a_pd_turn_on_a_decode_pod_is_one_token_left_not_a_long_prefill():
@@ -246,3 +247,18 @@ def test_the_subclass_asks_vllms_prefix_cache_and_survives_its_absence():
     sched.kv_cache_manager = type("M", (), {"coordinator": Coordinator()})()
     req.block_hashes, req.num_tokens = ["h0", "h1"], 5000
     assert sched._cached_tokens(req) == 4864 and calls == [(["h0", "h1"], 4999)]
+
+
+def test_a_requests_wait_is_measured_on_the_states_clock():
+    """vLLM stamps arrivals on the wall clock, the glue's ``now`` (and the announced turns'
+    predicted arrivals) is the monotonic one: the views carry arrivals moved onto it, so a
+    policy bounding a long turn's wait (``long_max_wait_s``) reads the real wait."""
+    glue = vllm_plugin.PolicyGlue(LongcapDynamic(long_max_wait_s=3.0),
+                                  kv_capacity_tokens=1 << 20, block_size=16, max_running=8)
+    waited = FakeRequest("old", time.time() - 5.0, 6000)
+    fresh = FakeRequest("new", time.time(), 6000)
+    state = glue.state([waited, fresh], [])
+    ages = {v.req_id: state.now - v.arrival for v in state.waiting}
+    assert ages["old"] == pytest.approx(5.0, abs=0.5) and ages["new"] == pytest.approx(0, abs=0.5)
+    assert glue.policy.overdue(state.waiting[0], state)
+    assert not glue.policy.overdue(state.waiting[1], state)

@@ -146,6 +146,9 @@ def test_lmcache_resident_prefix_is_planned_as_cached(monkeypatch):
     sched.schedule()
     assert seen[0].waiting[0].computed == 16 * CHUNK
     assert sched.shadow_glue is None and hooks.forgotten == {"append"}
+    # a pod running a policy without the shadow still answers GET /memory/scheduler
+    assert hooks.published() == {"policy": "longcap-dynamic", "policy_steps": 1,
+                                 "vllm_steps": 0}
 
 
 def test_the_shadow_prefetches_the_n_plus_1_window_and_scores_itself(monkeypatch):
@@ -167,6 +170,7 @@ def test_the_shadow_prefetches_the_n_plus_1_window_and_scores_itself(monkeypatch
     assert sorted(rid for rid, _ in hooks.prefetched) == ["x", "y"]
     assert dict(hooks.prefetched)["x"] == tuple(f"x{i}" for i in range(8))
     stats = hooks.published()
+    assert stats["policy_steps"] == stats["steps"] and stats["vllm_steps"] == 0
     window = stats["n_plus_1_prediction"]
     assert window["tp"] >= 1 and window["tp"] + window["fp"] + window["fn"] + window["tn"] > 2
     assert sum(stats["n_plus_1_misses"].values()) == window["fp"] + window["fn"]

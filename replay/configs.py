@@ -37,7 +37,7 @@ from typing import Any
 
 from agentserving.core.hashing import HashScheme
 from agentserving.engine.scheduler.policy import DECODE_POD_CHUNK_TOKENS, DECODE_POD_POLICY
-from agentserving.prefill.shadow import SHADOW_OPTIONS
+from agentserving.prefill.shadow import SHADOW_OPTIONS, policy_named
 
 # Decode pods prefill the short appends the proxy keeps off the prefill pod (conditional
 # disaggregation): small chunks, each followed by decode-only steps, so the turns decoding beside
@@ -201,11 +201,9 @@ def without_shadow(spec: str) -> str:
     """A ``--scheduler-policy`` spec with the ShadowScheduler taken out (its options dropped,
     ``shadow`` named by its base policy): the policy a no-prefetch ablation runs."""
     name, _, query = spec.partition("?")
-    opts = [(k, v) for k, v in urllib.parse.parse_qsl(query) if k not in SHADOW_OPTIONS]
-    if name == "shadow":
-        name = dict(opts).get("base", "longcap-dynamic")
-        opts = [(k, v) for k, v in opts if k != "base"]
-    return name + ("?" + "&".join(f"{k}={v}" for k, v in opts) if opts else "")
+    opts = {k: v for k, v in urllib.parse.parse_qsl(query) if k not in SHADOW_OPTIONS}
+    name = policy_named(name, opts)
+    return name + ("?" + "&".join(f"{k}={v}" for k, v in opts.items()) if opts else "")
 
 
 def schedulers(role_args: dict[str, list[str]]) -> dict[str, str]:

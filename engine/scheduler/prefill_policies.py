@@ -29,7 +29,7 @@ from agentserving.engine.scheduler.request import EngineRequest, RequestState
 from agentserving.prefill.policies import FLOAT_OPTIONS, build_policy
 from agentserving.prefill.policies.base import PurePolicy
 from agentserving.prefill.policies.types import ReqView, SchedState
-from agentserving.prefill.shadow import ShadowScheduler, split_shadow_options
+from agentserving.prefill.shadow import ShadowScheduler, policy_named, split_shadow_options
 
 
 class EnginePolicy:
@@ -112,7 +112,7 @@ def make_engine_policy(name: str, chunk_tokens: int, **options: Any) -> EnginePo
             for k, v in options.items()}
     shadow_kw, opts = split_shadow_options(opts, 5 if name == "shadow" else 0)
     engine_kw = {k: opts.pop(k) for k in ("kv_capacity_tokens", "block_size") if k in opts}
-    base = opts.pop("base", "longcap-dynamic") if name == "shadow" else name
+    base = policy_named(name, opts)
     if base == "fcfs-chunk":
         opts.setdefault("chunk_tokens", chunk_tokens)
     else:

@@ -367,6 +367,12 @@ SEED_003_N1 = {"accuracy": 0.9588, "precision": 0.9124, "recall": 0.9307,
                "consumption_precision": 0.9919, "survival": 0.9950}
 
 
+def policy_named(name: str, opts: dict[str, Any]) -> str:
+    """The pure policy a ``--scheduler-policy`` spec names: for ``shadow``, its ``base`` option
+    (popped from ``opts``; ``longcap-dynamic`` when absent), else ``name`` itself."""
+    return opts.pop("base", "longcap-dynamic") if name == "shadow" else name
+
+
 def split_shadow_options(opts: dict[str, Any], default_lookahead: int = 0
                          ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(ShadowScheduler keyword arguments, the policy's own options) from one option dict of

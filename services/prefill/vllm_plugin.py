@@ -66,6 +66,7 @@ from agentserving.prefill.shadow import (
     ShadowScheduler,
     WindowMisses,
     WindowScore,
+    policy_named,
     split_shadow_options,
 )
 
@@ -386,8 +387,7 @@ def policy_from_spec(spec: str, step_tokens: int | None = None
     name, _, query = spec.partition("?")
     raw = dict(urllib.parse.parse_qsl(query))
     shadow_kw, raw = split_shadow_options(raw, 5 if name == "shadow" else 0)
-    if name == "shadow":
-        name = raw.pop("base", "longcap-dynamic")
+    name = policy_named(name, raw)
     opts: dict[str, Any] = {}
     cls = POLICY_CLASSES.get(name)
     if step_tokens and cls is not None and "step_tokens" in inspect.signature(cls).parameters:

@@ -39,6 +39,15 @@ DECODE_WAIT_RUNS = ("decode-longcap-wait/run1.json", "decode-longcap-wait/run2.j
                     "decode-longcap-wait/run3.json")
 DECODE_WAIT_COMMAND = ("agentserving compare --decode-policy 'longcap-dynamic?short_order="
                        "shortest&max_long_running=4&long_cap=0.5&long_max_wait_s=1'")
+BALANCED_RUNS = ("balanced-placement/agent-mix-run1.json",
+                 "balanced-placement/agent-mix-run2.json")
+BALANCED_COMMAND = ("agentserving compare --configs "
+                    "vllm-precise,agentserving,agentserving-balanced")
+BALANCED_MOONCAKE_RUNS = ("balanced-placement/mooncake-run1.json",
+                          "balanced-placement/mooncake-run2.json")
+BALANCED_MOONCAKE_COMMAND = (BALANCED_COMMAND + " --workload "
+                             "../shared/data/mooncake/conversation_trace.jsonl --limit 40 "
+                             "--time-scale 0.02")
 MIX_RUNS = {
     "0.5": ("agent-mix/time-scale-0.5-run1.json", "agent-mix/time-scale-0.5-run2.json",
             "agent-mix/time-scale-0.5-run3.json"),
@@ -201,12 +210,16 @@ def _comparison_table(doc: Doc, names: tuple[str, ...], rivals: list[str] | None
     return "\n".join(lines)
 
 
-def _absolute_table(doc: Doc, names: tuple[str, ...]) -> str:
+def _absolute_table(doc: Doc, names: tuple[str, ...], command: str | None = None) -> str:
+    """Each configuration's own figures; with ``command``, E2E P50 too and where the runs
+    come from (a table that stands alone, not beside a ratio table of the same runs)."""
     reports = [_load(doc.root, n) for n in names]
     cols = [("req/s", "req_per_s", lambda x: f"{x:.2f}"), ("E2E P95", "e2e_p95_s", _s),
             ("short TTFT P50", "ttft_p50_short_s", _s), ("short TTFT P85", "ttft_p85_short_s", _s),
             ("prefix hit", "prefix_hit_rate", _pct), ("failed turns", "turns_failed", str),
             ("forced mismatches", "forced_mismatches", str)]
+    if command is not None:
+        cols.insert(1, ("E2E P50", "e2e_p50_s", _s))
     runs = " / ".join(str(i + 1) for i in range(len(reports)))
     lines = [f"| configuration (run {runs}) | " + " | ".join(c for c, _, _ in cols) + " |",
              "| --- " * (len(cols) + 1) + "|"]
@@ -217,6 +230,8 @@ def _absolute_table(doc: Doc, names: tuple[str, ...]) -> str:
     turns = reports[0]["configs"]["agentserving"]["turns_planned"]
     lines += ["", f"Short turns: the {short} of {turns} turns whose uncached prompt is under "
                   "512 tokens, the same in every configuration."]
+    if command is not None:
+        lines[-1] += " " + _source_line(doc, command, list(zip(names, reports, strict=True)))
     return "\n".join(lines)
 
 
@@ -810,6 +825,10 @@ TABLES: dict[str, Callable[[Doc], str]] = {
                                                   DECODE_LONGCAP_COMMAND),
     "decode-longcap-wait": lambda d: _comparison_table(d, DECODE_WAIT_RUNS, None,
                                                        DECODE_WAIT_COMMAND),
+    "balanced-placement": lambda d: _comparison_table(d, BALANCED_RUNS, None,
+                                                      BALANCED_COMMAND),
+    "balanced-placement-mooncake": lambda d: _absolute_table(d, BALANCED_MOONCAKE_RUNS,
+                                                             BALANCED_MOONCAKE_COMMAND),
     "agent-mix-0.5": lambda d: _comparison_table(d, MIX_RUNS["0.5"], None, MIX_COMMAND["0.5"],
                                                  short_ttft=False),
     "agent-mix-0.25": lambda d: _comparison_table(d, MIX_RUNS["0.25"], None,

@@ -22,7 +22,10 @@ On vLLM (the default engine, what users deploy):
   it;
 - ``agentserving-allpd``: the same without conditional disaggregation: every turn's prefill
   runs on the prefill pod, as in seed 003 (the proxy's ``--local-prefill-tokens 0
-  --max-prefill-backlog 0``).
+  --max-prefill-backlog 0``);
+- ``agentserving-balanced`` (not run by default): the same placing turns by queued work over
+  every pod (the proxy's ``--balance-tokens``): a session whose pod is backed up moves to the
+  least-loaded pod, cold turns go where less is queued, and the prefill pod hosts sessions.
 
 On the reference engine (the quick run): ``baseline`` (round-robin workers with no cross-turn
 reuse at all), ``baseline-apc`` (round-robin workers reusing only their own prefix cache) and
@@ -90,6 +93,9 @@ DEVICE_KV_BLOCKS = 64
 # 6.6 s to 11.4 s, five first turns went whole to the decode pods, and appends on decode-1
 # waited 4-5 s for their first token); an A/B of two pairs: P95 4.3 s off, 5.3-5.9 s on.
 VLLM_PROXY_ARGS = ["--max-prefill-backlog", "1"]
+# agentserving-balanced (not among the defaults): placement by queued work over every pod,
+# measured beside agentserving in docs/replay.md (table balanced-placement)
+BALANCED_PROXY_ARGS = ("--balance-tokens", "1024", "--max-prefill-backlog", "0")
 # The workload's pace per engine (--time-scale). On vLLM the bench replays bench-agent at twice
 # its own speed: at its own times agentserving finished 33-38 s after the start, of which the
 # arrivals took 23 s, so req/s measured the arrival times more than any configuration's capacity
@@ -151,6 +157,11 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 "KV load: a reload from LMCache's tiers is copied into vLLM's pages whole, "
                 "before the forward pass, not layer by layer behind it", routing="kv-aware",
                 disaggregated=True, layerwise_load=False),
+    BenchConfig("agentserving-balanced", ("vllm",), "agentserving placing turns by queued "
+                "work over every pod (the proxy's --balance-tokens 1024 in place of "
+                "--max-prefill-backlog 1): a backed-up session moves, cold turns go where less "
+                "is queued, the prefill pod hosting sessions", routing="kv-aware",
+                disaggregated=True, proxy_args=BALANCED_PROXY_ARGS),
     BenchConfig("agentserving-allpd", ("vllm",), "agentserving without conditional "
                 "disaggregation: every turn's prefill on the prefill pod, as in seed 003",
                 routing="kv-aware", disaggregated=True,

@@ -221,6 +221,9 @@ def test_configurations_that_differ_in_their_proxy_alone_share_one_fleet():
     assert s["agentserving-allpd"].proxy_args[-4:] == ["--local-prefill-tokens", "0",
                                                       "--max-prefill-backlog", "0"]
     assert not same_pods(s["agentserving"], s["agentserving-allpd"])
+    # balanced placement: the proxy's flags, and the default's backlog rule overridden
+    assert s["agentserving-balanced"].proxy_args[-4:] == ["--balance-tokens", "1024",
+                                                          "--max-prefill-backlog", "0"]
     # only consecutive ones: a configuration between them starts a fleet of its own
     order = ["vllm-rr", "agentserving", "vllm-session"]
     assert len(fleet_groups([(n, s[n]) for n in order])) == 3

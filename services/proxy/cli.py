@@ -66,6 +66,16 @@ setting = settings_option(ProxySettings)
 @setting("--max-prefill-backlog", type=click.IntRange(min=0),
          help="P/D: when every prefill pod already has this many turns in flight, run the turn "
               "whole on a decode pod instead of queueing it (0: no limit).")
+@setting("--balance-tokens", type=click.IntRange(min=0),
+         help="P/D: place turns by queued work over every pod (0: off). A session's turn "
+              "leaves its own pod, when that pod is backed up, for the least-loaded other pod "
+              "(a decode pod, or a prefill pod, which then hosts the session) if that pod's "
+              "queue plus the context it lacks (by the kvindex) is this many tokens below the "
+              "own pod's queue plus the new tokens. A first turn runs whole on the "
+              "least-loaded decode pod when it has less queued than the prefill pod, whole on "
+              "the prefill pod (which then hosts the session) when the decode pod has "
+              "anything queued, else P/D. Queues are in prompt tokens, a turn in flight "
+              "weighing --load-penalty-tokens. Measured: docs/replay.md, off by default.")
 @setting("--prefill-hosts-sessions/--no-prefill-hosts-sessions",
          help="P/D: a prefill pod with nothing in flight, when every decode pod is busy, runs "
               "a first turn whole and becomes the session's own pod, its appends running there "

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from agentserving.proxy.routing import Candidate
+from agentserving.proxy.routing import Candidate, queued_work
 
 
 @dataclass(frozen=True)
@@ -126,6 +126,11 @@ class Placement:
     hosts: Sequence[Candidate]  # prefill pods that may be a session's own pod
     threshold: int  # --local-prefill-tokens
     max_prefill_backlog: int
+    balance_tokens: int = 0  # --balance-tokens (0: no balancing by queued work)
+    turn_tokens: int = 2048  # what one turn in flight weighs in queued work (--load-penalty)
+
+    def work(self, c: Candidate) -> int:
+        return queued_work(c, self.turn_tokens)
 
 
 @dataclass(frozen=True)
@@ -144,8 +149,10 @@ def plan_local_pod(p: Placement, remote_tokens: int | None | _Unasked = UNASKED)
     context. A long append needs the first-ranked prefill pod's share of the context (after
     local turns it may lack what the decode pod computed): the plan asks for it, once. A turn
     with no pod of its own runs on the first-ranked decode pod when the prefill pool is
-    saturated, or whole on an idle prefill pod that hosts sessions (``idle_host``)."""
+    saturated, or whole on an idle prefill pod that hosts sessions (``idle_host``). With
+    ``balance_tokens`` the queued work decides too (``first_turn_pod``, ``spill_pod``)."""
     backlog = min((c.inflight for c in p.prefill), default=0)
+    asked: str | None = None  # the pod ``remote_tokens`` is about
 
     def decide(remote: int | None = None) -> bool:
         return prefill_on_decode_pod(p.size, p.held, p.threshold, backlog,
@@ -155,12 +162,71 @@ def plan_local_pod(p: Placement, remote_tokens: int | None | _Unasked = UNASKED)
     if not local and p.held is not None and p.prefill and p.size.tokens is not None:
         if isinstance(remote_tokens, _Unasked):
             return LocalPlan(ask=p.prefill[0].name)
+        asked = p.prefill[0].name
         local = remote_tokens is not None and decide(remote_tokens)
     if not local and p.own is None:
-        return LocalPlan(idle_host(p.hosts, p.decode))
+        return LocalPlan(first_turn_pod(p) or idle_host(p.hosts, p.decode))
     if not local or not p.decode:
         return LocalPlan()
-    return LocalPlan(p.own or p.decode[0])
+    own = p.own or p.decode[0]
+    if p.own is None or p.balance_tokens <= 0:
+        return LocalPlan(own)
+    alt = spill_pod(p)
+    if alt is None:
+        return LocalPlan(own)
+    if asked is None:
+        if isinstance(remote_tokens, _Unasked):
+            return LocalPlan(ask=alt.name)
+        asked = alt.name
+    lacks = remote_tokens if asked == alt.name and isinstance(remote_tokens, int) else None
+    if lacks is not None and p.work(alt) + lacks + p.balance_tokens < own_cost(p):
+        return LocalPlan(alt)
+    return LocalPlan(own)
+
+
+def own_cost(p: Placement) -> int:
+    """The work ahead of this turn's first token on the session's own pod: what is queued
+    there, and the new tokens it computes."""
+    assert p.own is not None and p.held is not None
+    return p.work(p.own) + (local_prefill_tokens(p.size, p.held) or 0)
+
+
+def spill_pod(p: Placement) -> Candidate | None:
+    """The pod a session's turn may move to, its own pod being backed up: the one with the
+    least queued work among the other decode pods and the prefill pods that host sessions,
+    when the backlog is worth a question (moving there beats staying even if that pod lacked
+    nothing of the context). Whether it does is settled by how much of the context it lacks
+    (the kvindex's answer): a session that ran its first turn through the prefill pod finds
+    most of its context there. It answers one queue behind another's long prefill while a
+    pod idles (on the agent mix, one decode pod's turns waited twice as long as the other's
+    while the prefill pod idled); on hosts whose pods share the cores, an idle pod is not
+    idle capacity, and it does not pay there (docs/replay.md)."""
+    if p.own is None or p.held is None or p.size.tokens is None:
+        return None
+    others = [c for c in (*p.hosts, *p.decode) if c.name != p.own.name]
+    if not others:
+        return None
+    alt = min(others, key=p.work)
+    return alt if p.work(alt) + p.balance_tokens < own_cost(p) else None
+
+
+def first_turn_pod(p: Placement) -> Candidate | None:
+    """A turn with no pod of its own, by queued work: whole on the first-ranked decode pod
+    when it has less work queued than the first-ranked prefill pod; whole on that prefill pod
+    (which then hosts the session) when the decode pod has any; P/D (None) when it has none.
+    The prefill pod's queue is one more pod's capacity for cold work, not a fixed quota of it
+    (with ``max_prefill_backlog`` 1, every cold turn that finds it computing anything goes to
+    a decode pod). And a P/D turn's decode stage queues on its decode pod behind that pod's
+    own prefills: on cold bursts (the Mooncake sample) P/D turns waited seconds for their first
+    token where turns run whole on the prefill pod waited tenths."""
+    if p.balance_tokens <= 0 or not p.prefill or not p.decode:
+        return None
+    decode, prefill = p.decode[0], p.prefill[0]
+    if p.work(decode) < p.work(prefill):
+        return decode
+    if p.work(decode) > 0 and any(h.name == prefill.name for h in p.hosts):
+        return prefill
+    return None
 
 
 def idle_host(hosts: Sequence[Candidate], decode: Sequence[Candidate]) -> Candidate | None:

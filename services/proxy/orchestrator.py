@@ -336,26 +336,29 @@ class Orchestrator:
         own = next((c for c in [*decode_order, *hosts] if c.name == state.last_decode_pod), None)
         size = turn.prompt_size
         held = None if own is None else state.held(self.settings.chunk_size)
+        s = self.settings
         placement = Placement(size, held, own, prefill_order, decode_order, hosts,
-                              self.settings.local_prefill_tokens,
-                              self.settings.max_prefill_backlog)
+                              s.local_prefill_tokens, s.max_prefill_backlog, s.balance_tokens,
+                              self._decode_policy.turn_tokens)
         plan = plan_local_pod(placement)
         if plan.ask is not None:
             assert size.tokens is not None  # the planner asks only about a sized prompt
-            plan = plan_local_pod(placement, await self._prefill_pod_lacks(
+            plan = plan_local_pod(placement, await self._pod_lacks(
                 state, routed, plan.ask, size.tokens))
         return plan.pod
 
     def _hosts(self, prefill_order: list[Candidate], decode_order: list[Candidate]
                ) -> list[Candidate]:
-        """The prefill pods that may be a session's own pod (--prefill-hosts-sessions, beside
-        a decode pool)."""
-        return prefill_order if self.settings.prefill_hosts_sessions and decode_order else []
+        """The prefill pods that may be a session's own pod (--prefill-hosts-sessions or
+        --balance-tokens, beside a decode pool)."""
+        s = self.settings
+        hosting = s.prefill_hosts_sessions or s.balance_tokens > 0
+        return prefill_order if hosting and decode_order else []
 
-    async def _prefill_pod_lacks(self, state: SessionState, routed: Routed, pod: str,
-                                 tokens: int) -> int | None:
-        """Prompt tokens prefill pod ``pod`` would compute for this turn, by the kvindex
-        (None: unknown); routing's own answer is used when it was about these chunks."""
+    async def _pod_lacks(self, state: SessionState, routed: Routed, pod: str, tokens: int
+                         ) -> int | None:
+        """Prompt tokens ``pod`` would compute for this turn, by the kvindex (None: unknown);
+        routing's own answer is used when it was about these chunks."""
         if self.kvindex is None or not state.chunk_hashes:
             return None
         held = routed.held_chunks(pod, state.chunk_hashes)
@@ -404,7 +407,8 @@ class Orchestrator:
                     else:
                         queued.done()
                     return prefill, None, resp, None
-                with self.pool.reserved(decode.name):
+                with self.pool.reserved(decode.name), self.pool.queue_prompt(
+                        prefill.name, self._prompt_to_compute(turn, state, prefill)):
                     params, prefill_cached = await self._prefill_for_decode(turn, prefill)
                 # released and re-acquired by _call with no await between: never uncounted
                 return prefill, decode, await self._call(

@@ -65,6 +65,12 @@ class QueuedPrompt:
             self._pool._add_queued(self._pod, -self.tokens)
             self._pod = None
 
+    def __enter__(self) -> QueuedPrompt:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done()
+
 
 class PodPool:
     def __init__(self, prefill_urls: list[str], decode_urls: list[str],

@@ -45,6 +45,12 @@ class RoutingPolicy(Protocol):
     def rank(self, inp: RouteInput) -> list[Candidate]: ...
 
 
+def queued_work(c: Candidate, turn_tokens: int) -> int:
+    """A pod's queue in prompt tokens: its turns in flight, each weighed as ``turn_tokens``,
+    plus the prompt tokens it has yet to compute."""
+    return c.inflight * turn_tokens + c.queued_prompt_tokens
+
+
 def _by_load(candidates: Sequence[Candidate]) -> list[Candidate]:
     return sorted(candidates, key=lambda c: (c.inflight, c.name))
 
@@ -138,7 +144,7 @@ class LeastLoaded:
         self.turn_tokens = max(1, turn_tokens)
 
     def load(self, c: Candidate) -> int:
-        return c.inflight * self.turn_tokens + c.queued_prompt_tokens
+        return queued_work(c, self.turn_tokens)
 
     def rank(self, inp: RouteInput) -> list[Candidate]:
         affinity = {c.name: i for i, c in enumerate(affinity_order(inp.session_key,

@@ -50,6 +50,15 @@ class ProxySettings(BaseModel):
         default=0, ge=0,
         description="Run a turn whole on a decode pod when every prefill pod already has this "
                     "many turns in flight (0: no limit).")
+    balance_tokens: int = Field(
+        default=0, ge=0,
+        description="Place turns by queued work over every pod (0: off): a session's turn "
+                    "leaves its own pod for the least-loaded other pod (a decode pod, or a "
+                    "prefill pod, which then hosts the session) when that pod's queue plus the "
+                    "context it lacks is this many tokens below the own pod's queue plus the "
+                    "new tokens; a first turn runs whole on the least-loaded decode pod when "
+                    "that has less queued than the prefill pod, whole on the prefill pod when "
+                    "the decode pod has anything queued, else P/D.")
     prefill_hosts_sessions: bool = Field(
         default=False,
         description="A prefill pod with nothing in flight runs a first turn whole and keeps "

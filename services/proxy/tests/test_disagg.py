@@ -79,21 +79,24 @@ def test_the_decision_is_the_threshold_on_uncomputed_tokens(prev, grow, chunk, t
 def attempts_for(state: SessionState, prompt_len: int, threshold: int = 512,
                  max_backlog: int = 0, prefill_inflight: int = 0,
                  kvindex: object = None, prefill_urls: tuple[str, ...] = ("http://p0",),
-                 hosts: bool = False, decode_inflight: tuple[int, int] = (0, 0)
+                 hosts: bool = False, decode_inflight: tuple[int, int] = (0, 0),
+                 decode_queued: tuple[int, int] = (0, 0), balance: int = 0
                  ) -> list[tuple[str, str | None]]:
     async def go() -> list[tuple[str, str | None]]:
         settings = ProxySettings(prefill_urls=list(prefill_urls),
                                  decode_urls=["http://d0", "http://d1"],
                                  local_prefill_tokens=threshold,
                                  max_prefill_backlog=max_backlog,
-                                 prefill_hosts_sessions=hosts)
+                                 prefill_hosts_sessions=hosts, balance_tokens=balance)
         async with aiohttp.ClientSession() as http:
             pool = PodPool(settings.prefill_urls, settings.decode_urls, None)
             for _ in range(prefill_inflight):
                 pool.acquire("http://p0")
-            for pod, n in zip(settings.decode_urls, decode_inflight, strict=True):
+            for pod, n, queued in zip(settings.decode_urls, decode_inflight, decode_queued,
+                                      strict=True):
                 for _ in range(n):
                     pool.acquire(pod)
+                pool.queue_prompt(pod, queued)
             orch = Orchestrator(settings, pool, kvindex, make_policy("kv-aware"), http,  # type: ignore[arg-type]
                                 ProxyMetrics(CollectorRegistry()))
             turn = Turn(endpoint="/v1/completions", body={"prompt": [1] * prompt_len},
@@ -364,3 +367,129 @@ def test_the_planner_places_a_first_turn_by_backlog_and_idle_hosts():
     assert plan_local_pod(busy_host) == LocalPlan()
     idle_decode = _placement(3000, own=False, held=None, host_inflight=0)
     assert plan_local_pod(idle_decode) == LocalPlan()  # a decode pod is free: P/D
+
+
+def _balanced(prompt: int, *, own_queued: int = 0, own_inflight: int = 0, held: int = 3000,
+              host_queued: int = 0, other_inflight: int = 1, own: bool = True,
+              balance: int = 1024) -> Placement:
+    """d1 is the session's own pod, p0 the prefill pod hosting sessions, d0 the other decode
+    pod; queues in prompt tokens, a turn in flight weighing 2,048."""
+    d0 = Candidate("d0", "d0", other_inflight)
+    d1 = Candidate("d1", "d1", own_inflight, own_queued)
+    p0 = Candidate("p0", "p0", 1 if host_queued else 0, host_queued)
+    return Placement(PromptSize(prompt, None), HeldContext(held, None, 256) if own else None,
+                     d1 if own else None, [p0], [d0, d1] if own else [d0], [p0], 512, 0,
+                     balance, 2048)
+
+
+def test_a_backed_up_own_pod_asks_where_the_context_is_and_spills_the_turn_there():
+    """The session's pod has a 6,000-token prefill and one turn queued: the short append
+    (484 new tokens) waits behind 8,532 tokens of work there, against the idle prefill pod's
+    share of the context."""
+    p = _balanced(3300, own_queued=6000, own_inflight=1)
+    assert plan_local_pod(p) == LocalPlan(ask="p0")
+    assert plan_local_pod(p, 700).pod == p.hosts[0]  # it holds most of the context
+    assert plan_local_pod(p, 3300).pod == p.hosts[0]  # even all of it beats the wait
+    assert plan_local_pod(p, None).pod == p.own  # no index: stay
+    # a queue the move would not beat: stay, after asking
+    assert plan_local_pod(_balanced(3300, own_queued=1500, own_inflight=1), 3300).pod.name == "d1"
+
+
+def test_an_own_pod_not_backed_up_keeps_its_turn_without_a_question():
+    idle = _balanced(3300)
+    assert plan_local_pod(idle) == LocalPlan(idle.own)
+    # the other pods are as busy as the own one: nothing to gain, nothing asked
+    even = _balanced(3300, own_inflight=1, own_queued=4000, host_queued=4000, other_inflight=3)
+    assert plan_local_pod(even) == LocalPlan(even.own)
+    # balancing off: the own pod, however backed up
+    off = _balanced(3300, own_queued=60000, own_inflight=4, balance=0)
+    assert plan_local_pod(off) == LocalPlan(off.own)
+
+
+def test_the_least_loaded_other_pod_is_the_one_asked():
+    """The prefill pod is busier than the other decode pod: the decode pod is asked."""
+    p = _balanced(3300, own_queued=8000, own_inflight=1, host_queued=5000, other_inflight=0)
+    assert plan_local_pod(p) == LocalPlan(ask="d0")
+    assert plan_local_pod(p, 3300).pod == p.decode[0]
+
+
+def test_a_long_appends_answer_about_the_prefill_pod_settles_the_spill_too():
+    """A long append asks about the prefill pod; kept local (the prefill pod lacks the
+    context), the same answer decides the spill, with no second question."""
+    p = _balanced(3000 + 2000, own_queued=9000, own_inflight=2)
+    assert plan_local_pod(p) == LocalPlan(ask="p0")
+    assert plan_local_pod(p, 5000).pod == p.hosts[0]  # 5,000 + 1,024 < 2 x 2,048 + 9,000 + 2,184
+    kept = _balanced(5000, own_queued=100, own_inflight=1)
+    assert plan_local_pod(kept, 5000) == LocalPlan(kept.own)
+
+
+def test_a_first_turn_runs_where_less_work_is_queued():
+    busy_prefill = _balanced(3000, own=False, host_queued=6000, other_inflight=0)
+    assert plan_local_pod(busy_prefill).pod == busy_prefill.decode[0]
+    # the prefill pod's queue is shorter than the decode pod's: whole there, where a P/D
+    # turn's decode stage would queue behind the decode pod's work
+    busy_decode = _balanced(3000, own=False, host_queued=1000, other_inflight=2)
+    assert plan_local_pod(busy_decode).pod == busy_decode.hosts[0]
+    # nothing queued anywhere: P/D, the prefill pod's job
+    assert plan_local_pod(_balanced(3000, own=False, other_inflight=0)) == LocalPlan()
+
+
+def test_the_orchestrator_spills_a_backed_up_sessions_turn_to_the_prefill_pod():
+    """--balance-tokens through the orchestrator: the session's decode pod computes a
+    6,000-token prompt for another turn; the idle prefill pod holds the session's context (by
+    the kvindex), so the short append runs whole there, the P/D pairs behind it. Without the
+    backlog the own pod keeps the turn and the kvindex is not asked."""
+    state = SessionState(last_decode_pod="http://d0", prompt_tokens=3000,
+                         chunk_hashes=[f"{i:064x}" for i in range(11)])
+    index = PrefixIndex(11)
+    backed_up = dict(decode_inflight=(1, 1), decode_queued=(6000, 0), balance=1024)
+    pairs = attempts_for(state, 3200, kvindex=index, **backed_up)  # type: ignore[arg-type]
+    assert pairs[0] == ("http://p0", None) and index.lookups >= 1
+    assert pairs[1][0] == "http://p0" and pairs[1][1] is not None
+    calm = PrefixIndex(11)
+    assert attempts_for(state, 3200, kvindex=calm, balance=1024)[0] == ("http://d0", None)
+    assert calm.lookups == 0
+    off = attempts_for(state, 3200, kvindex=PrefixIndex(11), decode_inflight=(1, 1),
+                       decode_queued=(6000, 0))
+    assert off[0] == ("http://d0", None)
+
+
+def test_a_pd_prefill_counts_its_prompt_in_the_prefill_pods_queue():
+    """While a P/D turn's prefill runs, the prefill pod's queue holds its prompt (a first turn
+    arriving then weighs it against the decode pods' queues, --balance-tokens); after it,
+    nothing."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    seen: list[int] = []
+
+    def app(prefill: bool) -> web.Application:
+        async def completions(request: web.Request) -> web.Response:
+            await request.json()
+            if prefill:
+                seen.append(orch.pool.prefill_candidates()[0].queued_prompt_tokens)
+                return web.json_response({"choices": [{"text": "", "finish_reason": "length"}],
+                                          "kv_transfer_params": {"ready": True}})
+            return web.json_response({"choices": [{"text": "ok", "finish_reason": "stop"}]})
+
+        application = web.Application()
+        application.router.add_post("/v1/completions", completions)
+        return application
+
+    async def go() -> None:
+        nonlocal orch
+        async with TestServer(app(True)) as p0, TestServer(app(False)) as d0, \
+                aiohttp.ClientSession() as http:
+            urls = [str(s.make_url("")).rstrip("/") for s in (p0, d0)]
+            settings = ProxySettings(prefill_urls=urls[:1], decode_urls=urls[1:],
+                                     balance_tokens=1024)
+            orch = Orchestrator(settings, PodPool(settings.prefill_urls, settings.decode_urls,
+                                                  None), None, make_policy("kv-aware"), http,
+                                ProxyMetrics(CollectorRegistry()))
+            await orch.handle(Turn(endpoint="/v1/completions", body={"prompt": [1] * 3000},
+                                   session_id="s", session_key="s"))
+            assert orch.pool.prefill_candidates()[0].queued_prompt_tokens == 0
+
+    orch: Orchestrator
+    asyncio.run(go())
+    assert seen == [3000]

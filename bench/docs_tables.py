@@ -39,15 +39,22 @@ DECODE_WAIT_RUNS = ("decode-longcap-wait/run1.json", "decode-longcap-wait/run2.j
                     "decode-longcap-wait/run3.json")
 DECODE_WAIT_COMMAND = ("agentserving compare --decode-policy 'longcap-dynamic?short_order="
                        "shortest&max_long_running=4&long_cap=0.5&long_max_wait_s=1'")
+DECODE_MOONCAKE_RUNS = ("decode-longcap-mooncake/run1.json",
+                        "decode-longcap-mooncake/run2.json",
+                        "decode-longcap-mooncake/run3.json")
+MOONCAKE_SAMPLE = ("--workload ../shared/data/mooncake/conversation_trace.jsonl --limit 40 "
+                   "--time-scale 0.02")
+DECODE_MOONCAKE_COMMAND = ("agentserving compare --configs vllm-precise,agentserving,"
+                           "agentserving-fcfs " + MOONCAKE_SAMPLE + " --decode-policy "
+                           "'longcap-dynamic?short_order=shortest&max_long_running=4"
+                           "&long_cap=0.5&long_max_wait_s=1'")
 BALANCED_RUNS = ("balanced-placement/agent-mix-run1.json",
                  "balanced-placement/agent-mix-run2.json")
 BALANCED_COMMAND = ("agentserving compare --configs "
                     "vllm-precise,agentserving,agentserving-balanced")
 BALANCED_MOONCAKE_RUNS = ("balanced-placement/mooncake-run1.json",
                           "balanced-placement/mooncake-run2.json")
-BALANCED_MOONCAKE_COMMAND = (BALANCED_COMMAND + " --workload "
-                             "../shared/data/mooncake/conversation_trace.jsonl --limit 40 "
-                             "--time-scale 0.02")
+BALANCED_MOONCAKE_COMMAND = BALANCED_COMMAND + " " + MOONCAKE_SAMPLE
 MIX_RUNS = {
     "0.5": ("agent-mix/time-scale-0.5-run1.json", "agent-mix/time-scale-0.5-run2.json",
             "agent-mix/time-scale-0.5-run3.json"),
@@ -825,6 +832,8 @@ TABLES: dict[str, Callable[[Doc], str]] = {
                                                   DECODE_LONGCAP_COMMAND),
     "decode-longcap-wait": lambda d: _comparison_table(d, DECODE_WAIT_RUNS, None,
                                                        DECODE_WAIT_COMMAND),
+    "decode-longcap-mooncake": lambda d: _absolute_table(d, DECODE_MOONCAKE_RUNS,
+                                                         DECODE_MOONCAKE_COMMAND),
     "balanced-placement": lambda d: _comparison_table(d, BALANCED_RUNS, None,
                                                       BALANCED_COMMAND),
     "balanced-placement-mooncake": lambda d: _absolute_table(d, BALANCED_MOONCAKE_RUNS,

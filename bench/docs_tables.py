@@ -55,6 +55,9 @@ BALANCED_COMMAND = ("agentserving compare --configs "
 BALANCED_MOONCAKE_RUNS = ("balanced-placement/mooncake-run1.json",
                           "balanced-placement/mooncake-run2.json")
 BALANCED_MOONCAKE_COMMAND = BALANCED_COMMAND + " " + MOONCAKE_SAMPLE
+ADMISSION_MOONCAKE_RUNS = ("admission-mooncake/run1.json", "admission-mooncake/run2.json")
+ADMISSION_MOONCAKE_COMMAND = ("agentserving compare --configs vllm-precise,agentserving,"
+                              "agentserving-noadmit " + MOONCAKE_SAMPLE)
 MIX_RUNS = {
     "0.5": ("agent-mix/time-scale-0.5-run1.json", "agent-mix/time-scale-0.5-run2.json",
             "agent-mix/time-scale-0.5-run3.json"),
@@ -838,6 +841,8 @@ TABLES: dict[str, Callable[[Doc], str]] = {
                                                       BALANCED_COMMAND),
     "balanced-placement-mooncake": lambda d: _absolute_table(d, BALANCED_MOONCAKE_RUNS,
                                                              BALANCED_MOONCAKE_COMMAND),
+    "admission-mooncake": lambda d: _absolute_table(d, ADMISSION_MOONCAKE_RUNS,
+                                                    ADMISSION_MOONCAKE_COMMAND),
     "agent-mix-0.5": lambda d: _comparison_table(d, MIX_RUNS["0.5"], None, MIX_COMMAND["0.5"],
                                                  short_ttft=False),
     "agent-mix-0.25": lambda d: _comparison_table(d, MIX_RUNS["0.25"], None,

@@ -425,7 +425,7 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
 
     On vLLM (default): vllm-rr, vllm-session, vllm-precise, agentserving and its ablations
     (agentserving-fcfs, agentserving-noprefetch, agentserving-nolayerwise,
-    agentserving-allpd), the same pod count and device KV each. On
+    agentserving-allpd, agentserving-noadmit), the same pod count and device KV each. On
     the reference engine: baseline and agentserving. Writes RUN_DIR/report.json,
     RUN_DIR/plots/*.png, each configuration's turn records and the fleets' logs, and prints
     which targets were met; `agentserving report RUN_DIR` redraws the plots.

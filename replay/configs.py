@@ -23,6 +23,8 @@ On vLLM (the default engine, what users deploy):
 - ``agentserving-allpd``: the same without conditional disaggregation: every turn's prefill
   runs on the prefill pod, as in seed 003 (the proxy's ``--local-prefill-tokens 0
   --max-prefill-backlog 0``);
+- ``agentserving-noadmit``: the same without admission at the proxy (``--admit-per-pod 0``:
+  every turn straight to its pod, each engine serving its queue in arrival order);
 - ``agentserving-balanced`` (not run by default): the same placing turns by queued work over
   every pod (the proxy's ``--balance-tokens``): a session whose pod is backed up moves to the
   least-loaded pod, cold turns go where less is queued, and the prefill pod hosts sessions.
@@ -92,7 +94,12 @@ DEVICE_KV_BLOCKS = 64
 # living there queue behind it (one measured run: the prefill pod hosted one session from
 # 6.6 s to 11.4 s, five first turns went whole to the decode pods, and appends on decode-1
 # waited 4-5 s for their first token); an A/B of two pairs: P95 4.3 s off, 5.3-5.9 s on.
-VLLM_PROXY_ARGS = ["--max-prefill-backlog", "1"]
+# Shortest prompt first over the fleet (--admit-per-pod 1): a burst of first turns on the
+# Mooncake sample no longer sets the median turn's wait (E2E P50 x0.66 / x0.57 of vllm-precise's,
+# against x1.44 / x1.18 without), and on the agent mix short appends stop waiting behind first
+# turns (short TTFT P50 x0.57-0.71 of the same without in three runs, at x0.96-1.08 of its
+# req/s; agentserving-noadmit below, docs/replay.md and docs/benchmarks.md).
+VLLM_PROXY_ARGS = ["--max-prefill-backlog", "1", "--admit-per-pod", "1"]
 # agentserving-balanced (not among the defaults): placement by queued work over every pod,
 # measured beside agentserving in docs/replay.md (table balanced-placement)
 BALANCED_PROXY_ARGS = ("--balance-tokens", "1024", "--max-prefill-backlog", "0")
@@ -107,7 +114,8 @@ DEFAULT_TIME_SCALE = {"reference": 1.0, "vllm": 0.5}
 DEFAULT_CONFIGS = {"reference": ("baseline", "agentserving"),
                    "vllm": ("vllm-rr", "vllm-session", "vllm-precise", "agentserving",
                             "agentserving-fcfs", "agentserving-noprefetch",
-                            "agentserving-nolayerwise", "agentserving-allpd")}
+                            "agentserving-nolayerwise", "agentserving-allpd",
+                            "agentserving-noadmit")}
 
 
 @dataclass(frozen=True)
@@ -162,6 +170,10 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 "--max-prefill-backlog 1): a backed-up session moves, cold turns go where less "
                 "is queued, the prefill pod hosting sessions", routing="kv-aware",
                 disaggregated=True, proxy_args=BALANCED_PROXY_ARGS),
+    BenchConfig("agentserving-noadmit", ("vllm",), "agentserving without admission at the "
+                "proxy: every turn goes straight to its pod, each pod's engine serving its "
+                "queue in arrival order (--admit-per-pod 0)", routing="kv-aware",
+                disaggregated=True, proxy_args=("--admit-per-pod", "0")),
     BenchConfig("agentserving-allpd", ("vllm",), "agentserving without conditional "
                 "disaggregation: every turn's prefill on the prefill pod, as in seed 003",
                 routing="kv-aware", disaggregated=True,

@@ -127,14 +127,19 @@ def kvindex_argv(inst: Instance) -> list[str]:
     return _argv("kvindex", kvindex_command, KvindexSettings, "spec.kvindex", values)
 
 
+# spec.proxy's fields that are the proxy's own settings (unset: the proxy's default)
+PROXY_FIELDS = {"localPrefillTokens": "local_prefill_tokens", "admitPerPod": "admit_per_pod"}
+
+
 def proxy_argv(inst: Instance, kvindex_url: str) -> list[str]:
     proxy = inst.spec["proxy"]
     values: dict[str, Any] = {"host": "0.0.0.0", "port": PROXY_PORT, "kvindex_url": kvindex_url,
                               "routing": proxy["routing"],
                               # the kvindex scores prefixes in chunks of the workers' size
                               "chunk_size": inst.spec["kvCache"]["chunkSize"]}
-    if proxy.get("localPrefillTokens") is not None:
-        values["local_prefill_tokens"] = proxy["localPrefillTokens"]
+    for field, setting in PROXY_FIELDS.items():
+        if proxy.get(field) is not None:
+            values[setting] = proxy[field]
     if proxy["replicas"] > 1:  # a Service spreads a session's turns over the replicas
         values["shared_sessions"] = True
     return _argv("proxy", proxy_command, ProxySettings, "spec.proxy", values)

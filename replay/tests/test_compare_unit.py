@@ -102,7 +102,7 @@ def test_the_vllm_configurations_share_pods_and_device_kv(tmp_path):
     assert without_shadow(DECODE_POD_LONGCAP) == DECODE_POD_LONGCAP
     assert without_shadow("shadow?lookahead=5") == "longcap-dynamic"
     # first turns may go local, and an idle prefill pod may keep a session
-    assert cand.proxy_args == ["--max-prefill-backlog", "1"]
+    assert cand.proxy_args == ["--max-prefill-backlog", "1", "--admit-per-pod", "1"]
     precise = s["vllm-precise"]
     assert (precise.both, precise.routing, precise.kv_events) == (3, "kv-aware", True)
     assert precise.chunk_size == VLLM_BLOCK_TOKENS  # the proxy looks up vLLM's own blocks
@@ -213,7 +213,7 @@ def test_configurations_that_differ_in_their_proxy_alone_share_one_fleet():
     assert [[n for n, _ in g] for g in groups] == [
         ["vllm-rr", "vllm-session", "vllm-precise"], ["agentserving"], ["agentserving-fcfs"],
         ["agentserving-noprefetch"], ["agentserving-nolayerwise"],
-        ["agentserving-allpd"]]  # fresh fleets: see below
+        ["agentserving-allpd"], ["agentserving-noadmit"]]  # fresh fleets: see below
     assert same_pods(s["vllm-rr"], s["vllm-precise"])
     # the ablations' prefill pods differ
     assert not same_pods(s["agentserving"], s["agentserving-fcfs"])
@@ -221,6 +221,9 @@ def test_configurations_that_differ_in_their_proxy_alone_share_one_fleet():
     assert s["agentserving-allpd"].proxy_args[-4:] == ["--local-prefill-tokens", "0",
                                                       "--max-prefill-backlog", "0"]
     assert not same_pods(s["agentserving"], s["agentserving-allpd"])
+    # admission at the proxy: the default's, and the ablation's flag after it, overriding it
+    assert s["agentserving"].proxy_args[-2:] == ["--admit-per-pod", "1"]
+    assert s["agentserving-noadmit"].proxy_args[-2:] == ["--admit-per-pod", "0"]
     # balanced placement: the proxy's flags, and the default's backlog rule overridden
     assert s["agentserving-balanced"].proxy_args[-4:] == ["--balance-tokens", "1024",
                                                           "--max-prefill-backlog", "0"]

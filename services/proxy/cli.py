@@ -76,6 +76,17 @@ setting = settings_option(ProxySettings)
               "the prefill pod (which then hosts the session) when the decode pod has "
               "anything queued, else P/D. Queues are in prompt tokens, a turn in flight "
               "weighing --load-penalty-tokens. Measured: docs/replay.md, off by default.")
+@setting("--admit-per-pod", type=click.IntRange(min=0),
+         help="Shortest prompt first over the whole fleet (0: off). Once every pod has this "
+              "many prompts it is computing (a turn run whole until its first token, a P/D "
+              "turn until its prefill pod answers), a new turn waits in the proxy, and each "
+              "place that frees goes to the waiting turn with the fewest "
+              "prompt tokens to compute (a session's append on its own pod: its new tokens; "
+              "a first turn: its whole prompt); turns are routed when admitted. Measured: "
+              "docs/replay.md.")
+@setting("--admit-max-wait", "admit_max_wait_s", type=click.FloatRange(min=0, min_open=True),
+         help="Seconds a turn held for admission waits before it goes ahead of shorter ones "
+              "(no turn starves behind a stream of short ones).")
 @setting("--prefill-hosts-sessions/--no-prefill-hosts-sessions",
          help="P/D: a prefill pod with nothing in flight, when every decode pod is busy, runs "
               "a first turn whole and becomes the session's own pod, its appends running there "

@@ -66,6 +66,14 @@ class ProxyMetrics:
                                     "The stall deadline last applied, by stage and kind (a "
                                     "flag's, or a multiple of the observed P99).",
                                     ["stage", "kind"], registry=registry)
+        self.admission_waiting = Gauge(
+            "proxy_admission_waiting", "--admit-per-pod: turns held at the door, waiting for a "
+            "place among the prompts the pods compute.", registry=registry)
+        self.admission_wait = Histogram(
+            "proxy_admission_wait_seconds", "--admit-per-pod: how long turns waited to be let "
+            "in, by how they were (free: a place was free; shortest: the fewest tokens among "
+            "those waiting; aged: waited past --admit-max-wait).", ["how"], buckets=_LATENCY,
+            registry=registry)
         self.stalled_pods = Gauge("proxy_stalled_pods",
                                   "Pods out of rotation after a stall, until they answer a "
                                   "probe.", registry=registry)

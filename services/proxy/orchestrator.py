@@ -48,6 +48,7 @@ from agentserving.core.schemas import (
 )
 from agentserving.core.service import ApiError
 from agentserving.proxy import memory_hooks
+from agentserving.proxy.admission import AdmissionGate, Ticket
 from agentserving.proxy.context_limit import context_error
 from agentserving.proxy.disagg import (
     Placement,
@@ -96,6 +97,7 @@ H_PD = "x-agentserving-pd"  # "disaggregated", or "local": prefilled on the deco
 # the pods a turn was moved off before it was answered (comma-separated, in order): a caller
 # (or a fault bench) can tell a turn saved by a retry from one that never met a failure
 H_RETRIED = "x-agentserving-retried"
+H_ADMISSION = "x-agentserving-admission"  # --admit-per-pod: how the turn was let in, and its wait
 PROBE_TIMEOUT_S = 1.0  # a pod's GET /v1/models (its context length; a stalled pod's return)
 
 
@@ -136,11 +138,15 @@ class Turn:
     started: float = field(default_factory=time.perf_counter)
     headers: dict[str, str] = field(default_factory=dict)
     queued_prompt: QueuedPrompt | None = None  # a stream's prompt, until its first token
+    # its place at the fleet's door: until its first token, or a P/D turn's prefill stage
+    admission: Ticket | None = None
     last_resort: bool = False  # the attempt under way is the turn's last: no stall deadline
 
     def prompt_computed(self) -> None:
         if self.queued_prompt is not None:
             self.queued_prompt.done()
+        if self.admission is not None:
+            self.admission.release()
 
     @cached_property
     def prompt_size(self) -> PromptSize:
@@ -180,6 +186,9 @@ class Orchestrator:
         self._prober: asyncio.Task | None = None
         self._stall_signals: dict[str, asyncio.Event] = {}  # set when the pod is found stalled
         self._context_asked = False
+        self.admission = AdmissionGate(
+            settings.admit_per_pod, settings.admit_max_wait_s, self._pod_count) \
+            if settings.admit_per_pod > 0 else None
 
     # ------------------------------------------------------------------ entry point
     async def handle(self, turn: Turn) -> JSONResponse | StreamingResponse:
@@ -195,6 +204,18 @@ class Orchestrator:
         if turn.memory and self.kvindex and turn.session_id:
             await memory_hooks.before_turn(self.kvindex.for_tenant(turn.tenant),
                                            turn.session_id, turn.memory, self._record_hook)
+        turn.admission = await self._admit(turn, state)
+        try:
+            response = await self._place_and_run(turn, state)
+        except BaseException:
+            turn.prompt_computed()
+            raise
+        if not isinstance(response, StreamingResponse):  # a stream frees it at its first token
+            turn.prompt_computed()
+        return response
+
+    async def _place_and_run(self, turn: Turn, state: SessionState
+                             ) -> JSONResponse | StreamingResponse:
         routed = await self._route(turn, state)
         attempts = self._attempts(routed.prefill, routed.decode,
                                   await self._local_pod(turn, state, routed))
@@ -207,6 +228,24 @@ class Orchestrator:
         if turn.stream:
             return await self._run_streaming(turn, state, attempts)
         return await self._run_blocking(turn, state, attempts)
+
+    async def _admit(self, turn: Turn, state: SessionState) -> Ticket | None:
+        """--admit-per-pod: wait for this turn's place among the prompts the fleet computes,
+        by the tokens it would compute on the session's own pod (its whole prompt if it has
+        none; a prompt the proxy cannot size weighs as one turn of load)."""
+        if self.admission is None:
+            return None
+        await self._ensure_pods()
+        cost = self._tokens_to_compute(turn, state, own_pod=state.last_decode_pod is not None)
+        with self.metrics.admission_waiting.track_inprogress():
+            ticket = await self.admission.admit(
+                self._decode_policy.turn_tokens if cost is None else cost)
+        self.metrics.admission_wait.labels(ticket.how.value).observe(ticket.waited_s)
+        turn.headers[H_ADMISSION] = f"{ticket.how.value}; waited={ticket.waited_s:.3f}s"
+        return ticket
+
+    def _pod_count(self) -> int:
+        return len(self.pool.prefill_candidates()) + len(self.pool.decode_candidates())
 
     def _resolve_pin(self, turn: Turn) -> None:
         """A pin asked for without a TTL gets one from the tool-gap prediction (the tool the
@@ -263,14 +302,18 @@ class Orchestrator:
         return decode.name, work
 
     def _prompt_to_compute(self, turn: Turn, state: SessionState, pod: Candidate) -> int:
-        """Prompt tokens ``pod`` computes running this turn whole: the new suffix on the
-        session's own pod, the whole prompt elsewhere (cache hits on another pod are not
-        known here); 0 for a prompt the proxy cannot size without a tokenizer."""
+        """Prompt tokens ``pod`` computes running this turn whole (0 for a prompt the proxy
+        cannot size without a tokenizer)."""
+        n = self._tokens_to_compute(turn, state, own_pod=pod.name == state.last_decode_pod)
+        return 0 if n is None else n
+
+    def _tokens_to_compute(self, turn: Turn, state: SessionState, own_pod: bool) -> int | None:
+        """The new suffix on the session's own pod, the whole prompt elsewhere (cache hits on
+        another pod are not known here); None for a prompt the proxy cannot size."""
         size = turn.prompt_size
         if size.tokens is None:
-            return 0
-        held = state.held(self.settings.chunk_size) \
-            if pod.name == state.last_decode_pod else None
+            return None
+        held = state.held(self.settings.chunk_size) if own_pod else None
         new = local_prefill_tokens(size, held) if held is not None else None
         return new if new is not None else size.tokens
 
@@ -410,6 +453,8 @@ class Orchestrator:
                 with self.pool.reserved(decode.name), self.pool.queue_prompt(
                         prefill.name, self._prompt_to_compute(turn, state, prefill)):
                     params, prefill_cached = await self._prefill_for_decode(turn, prefill)
+                if turn.admission is not None:  # its prompt is computed: the place is free
+                    turn.admission.release()
                 # released and re-acquired by _call with no await between: never uncounted
                 return prefill, decode, await self._call(
                     decode, "decode", fn, self._decode_body(turn.body, params), turn), \

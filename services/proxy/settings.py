@@ -59,6 +59,14 @@ class ProxySettings(BaseModel):
                     "new tokens; a first turn runs whole on the least-loaded decode pod when "
                     "that has less queued than the prefill pod, whole on the prefill pod when "
                     "the decode pod has anything queued, else P/D.")
+    admit_per_pod: int = Field(
+        default=0, ge=0,
+        description="Hold a turn in the proxy once every pod has this many prompts it is "
+                    "computing, and admit the waiting turn with the fewest prompt tokens to "
+                    "compute first (0: off, every turn goes straight to its pod).")
+    admit_max_wait_s: float = Field(
+        default=30.0, gt=0,
+        description="A turn held for admission this long goes before shorter ones.")
     prefill_hosts_sessions: bool = Field(
         default=False,
         description="A prefill pod with nothing in flight runs a first turn whole and keeps "

@@ -205,6 +205,10 @@ def test_proxy_and_kvindex_command_lines(settings):
     command = by_key(build_children(make_instance(spec), settings))[
         ("Deployment", "demo-proxy")]["spec"]["template"]["spec"]["containers"][0]["command"]
     assert command[-2:] == ["--local-prefill-tokens", "0"] and "--shared-sessions" not in command
+    spec["proxy"]["admitPerPod"] = 1  # shortest prompt first at the door
+    command = by_key(build_children(make_instance(spec), settings))[
+        ("Deployment", "demo-proxy")]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert command[-4:] == ["--local-prefill-tokens", "0", "--admit-per-pod", "1"]
     kvi = children[("Deployment", "demo-kvindex")]
     assert kvi["spec"]["template"]["spec"]["containers"][0]["command"] == [
         "agentserving", "kvindex", "--host", "0.0.0.0", "--port", "8300", "--store", "memory"]

@@ -1,0 +1,117 @@
+"""Admission at the fleet's door: the turn with the fewest prompt tokens to compute goes first.
+
+A pod's engine serves the prompts queued on it in arrival order, so on a burst of first turns
+the median turn waits for half the burst, and a session's short append behind them too. Seed
+003's Longcap serves short prompts first inside one prefill node; the proxy does the same over
+the whole fleet: once every pod already has ``per_pod`` prompts it is computing (a turn run
+whole until its first token, a P/D turn until its prefill pod answers), a new turn waits here,
+and each freed place goes to the waiting turn with the fewest tokens to compute. A turn that
+has waited ``max_wait_s`` goes first, so a stream of short turns cannot starve a long one.
+Turns are routed after they are admitted, to the pods' load at that moment. (A place kept for
+the oldest long prompt, so that the longest do not all finish last, was measured and did not
+pay: docs/replay.md.)
+
+The choice is pure (``next_waiter``); ``AdmissionGate`` is the thin asyncio layer around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Admitted(StrEnum):
+    FREE = "free"  # a place was free on arrival
+    SHORTEST = "shortest"  # the fewest tokens among those waiting
+    AGED = "aged"  # waited past max_wait_s
+
+
+@dataclass
+class Waiter:
+    cost: int  # prompt tokens the turn is expected to compute
+    since: float  # when it began to wait (the gate's clock)
+    seq: int  # arrival order: ties go to the earlier turn
+    future: asyncio.Future = field(repr=False, compare=False)
+
+
+def next_waiter(waiters: Sequence[Waiter], now: float, max_wait_s: float
+                ) -> tuple[int, Admitted] | None:
+    """Which waiting turn takes a freed place: the earliest of those waiting ``max_wait_s`` or
+    longer, else the one with the fewest tokens to compute (the earlier on a tie)."""
+    if not waiters:
+        return None
+    aged = [i for i, w in enumerate(waiters) if now - w.since >= max_wait_s]
+    if aged:
+        return min(aged, key=lambda i: waiters[i].seq), Admitted.AGED
+    return min(range(len(waiters)), key=lambda i: (waiters[i].cost, waiters[i].seq)), \
+        Admitted.SHORTEST
+
+
+class Ticket:
+    """A turn's place among the prompts being computed; ``release()`` (idempotent) frees it for
+    the next waiting turn once the prompt is computed (or the turn has ended)."""
+
+    def __init__(self, gate: AdmissionGate, how: Admitted, waited_s: float) -> None:
+        self._gate: AdmissionGate | None = gate
+        self.how, self.waited_s = how, waited_s
+
+    def release(self) -> None:
+        if self._gate is not None:
+            gate, self._gate = self._gate, None
+            gate._release()
+
+
+class AdmissionGate:
+    def __init__(self, per_pod: int, max_wait_s: float, pods: Callable[[], int],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_pod, self.max_wait_s = per_pod, max_wait_s
+        self._pods, self._clock = pods, clock
+        self._waiters: list[Waiter] = []
+        self._seq = itertools.count()
+        self.admitted = 0  # tickets out
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def capacity(self) -> int:
+        return self.per_pod * max(1, self._pods())
+
+    async def admit(self, cost: int) -> Ticket:
+        """Waits, if every place is taken, until this turn is the one to go."""
+        if not self._waiters and self.admitted < self.capacity():
+            self.admitted += 1
+            return Ticket(self, Admitted.FREE, 0.0)
+        waiter = Waiter(max(0, cost), self._clock(), next(self._seq),
+                        asyncio.get_running_loop().create_future())
+        self._waiters.append(waiter)
+        self._admit_waiters()  # the pods may have grown since the last release
+        try:
+            how = await waiter.future
+        except asyncio.CancelledError:  # the caller went away while waiting
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+            elif waiter.future.done() and not waiter.future.cancelled():
+                self._release()  # it had been given a place: pass the place on
+            raise
+        return Ticket(self, how, self._clock() - waiter.since)
+
+    def _release(self) -> None:
+        self.admitted = max(0, self.admitted - 1)
+        self._admit_waiters()
+
+    def _admit_waiters(self) -> None:
+        while self.admitted < self.capacity():
+            chosen = next_waiter(self._waiters, self._clock(), self.max_wait_s)
+            if chosen is None:
+                return
+            i, how = chosen
+            waiter = self._waiters.pop(i)
+            if waiter.future.done():  # cancelled meanwhile
+                continue
+            self.admitted += 1
+            waiter.future.set_result(how)

@@ -76,6 +76,10 @@ ANNOUNCED = {1: "announced-turns/gap-scale-1.json", 10: "announced-turns/gap-sca
 ANNOUNCED_COMMAND = ("agentserving compare --configs agentserving,agentserving-noprefetch "
                      "--cpu-cache-gib 0.15 --decode-policy "
                      "'longcap-dynamic?short_order=shortest&lookahead=5' --tool-gap-scale X")
+TOOL_GAP_DISK = ("tool-gap-disk/dram-2.json", "tool-gap-disk/dram-0.25.json",
+                 "tool-gap-disk/dram-0.13-gap-20.json")
+TOOL_GAP_DISK_COMMAND = ("agentserving compare --configs agentserving,agentserving-noprefetch "
+                         "--cpu-cache-gib X [--tool-gap-scale Y]")
 KV_LIFECYCLE = "kv-lifecycle.json"
 PD_TRANSFER = "pd-transfer.json"
 PD_TRANSFER_COMMAND = "python -m bench pd_transfer"
@@ -299,14 +303,20 @@ def _shadow_table(doc: Doc, names: tuple[str, ...]) -> str:
 
 def _kv_wait_table(doc: Doc, names: tuple[str, ...]) -> str:
     reports = [_load(doc.root, n) for n in names]
-    lines = ["| run | agentserving KV wait P50 | forward P50 | share (target ≤ 10 %) | "
-             "disk read (O_DIRECT) | per 2 MiB chunk P50 |", "| --- " * 6 + "|"]
+    lines = ["| run | DRAM per pod | agentserving KV wait P50 | forward P50 | "
+             "share (target ≤ 10 %) | disk read (O_DIRECT) | per 2 MiB chunk P50 | "
+             "announced sessions' chunks on disk |",
+             "| --- " * 8 + "|"]
     for i, r in enumerate(reports):
         st = r["configs"]["agentserving"]["steps"]
         disk = r["settings"]["disk_tier"]["reads"]
-        lines.append(f"| {i + 1} | {1000 * st['kv_wait_exposed_p50_s']:.1f} ms | "
+        gap = (r.get("tool_gap_prefetch") or {}).get("agentserving")
+        on_disk = (f"{_pct(gap['disk_share'])} of {sum(gap['chunks'].values()):,}"
+                   if gap else "–")
+        lines.append(f"| {i + 1} | {r['settings']['cpu_cache_gib']:g} GiB | "
+                     f"{1000 * st['kv_wait_exposed_p50_s']:.1f} ms | "
                      f"{1000 * st['forward_p50_s']:.0f} ms | {_pct(st['kv_wait_share_p50'])} | "
-                     f"{disk['read_gbps']:.2f} GB/s | {disk['read_p50_ms']:.1f} ms |")
+                     f"{disk['read_gbps']:.2f} GB/s | {disk['read_p50_ms']:.1f} ms | {on_disk} |")
     return "\n".join(lines)
 
 
@@ -325,6 +335,16 @@ def _disk_tier_table(doc: Doc) -> str:
                    f"Model: {r.get('model', '?')}; torch {r.get('host', {}).get('torch', '?')}. ")
 
 
+def _after_gap_cells(r: dict, *, turns: bool) -> str:
+    """agentserving's TTFT P50 after a tool gap (with its turn count) | the no-prefetch
+    ablation's, with agentserving's ratio to it."""
+    cand, ablation = r["configs"]["agentserving"], r["configs"]["agentserving-noprefetch"]
+    ratio = cand["ttft_p50_after_gap_s"] / ablation["ttft_p50_after_gap_s"]
+    count = f" ({cand['after_gap_turns']})" if turns else ""
+    return (f"{_s(cand['ttft_p50_after_gap_s'])}{count} | "
+            f"{_s(ablation['ttft_p50_after_gap_s'])} ({_ratio(ratio)})")
+
+
 def _announced_table(doc: Doc) -> str:
     """Turns announced during tool calls: what became of them, what they read, and TTFT after a
     tool gap against the configuration without prefetch, one row per --tool-gap-scale."""
@@ -337,15 +357,30 @@ def _announced_table(doc: Doc) -> str:
         reports.append((name, r))
         a = r["shadow"]["agentserving"]["announced"]
         read = r["shadow"]["agentserving"]["prefetch"]["chunks"]
-        cand, ablation = r["configs"]["agentserving"], r["configs"]["agentserving-noprefetch"]
-        ratio = cand["ttft_p50_after_gap_s"] / ablation["ttft_p50_after_gap_s"]
         lines.append(f"| {scale} | {a['announced']} | {a['arrived']} | "
                      f"{a['fired_by_window']} / {a['fired_idle']} | "
                      f"{a['prefetched_before_arrival']} | {read} | "
-                     f"{_s(cand['ttft_p50_after_gap_s'])} "
-                     f"({cand['after_gap_turns']}) | {_s(ablation['ttft_p50_after_gap_s'])} "
-                     f"({_ratio(ratio)}) |")
+                     f"{_after_gap_cells(r, turns=True)} |")
     lines += ["", _source_line(doc, ANNOUNCED_COMMAND, reports)]
+    return "\n".join(lines)
+
+
+def _tool_gap_disk_table(doc: Doc) -> str:
+    """Where the pods found the KV of the sessions announced during their tool calls, by DRAM
+    per pod and tool-gap length, beside TTFT after a tool gap with and without the prefetch."""
+    lines = ["| DRAM per pod | --tool-gap-scale | announced sessions' chunks: in DRAM / on disk / "
+             "left to the pod's scheduler | TTFT after a tool gap, P50 | without prefetch |",
+             "| --- " * 5 + "|"]
+    reports = []
+    for name in TOOL_GAP_DISK:
+        r = _load(doc.root, name)
+        reports.append((name, r))
+        found = r["tool_gap_prefetch"]["agentserving"]["chunks"]
+        lines.append(f"| {r['settings']['cpu_cache_gib']:g} GiB | "
+                     f"{r['settings']['tool_gap_scale']:g} | {found['dram']:,} / "
+                     f"{found['disk']:,} / {found['scheduled']:,} | "
+                     f"{_after_gap_cells(r, turns=False)} |")
+    lines += ["", _source_line(doc, TOOL_GAP_DISK_COMMAND, reports)]
     return "\n".join(lines)
 
 
@@ -850,6 +885,7 @@ TABLES: dict[str, Callable[[Doc], str]] = {
     "disk-tier": _disk_tier_table,
     "prefix-stability": _prefix_stability_table,
     "announced-turns": _announced_table,
+    "tool-gap-disk": _tool_gap_disk_table,
     "kv-lifecycle": _kv_lifecycle_table,
     "pd-transfer": _pd_transfer_table,
     "layerwise-reload": _layerwise_reload_table,

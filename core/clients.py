@@ -11,7 +11,7 @@ import copy
 import json
 from collections.abc import Sequence
 from typing import Any, Self, TypeVar
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import httpx
 from pydantic import BaseModel
@@ -50,6 +50,13 @@ from agentserving.core.schemas import (
 )
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def session_path(session_id: str, *below: str) -> str:
+    """A kvindex session route, each segment percent-quoted: a session id is anything but '/'
+    (the proxy writes a client's '/' as %2F), so '?', '#', '%' or a space must reach the
+    kvindex as part of the id, not end the path."""
+    return "/".join(["/v1/sessions", *(quote(part, safe="") for part in (session_id, *below))])
 
 
 class ServiceUnavailable(Exception):
@@ -168,46 +175,46 @@ class KvindexClient(_JsonClient):
         return await self._call("POST", "/v1/evict", req, FanoutResponse)
 
     async def put_intent(self, session_id: str, intent: str, chunks: list[str]) -> SessionInfo:
-        return await self._call("PUT", f"/v1/sessions/{session_id}/intents/{intent}",
+        return await self._call("PUT", session_path(session_id, "intents", intent),
                                 IntentChunks(chunk_hashes=chunks), SessionInfo)
 
     async def get_intent(self, session_id: str, intent: str) -> list[str]:
-        body = await self._call("GET", f"/v1/sessions/{session_id}/intents/{intent}", None,
+        body = await self._call("GET", session_path(session_id, "intents", intent), None,
                                 IntentChunks)
         return body.chunk_hashes
 
     async def session(self, session_id: str) -> SessionInfo:
-        return await self._call("GET", f"/v1/sessions/{session_id}", None, SessionInfo)
+        return await self._call("GET", session_path(session_id), None, SessionInfo)
 
     async def close_session(self, session_id: str) -> SessionClosed:
         """End the session: the kvindex evicts its chunks that no other live session uses."""
-        return await self._call("DELETE", f"/v1/sessions/{session_id}", None, SessionClosed)
+        return await self._call("DELETE", session_path(session_id), None, SessionClosed)
 
     async def pin(self, session_id: str, ttl_s: float, pods: Sequence[str] = ()) -> SessionInfo:
-        return await self._call("POST", f"/v1/sessions/{session_id}/pin",
+        return await self._call("POST", session_path(session_id, "pin"),
                                 PinRequest(ttl_s=ttl_s, pods=list(pods)), SessionInfo)
 
     async def release(self, session_id: str) -> SessionInfo:
-        return await self._call("POST", f"/v1/sessions/{session_id}/release", None, SessionInfo)
+        return await self._call("POST", session_path(session_id, "release"), None, SessionInfo)
 
     async def set_priority(self, session_id: str, priority: int) -> SessionInfo:
-        return await self._call("PUT", f"/v1/sessions/{session_id}/priority",
+        return await self._call("PUT", session_path(session_id, "priority"),
                                 PriorityRequest(priority=priority), SessionInfo)
 
     async def put_route(self, session_id: str, route: SessionRoute) -> SessionRoute:
-        return await self._call("PUT", f"/v1/sessions/{session_id}/route", route, SessionRoute)
+        return await self._call("PUT", session_path(session_id, "route"), route, SessionRoute)
 
     async def put_context(self, session_id: str, ctx: SessionContext) -> ContextWritten:
         """The turn's context under the session (creating it), with the routing record and
         the context-change eviction, in one call."""
-        return await self._call("PUT", f"/v1/sessions/{session_id}/context", ctx,
+        return await self._call("PUT", session_path(session_id, "context"), ctx,
                                 ContextWritten)
 
     async def get_route(self, session_id: str) -> SessionRoute:
-        return await self._call("GET", f"/v1/sessions/{session_id}/route", None, SessionRoute)
+        return await self._call("GET", session_path(session_id, "route"), None, SessionRoute)
 
     async def fork(self, session_id: str, child: str) -> SessionInfo:
-        return await self._call("POST", f"/v1/sessions/{session_id}/fork",
+        return await self._call("POST", session_path(session_id, "fork"),
                                 ForkRequest(child=child), SessionInfo)
 
 

@@ -96,9 +96,9 @@ DEVICE_KV_BLOCKS = 64
 # waited 4-5 s for their first token); an A/B of two pairs: P95 4.3 s off, 5.3-5.9 s on.
 # Shortest prompt first over the fleet (--admit-per-pod 1): a burst of first turns on the
 # Mooncake sample no longer sets the median turn's wait (E2E P50 x0.66 / x0.57 of vllm-precise's,
-# against x1.44 / x1.18 without), and on the agent mix short appends stop waiting behind first
-# turns (short TTFT P50 x0.57-0.71 of the same without in three runs, at x0.96-1.08 of its
-# req/s; agentserving-noadmit below, docs/replay.md and docs/benchmarks.md).
+# against x1.44 / x1.18 without), and on the agent mix short appends wait less behind first
+# turns (short TTFT P85 x0.55-0.86 of the same without in six runs, P50 x0.57-1.51, at
+# x0.83-1.08 of its req/s; agentserving-noadmit below, docs/replay.md and docs/benchmarks.md).
 VLLM_PROXY_ARGS = ["--max-prefill-backlog", "1", "--admit-per-pod", "1"]
 # agentserving-balanced (not among the defaults): placement by queued work over every pod,
 # measured beside agentserving in docs/replay.md (table balanced-placement)

@@ -96,6 +96,19 @@ def shadow_figures(config: Mapping[str, Any]) -> dict[str, Any] | None:
             if announced else None}
 
 
+def tool_gap_figures(config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Where the pods found the chunks of the sessions the proxy announced during their tool
+    calls (the proxy's ``proxy_tool_gap_prefetch_chunks_total{found}``), and the share found on
+    disk: the KV the prefetch had to move. None where no turn was announced."""
+    prefix = "tool_gap_prefetch_chunks_total{found="
+    found = {key[len(prefix):-1]: int(v) for key, v in (config.get("proxy") or {}).items()
+             if key.startswith(prefix)}
+    total = sum(found.values())
+    if not total:
+        return None
+    return {"chunks": found, "disk_share": round(found.get("disk", 0) / total, 4)}
+
+
 def policy_step_figures(config: Mapping[str, Any]) -> dict[str, dict[str, int]] | None:
     """Per pod running a policy, the steps it decided and those it left to vLLM's own pass
     (``vllm_steps``: no KV-safe grant while prompts waited), from the pods' live scheduler
@@ -135,6 +148,8 @@ def build_report(configs: Mapping[str, Mapping[str, Any]], *,
     report["run_checks"] = run_checks(configs, candidate)
     report["shadow"] = {name: {**fig, "seed_003": SEED_003_N1} for name, c in configs.items()
                         if (fig := shadow_figures(c))}
+    report["tool_gap_prefetch"] = {name: fig for name, c in configs.items()
+                                   if (fig := tool_gap_figures(c))}
     report["policy_steps"] = {name: fig for name, c in configs.items()
                               if (fig := policy_step_figures(c))}
     report.update(extra)
@@ -343,22 +358,29 @@ def print_report(report: Mapping[str, Any], title: str) -> str:
     shadow += [f"{name}: missed {n} ({MISS_REASONS[why]})" for name, m in report["configs"].items()
                if (fig := shadow_figures(m)) and fig["misses"]
                for why, n in sorted(fig["misses"].items(), key=lambda kv: -kv[1]) if n]
-    if shadow:
-        console.print("N+1 window in vLLM's scheduler, live (seed 003's in brackets), and "
-                      "its missed predictions by cause:")
-        for line in shadow:
-            console.print(f"  {line}")
+    _print_section(console, shadow, "N+1 window in vLLM's scheduler, live (seed 003's in "
+                   "brackets), and its missed predictions by cause:")
     left = [f"{name}: " + ", ".join(f"{pod} {f['vllm_steps']} of {f['policy_steps']}"
                                     for pod, f in pods.items())
             for name, pods in (report.get("policy_steps") or {}).items()]
-    if left:
-        console.print("steps each policy left to vLLM's own pass (no KV-safe grant while "
-                      "prompts waited), per pod:")
-        for line in left:
-            console.print(f"  {line}")
+    _print_section(console, left, "steps each policy left to vLLM's own pass (no KV-safe "
+                   "grant while prompts waited), per pod:")
+    gaps = [f"{name}: {100 * f['disk_share']:.1f}% of {sum(f['chunks'].values()):,} chunks on "
+            "disk (" + ", ".join(f"{k} {v:,}" for k, v in f["chunks"].items()) + ")"
+            for name, f in (report.get("tool_gap_prefetch") or {}).items()]
+    _print_section(console, gaps, "where the pods found the KV of the sessions announced "
+                   "during a tool call:")
     return (text + "\n".join(lines) + f"\ntargets met: {met} of {len(lines)}\n"
             + "".join(f"N+1 window {ln}\n" for ln in shadow)
-            + "".join(f"steps left to vLLM {ln}\n" for ln in left))
+            + "".join(f"steps left to vLLM {ln}\n" for ln in left)
+            + "".join(f"tool-gap prefetch {ln}\n" for ln in gaps))
+
+
+def _print_section(console: Any, lines: list[str], heading: str) -> None:
+    if lines:
+        console.print(heading)
+        for line in lines:
+            console.print(f"  {line}")
 
 
 def _console() -> Any:

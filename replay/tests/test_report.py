@@ -20,6 +20,7 @@ from agentserving.replay.report import (
     shadow_figures,
     source_rows,
     table_rows,
+    tool_gap_figures,
 )
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -303,3 +304,18 @@ def test_run_checks_hold_forcing_and_the_provider_hit_against_the_replay():
                                       "agentserving": config(0.885, 0.9, 0.88)}), title="t")
     assert "MISSED vllm-rr: forced_mismatches" in text
     assert "ok agentserving mini-swe-agent: prefix_hit_vs_reference" in text
+
+
+def test_where_the_announced_sessions_kv_was_found_is_reported():
+    cand = {**_summary(), "proxy": {
+        "tool_gap_prefetch_chunks_total{found=dram}": 30.0,
+        "tool_gap_prefetch_chunks_total{found=disk}": 10.0,
+        "tool_gap_prefetch_chunks_total{found=missing}": 0.0,
+        "tool_gap_prefetch_total{outcome=warm}": 5.0}}
+    assert tool_gap_figures(cand) == {"chunks": {"dram": 30, "disk": 10, "missing": 0},
+                                      "disk_share": 0.25}
+    assert tool_gap_figures(_summary()) is None  # nothing announced (--no-tool-prefetch)
+    report = build_report({"vllm-rr": _summary(), "agentserving": cand})
+    assert list(report["tool_gap_prefetch"]) == ["agentserving"]
+    text = print_report(report, title="t")
+    assert "tool-gap prefetch agentserving: 25.0% of 40 chunks on disk (dram 30, disk 10" in text

@@ -38,7 +38,7 @@ from agentserving.proxy.pods import PodPool
 from agentserving.proxy.request_hints import merged_memory, read_hints
 from agentserving.proxy.residency_replica import ReplicaMetrics, ResidencyReplica, following
 from agentserving.proxy.routing import make_policy
-from agentserving.proxy.sessions import session_key
+from agentserving.proxy.sessions import kvindex_session_id, session_key
 from agentserving.proxy.settings import ProxySettings, RoutingName
 from agentserving.proxy.upstream import UPSTREAM_ERRORS, new_session
 
@@ -121,11 +121,12 @@ def create_app(settings: ProxySettings) -> FastAPI:
         tenant = principal.tenant if principal else None
         if principal is not None and principal.cache_salt:
             body["cache_salt"] = principal.cache_salt  # tenants never share or probe prefixes
-        sid = request.headers.get("x-session-id") or (
-            body.get("user") if isinstance(body.get("user"), str) else None)
+        sid = kvindex_session_id(request.headers.get("x-session-id") or (
+            body.get("user") if isinstance(body.get("user"), str) else None))
         return Turn(endpoint=endpoint, body=body, session_id=sid,
                     session_key=session_key(tenant, sid), tenant=tenant,
-                    parent_session_id=request.headers.get("x-parent-session-id"),
+                    parent_session_id=kvindex_session_id(
+                        request.headers.get("x-parent-session-id")),
                     memory=memory, next_tool=request.headers.get(H_NEXT_TOOL),
                     announce_next=hints.speculative_prefill)
 

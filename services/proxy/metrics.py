@@ -57,6 +57,12 @@ class ProxyMetrics:
         self.tool_gap_warm = Counter("proxy_tool_gap_prefetch_total",
                                      "Turns after a tool call: prefetch fired before arrival "
                                      "(warm) or not (cold).", ["outcome"], registry=registry)
+        self.tool_gap_chunks = Counter(
+            "proxy_tool_gap_prefetch_chunks_total",
+            "Chunks of the sessions announced during a tool call, by where their pod found "
+            "them: dram (nothing to move), disk (read into DRAM before the turn), missing "
+            "(recomputed), scheduled (left to the pod's scheduler for when the turn is due).",
+            ["found"], registry=registry)
         self.sessions = Gauge("proxy_sessions", "Sessions remembered.", registry=registry)
         self.stalls = Counter("proxy_stalls_total",
                               "Pods that took a turn and went silent past a stall deadline, "

@@ -68,7 +68,7 @@ from agentserving.proxy.routing import Candidate, LeastLoaded, RouteInput, Routi
 from agentserving.proxy.sessions import SessionState, SessionTable, session_key
 from agentserving.proxy.settings import ProxySettings
 from agentserving.proxy.stalls import StallDeadlines, policy_from
-from agentserving.proxy.tool_gaps import ToolGapPredictor, pin_ttl_for_gap
+from agentserving.proxy.tool_gaps import ToolGapPredictor, pin_ttl_for_gap, prefetch_found
 from agentserving.proxy.upstream import (
     UPSTREAM_ERRORS,
     InterTokenStall,
@@ -779,11 +779,13 @@ class Orchestrator:
             state.prefetch_fired_at = time.monotonic()
             try:
                 assert self.kvindex is not None
-                await self.kvindex.prefetch(PrefetchRequest(
+                answer = await self.kvindex.prefetch(PrefetchRequest(
                     chunk_hashes=chunks, pod=state.last_pod,
                     lookup_id=f"tool-gap:{turn.session_id}",
                     expected_in_s=round(max(0.0, gap_s - delay), 3)))
                 self._record_hook("tool_prefetch", True)
+                for found, n in prefetch_found(answer.results).items():
+                    self.metrics.tool_gap_chunks.labels(found).inc(n)
             except (ServiceUnavailable, RequestRejected):
                 self._record_hook("tool_prefetch", False)
 

@@ -109,3 +109,12 @@ def session_key(tenant: str | None, session_id: str | None) -> str | None:
     if session_id is None:
         return None
     return f"{tenant or '-'}/{session_id}"
+
+
+def kvindex_session_id(session_id: str | None) -> str | None:
+    """The id a client's session goes by in the kvindex, whose ids hold no '/' (a segment of
+    its REST paths): '%' written %25 and '/' %2F, so two ids stay two and an id with neither
+    is its own. A replay's ``mooncake/mc6859`` is ``mooncake%2Fmc6859`` there."""
+    if session_id is None:
+        return None
+    return session_id.replace("%", "%25").replace("/", "%2F")

@@ -8,7 +8,9 @@ chunks into DRAM shortly before the next turn arrives.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -59,3 +61,19 @@ def pin_ttl_for_gap(predicted_gap_s: float, floor_s: float, cap_s: float,
     nothing), never under ``floor_s`` (a first gap is predicted from the default alone) nor over
     ``cap_s`` (a pin holds memory other sessions could use)."""
     return min(cap_s, max(floor_s, predicted_gap_s * multiple))
+
+
+def prefetch_found(results: Mapping[str, Any]) -> dict[str, int]:
+    """Where the pods found a tool-gap prefetch's chunks, from the kvindex's fan-out answer
+    (pod -> its memory API's reply): a session whose chunks were on disk is the one the
+    prefetch is for; all in DRAM, it had nothing to move."""
+    found = {"dram": 0, "disk": 0, "missing": 0, "scheduled": 0}
+    for result in results.values():
+        reply = getattr(result, "response", None) or {}
+        if reply.get("status") == "prefetch_scheduled":
+            found["scheduled"] += int(reply.get("num_chunks") or 0)
+            continue
+        found["dram"] += int(reply.get("num_in_cpu") or 0)
+        found["disk"] += int(reply.get("num_to_load") or 0)
+        found["missing"] += int(reply.get("num_missing") or 0)
+    return found

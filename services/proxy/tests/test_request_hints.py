@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import httpx
@@ -30,6 +31,7 @@ from agentserving.proxy.orchestrator import Orchestrator, Turn
 from agentserving.proxy.pods import PodPool
 from agentserving.proxy.request_hints import TurnHints, merged_memory, read_hints
 from agentserving.proxy.routing import make_policy
+from agentserving.proxy.sessions import kvindex_session_id
 from agentserving.proxy.settings import ProxySettings
 from agentserving.proxy.tool_gaps import pin_ttl_for_gap
 from testkit.servers import ThreadedServer, wait_until
@@ -164,6 +166,23 @@ def wired() -> Iterator[tuple[TestClient, RecordingPod, str]]:
 def session(kv_url: str, sid: str) -> dict[str, Any] | None:
     r = httpx.get(f"{kv_url}/v1/sessions/{sid}", timeout=5)
     return r.json() if r.status_code == 200 else None
+
+
+def test_a_session_id_with_a_slash_or_url_characters_reaches_the_kvindex(wired) -> None:
+    """The kvindex's ids hold no '/': a client's (a replay's ``source/id``) is written %2F
+    there, and '?', '#', '%' and spaces travel inside the id, not as URL syntax."""
+    client, _, kv_url = wired
+    assert kvindex_session_id("team/agent 1") == "team%2Fagent 1"
+    assert kvindex_session_id("a%2Fb") == "a%252Fb" != kvindex_session_id("a/b")
+    for sid in ("team/agent 1", "q?x=1#f", "a%2Fb"):
+        r = client.post("/v1/completions", headers={"x-session-id": sid},
+                        json={"model": "m", "prompt": list(range(16))})
+        assert r.status_code == 200, r.text
+        stored = quote(kvindex_session_id(sid), safe="")
+        info = wait_until(lambda s=stored: session(kv_url, s),
+                          what=f"session {sid!r} in the kvindex", ignoring=(httpx.HTTPError,))
+        assert info["intents"] == {"~context": H}
+    assert session(kv_url, quote("a/b", safe="")) is None
 
 
 def test_the_hints_reach_the_pod_and_the_kvindex(wired) -> None:

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentserving.core.schemas import PodPrefix
+from agentserving.core.schemas import PodCallResult, PodPrefix
 from agentserving.proxy.auth import ApiKeys, KeyEntry, tenant_salt
 from agentserving.proxy.routing import (
     Candidate,
@@ -20,7 +20,7 @@ from agentserving.proxy.routing import (
     affinity_order,
     make_policy,
 )
-from agentserving.proxy.tool_gaps import ToolGapPredictor
+from agentserving.proxy.tool_gaps import ToolGapPredictor, prefetch_found
 
 PODS = [Candidate("p0", "http://a"), Candidate("p1", "http://b"), Candidate("p2", "http://c")]
 
@@ -110,6 +110,19 @@ def test_tool_gap_predictor_keeps_a_bounded_table_of_tools():
     assert len(pred._per_tool) == 2
     pred.observe("tool-0", 8.0)  # a known tool still learns
     assert pred.predict("tool-0") == pytest.approx(6.0)
+
+
+def test_prefetch_found_sums_the_pods_replies_by_tier():
+    results = {
+        "decode-0": PodCallResult(ok=True, num_chunks=5, response={
+            "status": "prefetch_started", "num_chunks": 5, "num_in_cpu": 1, "num_to_load": 3,
+            "num_missing": 1}),
+        "prefill-0": PodCallResult(ok=True, num_chunks=4, response={
+            "status": "prefetch_scheduled", "num_chunks": 4}),
+        "decode-1": PodCallResult(ok=False, num_chunks=2, error="pod gone"),
+    }
+    assert prefetch_found(results) == {"dram": 1, "disk": 3, "missing": 1, "scheduled": 4}
+    assert prefetch_found({}) == {"dram": 0, "disk": 0, "missing": 0, "scheduled": 0}
 
 
 def test_api_keys(tmp_path):

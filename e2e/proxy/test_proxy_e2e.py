@@ -72,6 +72,12 @@ def all_in_tier(fleet, chunks: list[str], pod: str, tier: str) -> bool:  # type:
         "locations"] for h in chunks)
 
 
+def evict_from_dram(fleet, chunks: list[str]) -> dict:  # type: ignore[no-untyped-def]
+    """Drop the chunks' DRAM copies on every pod, keeping them on disk (as an LRU would)."""
+    return httpx.post(fleet.kvindex.url + "/v1/evict", headers=fleet.headers, json={
+        "chunk_hashes": chunks, "locations": ["cpu"], "force": True}, timeout=5).json()
+
+
 def test_models_list_through_the_sdk(fleet):
     models = client(fleet.proxy_kv).models.list()
     assert [m.id for m in models.data] == ["tiny"]
@@ -210,16 +216,12 @@ def test_memory_hooks_evict_old_topic_and_prefetch_the_next(fleet):
              what="topic-a evicted")
 
     # drop topic-b's DRAM copies, keep them on disk; a prefetch hook brings them back
-    wait_for(lambda: {"pod": pod, "tier": "disk"} in kvindex_get(
-        fleet, f"/v1/chunks/{topic_b[0]}").json()["locations"], what="topic-b on disk")
-    r = httpx.post(fleet.kvindex.url + "/v1/evict", headers=fleet.headers, json={
-        "chunk_hashes": topic_b, "locations": ["cpu"], "force": True}, timeout=5).json()
-    assert r["results"][pod]["ok"]
+    wait_for(lambda: all_in_tier(fleet, topic_b[:1], pod, "disk"), what="topic-b on disk")
+    assert evict_from_dram(fleet, topic_b)["results"][pod]["ok"]
     wait_for(lambda: kvindex_get(fleet, f"/v1/chunks/{topic_b[0]}").json()["locations"] == [
         {"pod": pod, "tier": "disk"}], what="topic-b only on disk")
     turn(c, "mem", prompt_for(9, 300), extra={"agent_memory": {"prefetch_intents": ["topic-b"]}})
-    wait_for(lambda: {"pod": pod, "tier": "cpu"} in kvindex_get(
-        fleet, f"/v1/chunks/{topic_b[0]}").json()["locations"], what="topic-b prefetched")
+    wait_for(lambda: all_in_tier(fleet, topic_b[:1], pod, "cpu"), what="topic-b prefetched")
     metrics = httpx.get(fleet.proxy_kv.url + "/metrics").text
     assert 'proxy_memory_hook_calls_total{ok="true",op="evict"}' in metrics
     assert 'proxy_memory_hook_calls_total{ok="true",op="prefetch"}' in metrics
@@ -236,8 +238,7 @@ def test_tool_gap_prefetch_is_warm_on_arrival(fleet):
         chunks, pod = chunk_hashes_of(first)[:2], headers["x-agentserving-prefill-pod"]
         # the session's KV leaves DRAM during the tool call, as a busy pod's LRU would take it
         wait_for(functools.partial(all_in_tier, fleet, chunks, pod, "disk"), what="on disk")
-        httpx.post(fleet.kvindex.url + "/v1/evict", headers=fleet.headers, json={
-            "chunk_hashes": chunks, "locations": ["cpu"], "force": True}, timeout=5)
+        evict_from_dram(fleet, chunks)
         evicted_in_time = time.monotonic() - started < 1.3
         # the default prediction is 2 s; the prefetch fires 0.5 s before and reads them back
         time.sleep(max(0.0, 2.2 - (time.monotonic() - started)))

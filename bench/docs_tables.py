@@ -30,15 +30,16 @@ MARKER = re.compile(r"^(?P<open><!-- table:(?P<name>[\w.-]+) -->\n)(?P<body>.*?)
 OPENING = re.compile(r"^<!-- table:([\w.-]+) -->$", re.M)
 
 MAIN_RUNS = ("main-job/run1.json", "main-job/run2.json", "main-job/run3.json")
-MAIN_COMMAND = "make run"  # agentserving compare, its defaults
+MAIN_COMMAND = "agentserving compare --ablations"  # make run's four and the five ablations
 DECODE_LONGCAP_RUNS = ("decode-longcap/run1.json", "decode-longcap/run2.json",
                        "decode-longcap/run3.json")
-DECODE_LONGCAP_COMMAND = ("agentserving compare --decode-policy "
+DECODE_LONGCAP_COMMAND = ("agentserving compare --ablations --decode-policy "
                           "'longcap-dynamic?short_order=shortest'")
 DECODE_WAIT_RUNS = ("decode-longcap-wait/run1.json", "decode-longcap-wait/run2.json",
                     "decode-longcap-wait/run3.json")
-DECODE_WAIT_COMMAND = ("agentserving compare --decode-policy 'longcap-dynamic?short_order="
-                       "shortest&max_long_running=4&long_cap=0.5&long_max_wait_s=1'")
+DECODE_WAIT_COMMAND = ("agentserving compare --ablations --decode-policy 'longcap-dynamic?"
+                       "short_order=shortest&max_long_running=4&long_cap=0.5"
+                       "&long_max_wait_s=1'")
 DECODE_MOONCAKE_RUNS = ("decode-longcap-mooncake/run1.json",
                         "decode-longcap-mooncake/run2.json",
                         "decode-longcap-mooncake/run3.json")

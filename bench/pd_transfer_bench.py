@@ -34,6 +34,7 @@ from typing import Any
 
 import httpx
 
+from agentserving.engine.vllm.prefix_cache import reset_prefix_cache
 from agentserving.replay.fleet.supervisor import Fleet
 from agentserving.replay.fleet.topology import FleetSpec, build
 from bench.common import add_run_args, fleet_work_dir, percentile, save_figure, write_result
@@ -113,7 +114,7 @@ def hand_over(client: httpx.Client, fleet: Fleet, prompt: list[int], model: str
         **base, "max_tokens": 2, "kv_transfer_params": {
             **params, "do_remote_prefill": True, "do_remote_decode": False}})
     after = pull_figures(memory)
-    client.post(decode + "/reset_prefix_cache").raise_for_status()
+    reset_prefix_cache(decode, 60, client)
     local_ttft = first_token_s(client, decode, {**base, "max_tokens": 2})
     pulled = after.get("bytes_total", 0.0) - before.get("bytes_total", 0.0)
     return {"tokens": len(prompt), "chunks": len(params.get("chunk_hashes") or ()),

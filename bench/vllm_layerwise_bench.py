@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from agentserving.engine.vllm.prefix_cache import reset_prefix_cache
 from bench.common import add_out_args, vllm_env_ready, write_result
 
 NAME = "vllm_layerwise"
@@ -114,7 +115,7 @@ def _steps(memory_url: str, since: int = 0) -> dict[str, Any]:
 
 
 def _reset(url: str) -> None:
-    httpx.post(url + "/reset_prefix_cache", timeout=60).raise_for_status()
+    reset_prefix_cache(url, 60)
 
 
 def max_logprob_gap(a: dict[str, Any], b: dict[str, Any]) -> float:

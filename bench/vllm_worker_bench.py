@@ -39,6 +39,7 @@ from typing import Any
 
 import httpx
 
+from agentserving.engine.vllm.prefix_cache import reset_prefix_cache
 from bench.common import (
     finish_session_args,
     finish_session_bench,
@@ -130,7 +131,7 @@ def run_ttft(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             wait_on_disk(mem, hashes)
             for i, cond in enumerate(conds):
                 if cond != "device":
-                    httpx.post(url + "/reset_prefix_cache", timeout=60).raise_for_status()
+                    reset_prefix_cache(url, 60)
                 if cond in ("disk", "recompute"):
                     evict = {"chunk_hashes": hashes}
                     if cond == "disk":
@@ -203,7 +204,7 @@ def run_pd(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             out = _complete(d, {"prompt": ids, "max_tokens": 8, "return_token_ids": True})
             single = _complete(p, {"prompt": ids, "max_tokens": 8, "return_token_ids": True})
             # the same prompt recomputed on the decode pod, for its TTFT
-            httpx.post(d + "/reset_prefix_cache", timeout=60).raise_for_status()
+            reset_prefix_cache(d, 60)
             recompute_ids = prompt(args.context, seed=70_000 + rep)
             recompute_ttft = _ttft(d, {"prompt": recompute_ids, "max_tokens": 1})
             tokens, gb, ms = (sum(r[0] for r in new), sum(r[1] for r in new),

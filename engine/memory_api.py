@@ -96,6 +96,8 @@ class DeviceTier(Protocol):
 
     def release(self, chunk_hashes: Sequence[str], evict: bool) -> None: ...
 
+    def device_chunks(self) -> list[str]: ...  # the chunks its blocks still hold
+
 
 class PrefetchProgress(Protocol):
     lookup_id: str
@@ -334,6 +336,8 @@ def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
                 merged.setdefault(tier, set()).update(hashes)
             for tier, n in p.bytes.items():
                 nbytes[tier] = nbytes.get(tier, 0) + n
+        if (pool := device()) is not None:  # the engine's own cache, as the kvindex sees it
+            merged[Tier.DEVICE] = set(pool.device_chunks())
         return MemoryChunks(chunks={t: sorted(v) for t, v in merged.items()}, bytes=nbytes)
 
     return app

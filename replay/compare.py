@@ -41,6 +41,7 @@ from agentserving.engine.kv.disk_probe import direct_io_error, measure_reads, mo
 from agentserving.engine.model.folders import folder_of
 from agentserving.engine.vllm.step_times import pooled
 from agentserving.replay.configs import (
+    ABLATIONS,
     CONFIGS,
     DEFAULT_CONFIGS,
     DEFAULT_TIME_SCALE,
@@ -244,14 +245,13 @@ def reset_pods(fleet: Any, echo: Any, timeout_s: float = 30.0) -> None:
     nothing cached) to take one."""
     import httpx
 
+    from agentserving.engine.vllm.prefix_cache import reset_prefix_cache
+
     workers = [mp.spec.url for mp in fleet.workers()]
     deadline = time.monotonic() + timeout_s
     with httpx.Client(timeout=30.0) as client:
         for url in workers:  # refused while a request still holds blocks: retried
-            while client.post(f"{url}/reset_prefix_cache").status_code != 200:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{url} would not reset its prefix cache")
-                time.sleep(0.5)
+            reset_prefix_cache(url, max(1.0, deadline - time.monotonic()), client)
             model = client.get(f"{url}/v1/models").json()["data"][0]["id"]
             client.post(f"{url}/v1/completions",
                         json={"model": model, "prompt": [1], "max_tokens": 1})
@@ -373,6 +373,9 @@ def replay_config(config: str, fleet: Any, trace: Any, run_dir: Path,
                          for c in CONFIGS.values())
              + ". Default: " + "; ".join(f"{e}: {','.join(n)}"
                                          for e, n in DEFAULT_CONFIGS.items()) + ".")
+@option("--ablations", is_flag=True,
+        help="Also agentserving's ablations, after the configurations: "
+             + ", ".join(ABLATIONS["vllm"]) + " (vLLM; a fleet of its own each).")
 @option("--model", default="tiny", help="Model every worker serves.")
 @option("--cpu-cache-gib", type=click.FloatRange(min=0, min_open=True), default=2.0,
         help="agentserving: CPU DRAM KV tier per worker.")
@@ -413,7 +416,7 @@ def replay_config(config: str, fleet: Any, trace: Any, run_dir: Path,
 @option("--progress/--no-progress", default=True, help="Show progress bars.")
 def command(engine: str, workload: str, limit: int | None, rate: float | None,
             time_scale: float | None, tool_gap_scale: float, prefill: int, decode: int,
-            configs: str, model: str,
+            configs: str, ablations: bool, model: str,
             cpu_cache_gib: float, disk_cache_gib: float, disk_io: str, device_kv_blocks: int,
             torch_threads: int, worker_args: tuple[str, ...], prefill_policy: str | None,
             decode_policy: str | None,
@@ -423,10 +426,10 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
     """Replay an agent workload against what users run today and agentserving; report side
     by side.
 
-    On vLLM (default): vllm-rr, vllm-session, vllm-precise, agentserving and its ablations
-    (agentserving-fcfs, agentserving-noprefetch, agentserving-nolayerwise,
-    agentserving-allpd, agentserving-noadmit), the same pod count and device KV each. On
-    the reference engine: baseline and agentserving. Writes RUN_DIR/report.json,
+    On vLLM (default): vllm-rr, vllm-session, vllm-precise and agentserving, the same pod
+    count and device KV each (--ablations adds agentserving-fcfs, agentserving-noprefetch,
+    agentserving-nolayerwise, agentserving-allpd and agentserving-noadmit). On the reference
+    engine: baseline and agentserving. Writes RUN_DIR/report.json,
     RUN_DIR/plots/*.png, each configuration's turn records and the fleets' logs, and prints
     which targets were met; `agentserving report RUN_DIR` redraws the plots.
     """
@@ -442,7 +445,7 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
     from agentserving.replay.trace import write_trace
 
     try:
-        chosen = resolve(configs, engine)
+        chosen = resolve(configs, engine, ablations)
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--configs") from exc
     names = [c.name for c in chosen]

@@ -111,11 +111,15 @@ BALANCED_PROXY_ARGS = ("--balance-tokens", "1024", "--max-prefill-backlog", "0")
 # own times.
 DEFAULT_TIME_SCALE = {"reference": 1.0, "vllm": 0.5}
 # The first configuration of each engine is the one the others' ratios are taken against.
+# On vLLM the default is what users deploy against agentserving: two fleets to start (the
+# three stock routers share one), about 6 minutes on 2 cores.
 DEFAULT_CONFIGS = {"reference": ("baseline", "agentserving"),
-                   "vllm": ("vllm-rr", "vllm-session", "vllm-precise", "agentserving",
-                            "agentserving-fcfs", "agentserving-noprefetch",
-                            "agentserving-nolayerwise", "agentserving-allpd",
-                            "agentserving-noadmit")}
+                   "vllm": ("vllm-rr", "vllm-session", "vllm-precise", "agentserving")}
+# agentserving with one of its parts taken out (`agentserving compare --ablations`): a fleet
+# of its own each, about a minute and a half apiece on 2 cores.
+ABLATIONS = {"reference": (),
+             "vllm": ("agentserving-fcfs", "agentserving-noprefetch", "agentserving-nolayerwise",
+                      "agentserving-allpd", "agentserving-noadmit")}
 
 
 @dataclass(frozen=True)
@@ -181,10 +185,13 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
 )}
 
 
-def resolve(names: str, engine: str) -> list[BenchConfig]:
-    """``--configs`` (comma-separated, or empty for the engine's defaults) -> configs; an
-    unknown name or one the engine cannot run is a ``ValueError`` naming it."""
+def resolve(names: str, engine: str, ablations: bool = False) -> list[BenchConfig]:
+    """``--configs`` (comma-separated, or empty for the engine's defaults; with ``ablations``,
+    agentserving's ablations after them) -> configs; an unknown name or one the engine cannot
+    run is a ``ValueError`` naming it."""
     wanted = [n.strip() for n in names.split(",") if n.strip()] or list(DEFAULT_CONFIGS[engine])
+    if ablations:
+        wanted += [n for n in ABLATIONS[engine] if n not in wanted]
     out = []
     for name in wanted:
         config = CONFIGS.get(name)

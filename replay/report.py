@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import json
+import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -263,33 +264,50 @@ def table_rows(report: Mapping[str, Any], baseline: str | None = None,
     return rows
 
 
-# one row per configuration: (key, column)
-CONFIG_COLUMNS = (("req_per_s", "req/s"), ("e2e_p50_s", "E2E P50 s"), ("e2e_p95_s", "E2E P95 s"),
-                  ("ttft_p50_short_s", "short TTFT P50 s"),
-                  ("ttft_p85_short_s", "short TTFT P85 s"),
-                  ("ttft_p50_after_gap_s", "after-gap TTFT P50 s"),
-                  ("itl_p99_s", "ITL P99 s"), ("prefix_hit_rate", "prefix hit"),
+# one row per configuration: (key, column); seconds unless a rate
+CONFIG_COLUMNS = (("req_per_s", "req/s"), ("e2e_p50_s", "E2E P50"), ("e2e_p95_s", "E2E P95"),
+                  ("ttft_p50_short_s", "short TTFT P50"),
+                  ("ttft_p85_short_s", "short TTFT P85"),
+                  ("ttft_p50_after_gap_s", "TTFT P50 after gap"),
+                  ("itl_p99_s", "ITL P99"), ("prefix_hit_rate", "prefix hit"),
                   ("hit_vs_ideal", "hit / ideal"), ("turns_failed", "failed"))
+RATES = ("success_rate", "prefix_hit_rate", "ideal_hit_rate", "hit_vs_ideal",
+         "reference_hit_rate", "ideal_vs_reference")
+
+
+def _compact(key: str, value: Any) -> str:
+    """A cell of the wide tables: three significant digits (a rate in %), so that a row of
+    every figure stays one line in a 120-column terminal."""
+    if value is None:
+        return "-"
+    if key in RATES:
+        return f"{100 * value:.1f}%"
+    if key in ("turns", "turns_failed"):
+        return str(int(value))
+    return f"{value:.3g}"
+
+
+# agentserving's figures relative to each configuration's (the report's own ratios)
+RELATIVE_COLUMNS = (("req_per_s", "req/s x"), ("e2e_p95_s", "E2E P95 x"))
 
 
 def config_rows(report: Mapping[str, Any], candidate: str = CANDIDATE) -> list[list[str]]:
-    """[config, metrics..., req/s and E2E P95 of agentserving relative to it (the report's own
-    ratios), description]."""
+    """[config, metrics..., agentserving's req/s and E2E P95 relative to it]."""
     comparisons = report.get("comparisons") or {}
     rows = []
     for name, m in report["configs"].items():
-        r = comparisons.get(name, {}).get("ratios", {})
-        rel = "-" if name == candidate or name not in comparisons else " / ".join(
-            "-" if r.get(k) is None else f"x{r[k]:.2f}" for k in ("req_per_s", "e2e_p95_s"))
-        rows.append([name, *(_fmt(k, m.get(k)) if k != "turns_failed" else
-                             str(int(m.get(k) or 0) + int(m.get("turns_not_sent") or 0))
-                             for k, _ in CONFIG_COLUMNS), rel, str(m.get("description", ""))])
+        r = comparisons.get(name, {}).get("ratios", {}) if name != candidate else {}
+        failed = {"turns_failed": int(m.get("turns_failed") or 0)
+                  + int(m.get("turns_not_sent") or 0)}
+        rows.append([name, *(_compact(k, failed.get(k, m.get(k))) for k, _ in CONFIG_COLUMNS),
+                     *("-" if r.get(k) is None else f"x{r[k]:.2f}"
+                       for k, _ in RELATIVE_COLUMNS)])
     return rows
 
 
 SOURCE_COLUMNS = (("turns", "turns"), ("prefix_hit_rate", "prefix hit"),
                   ("ideal_hit_rate", "ideal"), ("hit_vs_ideal", "hit / ideal"),
-                  ("e2e_p50_s", "E2E P50 s"), ("e2e_p95_s", "E2E P95 s"),
+                  ("e2e_p50_s", "E2E P50"), ("e2e_p95_s", "E2E P95"),
                   ("reference_hit_rate", "reference hit"),
                   ("ideal_vs_reference", "ideal / reference"))
 
@@ -299,15 +317,8 @@ def source_rows(report: Mapping[str, Any]) -> list[list[str]]:
     rows = []
     for name, m in report["configs"].items():
         for source, entry in (m.get("by_source") or {}).items():
-            rows.append([name, source, *(_source_cell(k, entry.get(k))
-                                         for k, _ in SOURCE_COLUMNS)])
+            rows.append([name, source, *(_compact(k, entry.get(k)) for k, _ in SOURCE_COLUMNS)])
     return rows
-
-
-def _source_cell(key: str, value: Any) -> str:
-    if key == "turns" or value is None:
-        return "-" if value is None else str(value)
-    return _fmt(key if key.endswith("_s") else "prefix_hit_rate", value)  # else a rate: %
 
 
 def print_sources(report: Mapping[str, Any]) -> str:
@@ -315,34 +326,44 @@ def print_sources(report: Mapping[str, Any]) -> str:
     rows = source_rows(report)
     if not rows:
         return ""
-    from rich.table import Table
-
-    table = Table(title="per source (reference: what the trace's provider cached on the real "
-                        "prompts)")
-    for col in ("config", "source", *(label for _, label in SOURCE_COLUMNS)):
-        table.add_column(col, justify="left" if col in ("config", "source") else "right")
+    table = _wide_table("per source (seconds; reference: what the trace's provider cached on "
+                        "the real prompts)", ["config", "source", *(h for _, h in SOURCE_COLUMNS)],
+                        2)
     for row in rows:
         table.add_row(*row)
     _console().print(table)
     return _plain(table)
 
 
+def _wide_table(title: str, headers: list[str], names: int) -> Any:
+    """A table of a row per configuration (or source): the first ``names`` columns kept whole,
+    the rest figures; no lines between columns, so that a row fits a 120-column terminal."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 0, 0, 1), pad_edge=False)
+    for i, header in enumerate(headers):
+        table.add_column(header, justify="left" if i < names else "right", no_wrap=i < names)
+    return table
+
+
 def print_report(report: Mapping[str, Any], title: str) -> str:
     """The seed's table against the first baseline, every configuration in a row, and every
     target check (printed with rich; returned as plain text)."""
-    from rich.table import Table
-
     text = print_table(report, title=title, with_checks=False)
-    table = Table(title="every configuration (agentserving's req/s and E2E P95 relative to "
-                        "each)")
-    for col in ("config", *(label for _, label in CONFIG_COLUMNS), "agentserving vs it",
-                "what it is"):
-        table.add_column(col, justify="left" if col in ("config", "what it is") else "right")
+    table = _wide_table("every configuration (seconds; x: agentserving's figure over each "
+                        "one's)", ["config", *(h for _, h in (*CONFIG_COLUMNS,
+                                                               *RELATIVE_COLUMNS))], 1)
     for row in config_rows(report):
         table.add_row(*row)
     console = _console()
     console.print(table)
     text += _plain(table)
+    legend = [textwrap.fill(f"{name}: {m['description']}", REPORT_WIDTH - 2,
+                            subsequent_indent="    ", break_on_hyphens=False)
+              for name, m in report["configs"].items() if m.get("description")]
+    _print_section(console, legend, "what each configuration is:")
+    text += "".join(f"{line}\n" for line in legend)
     text += print_sources(report)
     lines = []
     for base, comp in (report.get("comparisons") or {}).items():
@@ -383,17 +404,22 @@ def _print_section(console: Any, lines: list[str], heading: str) -> None:
             console.print(f"  {line}")
 
 
+# The report's width when it does not go to a terminal (which gives its own): every table
+# keeps one line per row in a 120-column terminal.
+REPORT_WIDTH = 120
+
+
 def _console() -> Any:
     from rich.console import Console
 
     console = Console()
-    return console if console.is_terminal else Console(width=160)
+    return console if console.is_terminal else Console(width=REPORT_WIDTH)
 
 
 def _plain(table: Any) -> str:
     from rich.console import Console
 
-    plain = Console(record=True, width=160, file=io.StringIO())
+    plain = Console(record=True, width=REPORT_WIDTH, file=io.StringIO())
     plain.print(table)
     return plain.export_text()
 

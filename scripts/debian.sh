@@ -1,6 +1,15 @@
 # Sourced by the set-up scripts: Debian packages and the machine's Debian mirror.
 # Needs: SUDO (empty when root) and a `log` function.
 
+# What each set-up needs from Debian: the local fleet (make run), the test cluster's build and
+# node (scripts/k8s-test-cluster.sh), the images' builds (scripts/images.sh). `make test`
+# installs all three in one apt run before its set-up phases run side by side.
+FLEET_DEBS=(redis-server)
+K8S_DEBS=(etcd-server golang-go make rsync jq openssl curl ca-certificates
+          golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev
+          containerd runc containernetworking-plugins iptables conntrack)
+IMAGES_DEBS=(buildah debootstrap golang-go containerd)
+
 # Installs whichever of the given packages are missing (one apt-get run; none if all there).
 install_debs() {
   local missing=() p

@@ -25,7 +25,6 @@ OUT="$CACHE/images"
 VERSION="$(awk -F'"' '/^appVersion:/ {print $2}' "$REPO/charts/agentserving/Chart.yaml")"
 BASE_TAG="localhost/agentserving/python:3.11-bookworm"
 ALL=(pause base worker proxy kvindex operator vllm-cpu)
-DEPS=(buildah debootstrap golang-go containerd)
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 # shellcheck source=scripts/debian.sh
 source "$REPO/scripts/debian.sh"
@@ -39,7 +38,7 @@ WORKDIRS=()
 cleanup() { local d; for d in "${WORKDIRS[@]}"; do $SUDO rm -rf "$d"; done; }
 trap cleanup EXIT
 
-install_deps() { install_debs "${DEPS[@]}"; }
+install_deps() { install_debs "${IMAGES_DEBS[@]}"; }
 
 tag_of() {
   case "$1" in

@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Debian packages the tests and the local fleet need; installs only what is missing.
-# (The test cluster's and the images' own packages: scripts/k8s-test-cluster.sh, images.sh.)
+# Debian packages the local fleet needs (redis-server); with --test, the test cluster's and the
+# images' too (scripts/debian.sh lists them), so that one apt run installs everything before the
+# test set-up's phases run side by side. Installs only what is missing.
 set -euo pipefail
 REPO="$(cd "$(dirname "$0")/.." && pwd)"
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 log() { echo "$*"; }
 # shellcheck source=scripts/debian.sh
 source "$REPO/scripts/debian.sh"
-command -v redis-server >/dev/null 2>&1 || install_debs redis-server
+case "${1:-}" in
+  "") install_debs "${FLEET_DEBS[@]}" ;;
+  --test) install_debs "${FLEET_DEBS[@]}" "${K8S_DEBS[@]}" "${IMAGES_DEBS[@]}" ;;
+  *) echo "usage: $0 [--test]" >&2; exit 2 ;;
+esac

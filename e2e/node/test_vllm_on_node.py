@@ -34,7 +34,7 @@ IMAGE = "agentserving/vllm-cpu:0.1.0"
 
 
 @pytest.fixture(scope="module")
-def vllm_deployment(node_cluster, tmp_path_factory):
+def vllm_deployment(node_cluster, tmp_path_factory, vllm_pace):
     if not (cache_dir() / "images" / "vllm-cpu.tar").exists():
         pytest.fail(f"no vllm-cpu image in {cache_dir() / 'images'}: run `make images`")
     helm(node_cluster, "install", RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE,
@@ -42,7 +42,7 @@ def vllm_deployment(node_cluster, tmp_path_factory):
          "--set", f"components.vllmImage={IMAGE}")
     try:
         # p2p: no central KV server; each pool pod's kvserver container must be Ready too
-        pods = apply_example(node_cluster, EXAMPLE, timeout=900)
+        pods = apply_example(node_cluster, EXAMPLE, timeout=vllm_pace.bound(900))
         with PortForward(node_cluster, f"svc/{NAME}-proxy", PROXY_PORT,
                          tmp_path_factory.mktemp("pf") / "vllm-proxy.log") as pf:
             yield pods, pf.url

@@ -6,19 +6,29 @@ Skipped, saying why, when the vLLM env is absent."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 
 import pytest
 
 from agentserving.engine.vllm.serve_command import DEFAULT_ENV_DIR
 from agentserving.replay.testing import AGENTSERVING
+from testkit import cpu_quota
 
-pytestmark = pytest.mark.skipif(not (DEFAULT_ENV_DIR / "bin" / "python").exists(),
-                                reason="vLLM env not installed (scripts/vllm-env.sh, which "
-                                       "`make test` runs)")
+pytestmark = [pytest.mark.skipif(not (DEFAULT_ENV_DIR / "bin" / "python").exists(),
+                                 reason="vLLM env not installed (scripts/vllm-env.sh, which "
+                                        "`make test` runs)"),
+              pytest.mark.timeout(900)]
 
 
-def test_plain_vllm_pods_precise_routing_and_agentserving_side_by_side(tmp_path):
+def _slowed() -> list[str]:
+    """Every pod on a share of a core when the tests run as on a slower machine (cpu_quota)."""
+    if not (cores := cpu_quota.quota()):
+        return []
+    return ["--worker-command", shlex.join(cpu_quota.wrap([AGENTSERVING, "worker"], cores))]
+
+
+def test_plain_vllm_pods_precise_routing_and_agentserving_side_by_side(tmp_path, vllm_pace):
     run_dir = tmp_path / "run"
     out = subprocess.run([AGENTSERVING, "compare", "--engine", "vllm",
                           "--configs", "vllm-rr,vllm-precise,agentserving",
@@ -27,8 +37,10 @@ def test_plain_vllm_pods_precise_routing_and_agentserving_side_by_side(tmp_path)
                           # the decode pod under the ShadowScheduler too: it takes the turns
                           # the proxy announces during their tool calls
                           "--decode-policy", "longcap-dynamic?lookahead=3",
-                          "--run-dir", str(run_dir)],
-                         capture_output=True, text=True, timeout=900)
+                          "--run-dir", str(run_dir), *_slowed()],
+                         capture_output=True, text=True, timeout=vllm_pace.bound(800))
+    if cpu_quota.quota():
+        cpu_quota.remove_empty()
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
     configs = report["configs"]

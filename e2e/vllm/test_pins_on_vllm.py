@@ -3,20 +3,26 @@ the shared vLLM fleet's ``worker-0``: a turn asking for a pin (``vllm_xargs``) k
 through a flood of other prompts that takes every unpinned block, so its next turn hits vLLM's
 own cache where an unpinned one of the same age falls back to LMCache; the kvindex sees the
 pinned context in tier device (alone, once LMCache's tiers dropped it); an unpin gives the
-blocks back and an evict of every tier takes the chunks out of the device cache too."""
+blocks back and an evict of every tier takes the chunks out of the device cache too.
+
+The flood is sized from the pool the pod reports (``vllm:cache_config_info``), not a count of
+long prompts: worker-0's 80 blocks take five 2,048-token prompts, on any machine."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import VllmFleet, post, vllm_metrics
+from .conftest import VllmFleet, post, vllm_metrics, wait_until
 from .test_vllm_fleet import completion, delta, prompt_ids
 
 POD = "worker-0"
 LOCAL = "local_cache_hit"
 PROMPT = 1500  # 5 full 256-token chunks
+FLOOD_PROMPT = 2048  # tokens per flood prompt: one prefill step each
 
 
 def _device_chunks(fleet: VllmFleet, hashes: list[str]) -> int:
@@ -27,12 +33,14 @@ def _device_chunks(fleet: VllmFleet, hashes: list[str]) -> int:
     return found
 
 
-def _wait(what: str, check, timeout_s: float = 20.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not (out := check()):
-        assert time.monotonic() < deadline, what
-        time.sleep(0.3)
-    return out
+def _pool(fleet: VllmFleet) -> tuple[int, int]:
+    """The pod's device pool as vLLM reports it: (blocks, tokens per block)."""
+    text = httpx.get(fleet.url(POD) + "/metrics", timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:cache_config_info":
+                return int(sample.labels["num_gpu_blocks"]), int(sample.labels["block_size"])
+    raise AssertionError("vllm:cache_config_info not in the pod's metrics")
 
 
 def _scheduler_metric(fleet: VllmFleet, name: str) -> float:
@@ -50,8 +58,8 @@ def test_a_pinned_turn_keeps_its_device_blocks_through_a_flood(vllm_fleet: VllmF
     kept_chunks = a["kv_transfer_params"]["chunk_hashes"][:5]
     lost_chunks = b["kv_transfer_params"]["chunk_hashes"][:5]
     # the kvindex sees both contexts in vLLM's own cache
-    _wait("both contexts reported in tier device",
-          lambda: _device_chunks(vllm_fleet, kept_chunks + lost_chunks) == 10)
+    wait_until("both contexts reported in tier device",
+               lambda: _device_chunks(vllm_fleet, kept_chunks + lost_chunks) == 10)
     assert _scheduler_metric(vllm_fleet, "agentserving_vllm_device_pinned_blocks") > 0
     # the pod's LMCache tiers take pins by chunk (what the kvindex's pin fans out)
     mem = vllm_fleet.memory_url(POD)
@@ -62,18 +70,23 @@ def test_a_pinned_turn_keeps_its_device_blocks_through_a_flood(vllm_fleet: VllmF
     # kvindex says so
     post(vllm_fleet.memory_url(POD), "/memory/evict",
          {"chunk_hashes": kept_chunks, "locations": ["cpu", "disk"]})
-    _wait("the kept context in tier device only", lambda: all(
+    wait_until("the kept context in tier device only", lambda: all(
         httpx.get(f"{vllm_fleet.kvindex}/v1/chunks/{h}", timeout=5).json()["locations"]
         == [{"pod": POD, "tier": "device"}] for h in kept_chunks))
 
-    # a flood of other prompts until the unpinned context has left the device cache
-    for seed in range(710, 740):
-        completion(url, prompt_ids(seed, 16000), max_tokens=1)
+    # a flood of other prompts until the unpinned context has left the device cache: every
+    # block of the pool once over, and one prompt more
+    blocks, block_tokens = _pool(vllm_fleet)
+    flood = math.ceil(blocks * block_tokens / FLOOD_PROMPT) + 1
+    for seed in range(710, 710 + flood):
+        completion(url, prompt_ids(seed, FLOOD_PROMPT), max_tokens=1)
         time.sleep(0.6)  # a residency report
         if _device_chunks(vllm_fleet, lost_chunks) == 0:
             break
     else:
-        raise AssertionError("the flood never took the unpinned context's blocks")
+        raise AssertionError(f"{flood} prompts of {FLOOD_PROMPT} tokens, {blocks} blocks of "
+                             f"{block_tokens} once over, never took the unpinned context's "
+                             "blocks")
     assert _device_chunks(vllm_fleet, kept_chunks) == 5
 
     tail = prompt_ids(703, 60)[1:]
@@ -92,8 +105,8 @@ def test_a_pinned_turn_keeps_its_device_blocks_through_a_flood(vllm_fleet: VllmF
     assert _scheduler_metric(vllm_fleet, released) >= 1
     post(vllm_fleet.memory_url(POD), "/memory/evict", {"chunk_hashes": kept_chunks})
     completion(url, prompt_ids(705, 40), max_tokens=1)
-    _wait("the evicted context gone from tier device",
-          lambda: _device_chunks(vllm_fleet, kept_chunks) == 0)
+    wait_until("the evicted context gone from tier device",
+               lambda: _device_chunks(vllm_fleet, kept_chunks) == 0)
     before = vllm_metrics(url)
     completion(url, kept + tail)
     assert delta(before, vllm_metrics(url), LOCAL) == 0

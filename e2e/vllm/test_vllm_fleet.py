@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from pathlib import Path
 
 import httpx
@@ -15,9 +14,18 @@ import pytest
 
 from agentserving.engine.model.tokenizer import ByteTokenizer
 from agentserving.engine.vllm.hashes import external_request_id
+from agentserving.engine.vllm.prefix_cache import reset_prefix_cache
 from agentserving.replay.fleet.topology import agentserving_argv
 
-from .conftest import CHUNK, VllmFleet, cli_chunk_hashes, post, vllm_metrics
+from .conftest import (
+    CHUNK,
+    VllmFleet,
+    bound,
+    cli_chunk_hashes,
+    post,
+    vllm_metrics,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -118,7 +126,7 @@ def test_pd_moves_kv_and_the_decode_pod_keeps_it(vllm_fleet: VllmFleet) -> None:
     decode = vllm_fleet.url("decode-0")
     prompt = prompt_ids(11, 3000)
     before = vllm_metrics(decode)
-    r = httpx.post(vllm_fleet.proxy + "/v1/completions", timeout=120,
+    r = httpx.post(vllm_fleet.proxy + "/v1/completions", timeout=bound(120),
                    headers={"x-session-id": "pd-session"},
                    json={"model": "tiny", "prompt": prompt, "max_tokens": 6,
                          "temperature": 0, "logprobs": 5})
@@ -144,7 +152,7 @@ def test_pd_moves_kv_and_the_decode_pod_keeps_it(vllm_fleet: VllmFleet) -> None:
     # its own DRAM tier (the same computation split) -- and a whole prefill's greedy tokens
     worker = vllm_fleet.url("worker-0")
     fresh = completion(worker, prompt)
-    _reset_vllm_prefix_cache(worker)
+    reset_prefix_cache(worker)
     w_before = vllm_metrics(worker)
     restored = completion(worker, prompt)
     assert delta(w_before, vllm_metrics(worker), EXTERNAL) == moved
@@ -161,7 +169,7 @@ def test_pd_moves_kv_and_the_decode_pod_keeps_it(vllm_fleet: VllmFleet) -> None:
     assert pulls(vllm_fleet, "ok") >= 1 and pulls(vllm_fleet, "failed") == 0
     assert set(hashes) <= server_chunks(vllm_fleet, "prefill-0")
     # a prompt without one full chunk has nothing to hand over: the decode pod computes it
-    short = httpx.post(vllm_fleet.proxy + "/v1/completions", timeout=120,
+    short = httpx.post(vllm_fleet.proxy + "/v1/completions", timeout=bound(120),
                        headers={"x-session-id": "pd-short"},
                        json={"model": "tiny", "prompt": prompt_ids(13, 90), "max_tokens": 3})
     assert short.status_code == 200, short.text
@@ -169,7 +177,7 @@ def test_pd_moves_kv_and_the_decode_pod_keeps_it(vllm_fleet: VllmFleet) -> None:
     # and the session's next turn runs whole there, reusing it
     nxt = prompt + prompt_ids(12, 200)[1:]
     before = vllm_metrics(decode)
-    r2 = httpx.post(vllm_fleet.proxy + "/v1/completions", timeout=120,
+    r2 = httpx.post(vllm_fleet.proxy + "/v1/completions", timeout=bound(120),
                     headers={"x-session-id": "pd-session"},
                     json={"model": "tiny", "prompt": nxt, "max_tokens": 4, "temperature": 0})
     assert r2.status_code == 200, r2.text
@@ -197,7 +205,7 @@ def pulls(fleet: VllmFleet, outcome: str) -> float:
 def test_a_closed_pd_session_leaves_both_pods_kv_servers(vllm_fleet: VllmFleet) -> None:
     prompt = prompt_ids(17, 1600)
     headers = {"x-session-id": "pd-closing"}
-    r = httpx.post(vllm_fleet.proxy + "/v1/completions", timeout=120, headers=headers,
+    r = httpx.post(vllm_fleet.proxy + "/v1/completions", timeout=bound(120), headers=headers,
                    json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0})
     assert r.status_code == 200, r.text
     assert r.headers["x-agentserving-pd"] == "disaggregated"
@@ -211,21 +219,15 @@ def test_a_closed_pd_session_leaves_both_pods_kv_servers(vllm_fleet: VllmFleet) 
                 for h in hashes]
         return all({"prefill-0", "decode-0"} <= p for p in pods)
 
-    deadline = time.monotonic() + 30  # residency reports lag the turn
-    while not indexed_on_both():
-        assert time.monotonic() < deadline, "the P/D turn's chunks never indexed on both pods"
-        time.sleep(0.25)
-    last = httpx.post(vllm_fleet.proxy + "/v1/completions", timeout=120, headers=headers,
+    # residency reports lag the turn
+    wait_until("the P/D turn's chunks indexed on both pods", indexed_on_both, 30)
+    last = httpx.post(vllm_fleet.proxy + "/v1/completions", timeout=bound(120), headers=headers,
                       json={"model": "tiny", "prompt": prompt + prompt_ids(18, 40)[1:],
                             "max_tokens": 2, "temperature": 0,
                             "agent_memory": {"close_session": True}})
     assert last.status_code == 200, last.text
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and (hashes & (server_chunks(vllm_fleet, "prefill-0")
-                                                     | server_chunks(vllm_fleet, "decode-0"))):
-        time.sleep(0.25)
-    assert not hashes & server_chunks(vllm_fleet, "prefill-0")
-    assert not hashes & server_chunks(vllm_fleet, "decode-0")
+    wait_until("the closed session's chunks gone from both KV servers", lambda: not hashes & (
+        server_chunks(vllm_fleet, "prefill-0") | server_chunks(vllm_fleet, "decode-0")), 30)
     for pod in ("prefill-0", "decode-0"):  # and the pods' own tiers
         listing = httpx.get(vllm_fleet.memory_url(pod) + "/memory/chunks", timeout=10).json()
         assert not hashes & {h for v in listing["chunks"].values() for h in v}, pod
@@ -243,9 +245,10 @@ def _chunks(fleet: VllmFleet) -> dict[str, set[str]]:
     return {tier: set(v) for tier, v in raw["chunks"].items()}
 
 
-def _reset_vllm_prefix_cache(url: str) -> None:
-    r = httpx.post(url + "/reset_prefix_cache", timeout=30)
-    assert r.status_code == 200, r.text
+def _on_disk(fleet: VllmFleet, hashes: list[str]) -> None:
+    """Wait for worker-0's disk tier to hold ``hashes`` (its writes are asynchronous)."""
+    wait_until("the chunks on worker-0's disk tier",
+               lambda: set(hashes) <= _chunks(fleet).get("disk", set()), 10)
 
 
 def test_restore_from_every_tier_equals_recompute(vllm_fleet: VllmFleet) -> None:
@@ -256,22 +259,19 @@ def test_restore_from_every_tier_equals_recompute(vllm_fleet: VllmFleet) -> None
     assert hashes == cli_chunk_hashes(prompt, vllm_fleet.none_hash)
     n = len(hashes) * CHUNK
     # restored from DRAM (vLLM's own cache reset): the reference for every restore below
-    _reset_vllm_prefix_cache(url)
+    reset_prefix_cache(url)
     before = vllm_metrics(url)
     from_dram = completion(url, prompt)
     assert delta(before, vllm_metrics(url), EXTERNAL) == n
     same_output(first, from_dram, SPLIT_TOL)
 
     # evicted from every tier and from vLLM's own prefix cache: recomputed, identical
-    deadline = time.monotonic() + 10
-    while not set(hashes) <= _chunks(vllm_fleet).get("disk", set()):  # disk writes are async
-        assert time.monotonic() < deadline, "chunks never reached the disk tier"
-        time.sleep(0.2)
+    _on_disk(vllm_fleet, hashes)
     evicted = _evict(vllm_fleet, hashes)
     assert evicted["num_evicted"] >= len(hashes)
     tiers = _chunks(vllm_fleet)
     assert not set(hashes) & (tiers.get("cpu", set()) | tiers.get("disk", set()))
-    _reset_vllm_prefix_cache(url)
+    reset_prefix_cache(url)
     before = vllm_metrics(url)
     recomputed = completion(url, prompt)
     after = vllm_metrics(url)
@@ -280,14 +280,11 @@ def test_restore_from_every_tier_equals_recompute(vllm_fleet: VllmFleet) -> None
     same_output(first, recomputed)
 
     # evicted from DRAM only: the KV comes back from disk, identical
-    deadline = time.monotonic() + 10
-    while not set(hashes) <= _chunks(vllm_fleet).get("disk", set()):
-        assert time.monotonic() < deadline, "chunks never reached the disk tier"
-        time.sleep(0.2)
+    _on_disk(vllm_fleet, hashes)
     _evict(vllm_fleet, hashes, ["LocalCPUBackend"])
     tiers = _chunks(vllm_fleet)
     assert not set(hashes) & tiers.get("cpu", set()) and set(hashes) <= tiers["disk"]
-    _reset_vllm_prefix_cache(url)
+    reset_prefix_cache(url)
     before = vllm_metrics(url)
     from_disk = completion(url, prompt)
     after = vllm_metrics(url)
@@ -312,23 +309,17 @@ def test_restore_from_every_tier_equals_recompute(vllm_fleet: VllmFleet) -> None
     started = post(vllm_fleet.memory_url("worker-0"), "/memory/prefetch",
                    {"chunk_hashes": hashes, "lookup_id": "prefetch-test"})
     assert started["status"] == "prefetch_started" and started["num_chunks"] == len(hashes)
-    deadline = time.monotonic() + 30
-    while True:
+    def prefetched() -> bool:
         st = httpx.get(vllm_fleet.memory_url("worker-0") + "/memory/prefetch/prefetch-test",
                        timeout=10).json()
-        if st["state"] == "done":
-            break
-        assert st["state"] == "running" and time.monotonic() < deadline, st
-        time.sleep(0.2)
+        assert st["state"] in ("running", "done"), st
+        return st["state"] == "done"
+
+    wait_until("the prefetch done", prefetched, 30)
     assert set(hashes) <= _chunks(vllm_fleet)["cpu"]
-    deadline = time.monotonic() + 15
-    while True:
-        where = httpx.get(f"{vllm_fleet.kvindex}/v1/chunks/{hashes[-1]}", timeout=10).json()
-        if any(loc["pod"] == "worker-0" and loc["tier"] == "cpu"
-               for loc in where.get("locations", [])):
-            break
-        assert time.monotonic() < deadline, where
-        time.sleep(0.3)
+    wait_until("the kvindex sees the prefetched chunks in worker-0's DRAM", lambda: any(
+        loc["pod"] == "worker-0" and loc["tier"] == "cpu" for loc in httpx.get(
+            f"{vllm_fleet.kvindex}/v1/chunks/{hashes[-1]}", timeout=10).json()["locations"]), 15)
 
 
 def _restored_from_dram(fleet: VllmFleet, pod: str, prompt: list[int]) -> tuple[dict, dict]:
@@ -337,7 +328,7 @@ def _restored_from_dram(fleet: VllmFleet, pod: str, prompt: list[int]) -> tuple[
     url, mem = fleet.url(pod), fleet.memory_url(pod)
     first = completion(url, prompt)
     n = len(first["kv_transfer_params"]["chunk_hashes"]) * CHUNK
-    _reset_vllm_prefix_cache(url)
+    reset_prefix_cache(url)
     since = httpx.get(mem + "/memory/steps", timeout=10).json()["pod"]["last_step"]
     before = vllm_metrics(url)
     restored = completion(url, prompt)
@@ -382,20 +373,19 @@ def test_kvindex_finds_vllm_chunks_and_routing_returns_the_session(
     pods: list[str] = []
     prev = 0
     for turn in range(3):
-        r = httpx.post(proxy + "/v1/completions", timeout=120,
+        r = httpx.post(proxy + "/v1/completions", timeout=bound(120),
                        headers={"x-session-id": "routed-session"},
                        json={"model": "tiny", "prompt": prompt, "max_tokens": 4,
                              "temperature": 0})
         assert r.status_code == 200, r.text
         pods.append(r.headers["x-agentserving-prefill-pod"])
         hashes = r.json()["kv_transfer_params"]["chunk_hashes"]
-        deadline = time.monotonic() + 15
-        while True:  # residency reaches the kvindex within a few report intervals
+        def indexed(hashes: list[str] = hashes, pod: str = pods[-1]) -> bool:
             found = post(vllm_fleet.kvindex, "/v1/lookup", {"chunk_hashes": hashes})
-            if found["best_pod"] == pods[-1] and found["pods"][0]["prefix_chunks"] == len(hashes):
-                break
-            assert time.monotonic() < deadline, found
-            time.sleep(0.3)
+            return found["best_pod"] == pod and found["pods"][0]["prefix_chunks"] == len(hashes)
+
+        # residency reaches the kvindex within a few report intervals
+        wait_until(f"turn {turn}'s chunks indexed on {pods[-1]}", indexed, 15)
         if turn:
             cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert cached >= full_chunks(prev)
@@ -445,7 +435,7 @@ def test_cache_salt_keeps_tenants_apart_in_lmcache(vllm_fleet: VllmFleet) -> Non
     assert delta(before, after, EXTERNAL) == 0 and delta(before, after, COMPUTED) == len(prompt)
     assert not set(b["kv_transfer_params"]["chunk_hashes"]) & set(hashes_a)
     # tenant A again, with vLLM's own cache reset: its chunks come back from its LMCache tier
-    _reset_vllm_prefix_cache(url)
+    reset_prefix_cache(url)
     before = vllm_metrics(url)
     again = completion(url, prompt, cache_salt="tenant-a")
     assert delta(before, vllm_metrics(url), EXTERNAL) == len(hashes_a) * CHUNK
@@ -464,27 +454,22 @@ def test_residency_comes_back_after_a_kvindex_restart(vllm_fleet: VllmFleet) -> 
         return found.status_code == 200 and bool(found.json()["pods"]) and \
             found.json()["pods"][0]["prefix_chunks"] == len(hashes)
 
-    def wait_for(cond, what: str, timeout_s: float = 30.0) -> None:  # noqa: ANN001
-        deadline = time.monotonic() + timeout_s
-        while not cond():
-            assert time.monotonic() < deadline, what
-            time.sleep(0.3)
-
-    wait_for(worker_holds_them, "residency never reached the kvindex")
+    wait_until("residency reached the kvindex", worker_holds_them, 30)
     kvindex = next(mp for mp in vllm_fleet.fleet.procs if mp.spec.name == "kvindex")
     kvindex.stop()
     kvindex.start()  # the same port, an empty index
-    wait_for(lambda: httpx.get(vllm_fleet.kvindex + "/readyz", timeout=5).status_code == 200
-             if _up(vllm_fleet.kvindex) else False, "the kvindex did not come back")
+    wait_until("the kvindex back", lambda: _up(vllm_fleet.kvindex) and httpx.get(
+        vllm_fleet.kvindex + "/readyz", timeout=5).status_code == 200, 30)
     # every vLLM pod registers again and resends what it holds (snapshot after the gap)
-    wait_for(worker_holds_them, "worker-0's chunks were not resynced", 60.0)
-    wait_for(lambda: {"prefill-0", "decode-0", "worker-0"} <= {
+    wait_until("worker-0's chunks resynced", worker_holds_them, 60)
+    wait_until("every vLLM pod registered again", lambda: {
+        "prefill-0", "decode-0", "worker-0", "smollm2-0"} <= {
         p["pod"] for p in httpx.get(vllm_fleet.kvindex + "/v1/pods", timeout=10).json()["pods"]},
-        "not every vLLM pod registered again", 30.0)
+        30)
     # and evicting reports the removal
     _evict(vllm_fleet, hashes)
-    wait_for(lambda: not httpx.get(f"{vllm_fleet.kvindex}/v1/chunks/{hashes[0]}", timeout=10)
-             .json()["locations"], "the eviction was not reported")
+    wait_until("the eviction reported", lambda: not httpx.get(
+        f"{vllm_fleet.kvindex}/v1/chunks/{hashes[0]}", timeout=10).json()["locations"], 30)
 
 
 def _up(url: str) -> bool:
@@ -516,7 +501,7 @@ def test_tenants_through_the_proxy_neither_share_nor_probe_on_vllm(
                           "--salt-secret", "a-secret-of-this-deployment"], proxy + "/readyz",
                          log_path=tmp_path / "proxy.log"):
         def as_tenant(key: str) -> dict:
-            r = httpx.post(proxy + "/v1/completions", timeout=120, json={
+            r = httpx.post(proxy + "/v1/completions", timeout=bound(120), json={
                 "model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0},
                 headers={"authorization": f"Bearer {key}", "x-session-id": "same-id"})
             assert r.status_code == 200, r.text
@@ -578,7 +563,7 @@ def test_a_forced_output_comes_back_token_for_token_and_serves_the_next_turn(
 def test_a_forced_output_streams_unchanged_through_pd(vllm_fleet: VllmFleet) -> None:
     """Through the proxy, the prefill pod forces the first token and the decode pod the rest."""
     forced = _forced(73, 24)
-    with httpx.stream("POST", vllm_fleet.proxy + "/v1/completions", timeout=120,
+    with httpx.stream("POST", vllm_fleet.proxy + "/v1/completions", timeout=bound(120),
                       headers={"x-session-id": "forced-pd"},
                       json={"model": "tiny", "prompt": prompt_ids(73, 2600), "stream": True,
                             "forced_output_token_ids": forced, "return_token_ids": True,

@@ -1,6 +1,7 @@
-"""The forwarding memory API (the API process's) passes any lookup id on to the engine
-processes intact: one with a newline or non-ASCII used to make an invalid URL and a 500
-(found by the API fuzzer, tests/fuzz)."""
+"""The forwarding memory API (the API process's): it passes any lookup id on to the engine
+processes intact (one with a newline or non-ASCII used to make an invalid URL and a 500, found
+by the API fuzzer, tests/fuzz), and its listing of the pod's chunks includes the engine's own
+KV pool where it has one."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from agentserving.core.schemas import (
+    MemoryChunks,
     MemoryPrefetchRequest,
     MemoryPrefetchResult,
     MemoryPrefetchStatus,
@@ -67,5 +69,42 @@ def test_an_announced_prefetch_waits_for_the_scheduler_that_takes_it():
             assert r.json()["status"] == "prefetch_started" and len(seen) == 2
             r = client.post("/memory/prefetch", json={**announced, "expected_in_s": -1})
             assert r.status_code == 400 and "expected_in_s" in r.text
+    finally:
+        server.stop()
+
+
+class _Pool:
+    """An engine's own KV pool as the forwarding API reaches it (``DeviceTier``)."""
+
+    def __init__(self, chunks: list[str]) -> None:
+        self.chunks = chunks
+
+    def release(self, chunk_hashes, evict: bool) -> None:  # noqa: ANN001
+        self.chunks = [c for c in self.chunks if not evict or c not in chunk_hashes]
+
+    def device_chunks(self) -> list[str]:
+        return list(self.chunks)
+
+
+def test_the_pods_chunk_listing_includes_its_device_pool():
+    # what the kvindex hears as tier device is in the pod's own listing too, so a caller can
+    # find (and evict) a context vLLM's cache alone still holds
+    engine = FastAPI()
+
+    @engine.get("/memory/chunks")
+    def chunks() -> MemoryChunks:
+        return MemoryChunks(chunks={"cpu": ["0a", "0b"]}, bytes={"cpu": 2048})
+
+    pool = _Pool(["0b", "0c"])
+    server = ThreadedServer(engine)
+    try:
+        with TestClient(forwarding_memory_app(EngineFanout([server.url], timeout_s=5),
+                                              ["LocalCPUBackend"], device=lambda: pool)) as client:
+            listing = client.get("/memory/chunks").json()
+            assert listing["chunks"] == {"cpu": ["0a", "0b"], "device": ["0b", "0c"]}
+            assert listing["bytes"] == {"cpu": 2048}
+        with TestClient(forwarding_memory_app(EngineFanout([server.url], timeout_s=5),
+                                              ["LocalCPUBackend"])) as client:
+            assert client.get("/memory/chunks").json()["chunks"] == {"cpu": ["0a", "0b"]}
     finally:
         server.stop()

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from agentserving.replay.compare import scrape_worker_metrics, time_breakdown
 from agentserving.replay.configs import (
+    ABLATIONS,
     CONFIGS,
     DECODE_POD_ARGS,
     DECODE_POD_LONGCAP,
@@ -111,7 +112,14 @@ def test_the_vllm_configurations_share_pods_and_device_kv(tmp_path):
 
 
 def test_configurations_are_checked_against_the_engine():
-    assert [c.name for c in resolve("", "vllm")] == list(DEFAULT_CONFIGS["vllm"])
+    assert [c.name for c in resolve("", "vllm")] == list(DEFAULT_CONFIGS["vllm"]) == [
+        "vllm-rr", "vllm-session", "vllm-precise", "agentserving"]
+    # --ablations: agentserving's ablations after the chosen ones, none twice
+    assert [c.name for c in resolve("", "vllm", ablations=True)] == [
+        *DEFAULT_CONFIGS["vllm"], *ABLATIONS["vllm"]]
+    assert [c.name for c in resolve("vllm-rr,agentserving-fcfs,agentserving", "vllm",
+                                    ablations=True)][:4] == [
+        "vllm-rr", "agentserving-fcfs", "agentserving", "agentserving-noprefetch"]
     assert [c.name for c in resolve("baseline, agentserving", "reference")] == [
         "baseline", "agentserving"]
     with pytest.raises(ValueError, match="unknown configuration 'other'"):
@@ -209,7 +217,7 @@ def test_configurations_that_differ_in_their_proxy_alone_share_one_fleet():
     from agentserving.replay.fleet.topology import same_pods
 
     s = specs("vllm")
-    groups = fleet_groups([(n, s[n]) for n in DEFAULT_CONFIGS["vllm"]])
+    groups = fleet_groups([(n, s[n]) for n in (*DEFAULT_CONFIGS["vllm"], *ABLATIONS["vllm"])])
     assert [[n for n, _ in g] for g in groups] == [
         ["vllm-rr", "vllm-session", "vllm-precise"], ["agentserving"], ["agentserving-fcfs"],
         ["agentserving-noprefetch"], ["agentserving-nolayerwise"],

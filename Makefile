@@ -11,7 +11,8 @@ TORCH_VERSION := 2.13.0
 LMCACHE_VERSION := 0.5.6
 SMOLLM2_VERSION := 0.1.2
 PYTEST_ARGS ?=
-# Parallel set-up jobs of `make test` (the test cluster's Go build, the images, the venvs).
+# Parallel set-up jobs of `make test` and `make run` (the test cluster's Go build, the images,
+# the venvs), their lines interleaved as they come.
 SETUP_JOBS ?= 4
 # Each set-up and test phase prints its seconds and records them in one file per `make` run
 # (scripts/phase.sh); `make test` ends with the table.
@@ -45,7 +46,7 @@ models: $(STAMP)
 # disk and network at once), then the suite with its slowest tests listed, then the phases'
 # seconds. The vLLM tests print the machine's measured prefill rate before they run.
 test:
-	@$(MAKE) --no-print-directory -j$(SETUP_JOBS) --output-sync=line test-setup SYSTEM_DEPS=--test
+	@$(MAKE) --no-print-directory -j$(SETUP_JOBS) test-setup SYSTEM_DEPS=--test
 	@$(PHASE) pytest $(VENV)/bin/pytest --durations=30 $(PYTEST_ARGS); rc=$$?; \
 	  $(PHASE) --summary; exit $$rc
 
@@ -92,7 +93,7 @@ lint: setup
 # The main job: the local fleet (kvindex, workers, proxy as real processes) serving the bundled
 # multi-turn agent workload, baseline vs agentserving, with a report under runs/<time>/.
 run:
-	@$(MAKE) --no-print-directory -j$(SETUP_JOBS) --output-sync=line setup
+	@$(MAKE) --no-print-directory -j$(SETUP_JOBS) setup
 	$(VENV)/bin/agentserving compare
 
 clean:

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -51,7 +51,7 @@ from agentserving.replay.fleet.topology import (
     agentserving_argv,
     build,
 )
-from testkit import cpu_quota, pace
+from testkit import cpu_quota, pace, servers
 
 from .fleet_hygiene import FleetView
 
@@ -240,18 +240,10 @@ def fleet_left_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
                     f"cleared it: {'; '.join(left)}", pytrace=False)
 
 
-T = TypeVar("T")
-
-
-def wait_until(what: str, check: Callable[[], T], bound_s: float = 20.0,
-               every_s: float = 0.25) -> T:
+def wait_until(what: str, check: Callable[[], Any], bound_s: float = 20.0) -> Any:
     """Poll ``check`` until it returns something truthy (returned), failing with ``what``
-    after ``bound_s`` (set on the reference machine; stretched on a slower one)."""
-    deadline = time.monotonic() + PACE.bound(bound_s)
-    while not (out := check()):
-        assert time.monotonic() < deadline, f"{what} (within {PACE.bound(bound_s):.0f} s)"
-        time.sleep(every_s)
-    return out
+    after ``bound_s``, a bound set on the reference machine (stretched on a slower one)."""
+    return servers.wait_until(check, PACE.bound(bound_s), what, ignoring=(), interval_s=0.25)
 
 
 def bound(seconds: float) -> float:

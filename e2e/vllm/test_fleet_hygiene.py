@@ -6,11 +6,15 @@ the fleet back to cold: nothing pinned, listed or cached, and vLLM's own reset a
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from agentserving.engine.vllm.prefix_cache import reset_refused
 
 from .conftest import RESET_BOUND_S, VllmFleet, bound, post, vllm_metrics
 from .test_vllm_fleet import completion, delta, prompt_ids
+
+# the first test of the package also waits for the shared fleet to start
+pytestmark = pytest.mark.timeout(900)
 
 
 def test_a_reset_clears_what_a_test_leaves_and_says_what_it_found(vllm_fleet: VllmFleet) -> None:

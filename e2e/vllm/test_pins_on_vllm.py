@@ -14,10 +14,14 @@ import math
 import time
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import VllmFleet, post, vllm_metrics, wait_until
 from .test_vllm_fleet import completion, delta, prompt_ids
+
+# the first test of the package also waits for the shared fleet to start
+pytestmark = pytest.mark.timeout(900)
 
 POD = "worker-0"
 LOCAL = "local_cache_hit"

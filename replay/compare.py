@@ -413,6 +413,10 @@ def replay_config(config: str, fleet: Any, trace: Any, run_dir: Path,
         help="Where everything goes [default: runs/<time>].")
 @option("--worker-command", default=None,
         help="Run this instead of `agentserving worker` (same flags; tests use a stand-in).")
+@option("--repeats", type=click.IntRange(min=1), default=1,
+        help="Run every configuration N times, interleaved (A B C, A B C, ...), each repeat "
+             "in RUN_DIR/repeat-K; report.json and the tables give each figure's median "
+             "(min-max beside it), targets are judged on the medians.")
 @option("--progress/--no-progress", default=True, help="Show progress bars.")
 def command(engine: str, workload: str, limit: int | None, rate: float | None,
             time_scale: float | None, tool_gap_scale: float, prefill: int, decode: int,
@@ -422,24 +426,27 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
             decode_policy: str | None,
             proxy_args: tuple[str, ...], max_active_sessions: int | None,
             mooncake: MooncakeOptions, startup_timeout_s: float,
-            run_dir: Path | None, worker_command: str | None, progress: bool) -> None:
+            run_dir: Path | None, worker_command: str | None, repeats: int,
+            progress: bool) -> None:
     """Replay an agent workload against what users run today and agentserving; report side
     by side.
 
     On vLLM (default): vllm-rr, vllm-session, vllm-precise and agentserving, the same pod
     count and device KV each (--ablations adds agentserving-fcfs, agentserving-noprefetch,
     agentserving-nolayerwise, agentserving-allpd and agentserving-noadmit). On the reference
-    engine: baseline and agentserving. Writes RUN_DIR/report.json,
+    engine: baseline and agentserving. With --repeats N, N interleaved runs of them all,
+    reported by their medians. Writes RUN_DIR/report.json,
     RUN_DIR/plots/*.png, each configuration's turn records and the fleets' logs, and prints
     which targets were met; `agentserving report RUN_DIR` redraws the plots.
     """
     from agentserving.replay.loader import load_trace
+    from agentserving.replay.repeats import combine, ratio_spread
     from agentserving.replay.report import (
         build_report,
         comparisons_for,
         draw_plots,
-        load_records,
         print_report,
+        records_of,
     )
     from agentserving.replay.stats import trace_stats
     from agentserving.replay.trace import write_trace
@@ -475,14 +482,33 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
                        progress=progress,
                        max_active_sessions=max_active_sessions,
                        chunk_size=DEFAULT_CHUNK_SIZE)
-    summaries: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
     specs = [(c.name, fleet_spec(c, sizes)) for c in chosen]
     pools = {name: schedulers(spec.role_args) for name, spec in specs}
-    for group in fleet_groups(specs):
-        for name, summary in run_group(group, trace, run_dir, replay_opts, click.echo).items():
-            summaries[name] = {**summary, "engine": engine, "schedulers": pools[name],
-                               "description": CONFIGS[name].description}
+    comparisons = comparisons_for(names)
+    per_repeat: list[dict[str, dict[str, Any]]] = []
+    for k in range(1, repeats + 1):
+        repeat_dir = run_dir / f"repeat-{k}" if repeats > 1 else run_dir
+        if repeats > 1:
+            click.echo(f"repeat {k} of {repeats}: {', '.join(names)}")
+        summaries: dict[str, dict[str, Any]] = {}
+        for group in fleet_groups(specs):
+            for name, summary in run_group(group, trace, repeat_dir, replay_opts,
+                                           click.echo).items():
+                summaries[name] = {**summary, "engine": engine, "schedulers": pools[name],
+                                   "description": CONFIGS[name].description}
+        if repeats > 1:  # each repeat's own report, as a single run writes it
+            (repeat_dir / "report.json").write_text(json.dumps(
+                build_report(summaries, comparisons=comparisons), indent=2) + "\n")
+        per_repeat.append(summaries)
+    extra: dict[str, Any] = {}
+    if repeats > 1:
+        summaries = combine(per_repeat)
+        extra["repeats"] = {
+            "n": repeats, "order": "interleaved", "dirs": [f"repeat-{k}" for k in
+                                                           range(1, repeats + 1)],
+            "ratios": ratio_spread([build_report(r, comparisons=comparisons)
+                                    for r in per_repeat])}
     settings = {"engine": engine, "prefill": prefill, "decode": decode, "model": model,
                 "cpu_cache_gib": cpu_cache_gib, "disk_cache_gib": disk_cache_gib,
                 "disk_io": disk_io,
@@ -494,15 +520,14 @@ def command(engine: str, workload: str, limit: int | None, rate: float | None,
                 "prefill_policy": prefill_policy, "decode_policy": decode_policy,
                 "proxy_args": list(proxy_args),
                 "time_scale": time_scale, "tool_gap_scale": tool_gap_scale}
-    report = build_report(summaries, comparisons=comparisons_for(names),
+    report = build_report(summaries, comparisons=comparisons, **extra,
                           workload={"spec": workload, **stats},
                           machine={"cpus": os.cpu_count(), "platform": platform.platform(),
                                    "python": sys.version.split()[0]},
                           settings=settings, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                           duration_s=round(time.monotonic() - started, 1))
     (run_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    plots = draw_plots(run_dir / "plots",
-                       {n: load_records(run_dir / n / "turns.jsonl") for n in names}, report)
+    plots = draw_plots(run_dir / "plots", records_of(run_dir, report), report)
     print_report(report, title=f"{workload} on {engine}: {prefill + decode} workers per "
                                f"configuration")
     click.echo(f"\nreport: {run_dir / 'report.json'}")

@@ -305,6 +305,44 @@ def config_rows(report: Mapping[str, Any], candidate: str = CANDIDATE) -> list[l
     return rows
 
 
+SPREAD_COLUMNS = (("req_per_s", "req/s"), ("e2e_p95_s", "E2E P95"), ("ttft_p50_s", "TTFT P50"))
+
+
+def spread_rows(report: Mapping[str, Any], candidate: str = CANDIDATE) -> list[list[str]]:
+    """Of a repeated run: [config, each figure's median (min-max), failed turns over all
+    repeats' worst, agentserving's worst-repeat req/s and E2E P95 relative to it]."""
+    worst = (report.get("repeats") or {}).get("ratios") or {}
+    rows = []
+    for name, m in report["configs"].items():
+        spread = m.get("repeats") or {}
+        lo, hi = spread.get("min") or {}, spread.get("max") or {}
+        cells = [f"{_compact(k, m.get(k))} ({_compact(k, lo.get(k))}-{_compact(k, hi.get(k))})"
+                 for k, _ in SPREAD_COLUMNS]
+        failed = int(hi.get("turns_failed") or 0) + int(hi.get("turns_not_sent") or 0)
+        w = worst.get(name, {}) if name != candidate else {}
+        rows.append([name, *cells, str(failed),
+                     *("-" if w.get(k) is None else f"x{w[k]['worst']:.2f}"
+                       for k, _ in RELATIVE_COLUMNS)])
+    return rows
+
+
+def print_spread(report: Mapping[str, Any]) -> str:
+    """The repeats' table (nothing for a single run)."""
+    n = (report.get("repeats") or {}).get("n")
+    if not n:
+        return ""
+    headers = ["config", *(h for _, h in SPREAD_COLUMNS), "failed",
+               *(h for _, h in RELATIVE_COLUMNS)]
+    table = _wide_table(f"over {n} interleaved repeats: median (min-max); failed, x: the "
+                        "worst repeat's", headers, 1)
+    for column in table.columns:
+        column.no_wrap = True
+    for row in spread_rows(report):
+        table.add_row(*row)
+    _console().print(table)
+    return _plain(table)
+
+
 SOURCE_COLUMNS = (("turns", "turns"), ("prefix_hit_rate", "prefix hit"),
                   ("ideal_hit_rate", "ideal"), ("hit_vs_ideal", "hit / ideal"),
                   ("e2e_p50_s", "E2E P50"), ("e2e_p95_s", "E2E P95"),
@@ -351,14 +389,16 @@ def print_report(report: Mapping[str, Any], title: str) -> str:
     """The seed's table against the first baseline, every configuration in a row, and every
     target check (printed with rich; returned as plain text)."""
     text = print_table(report, title=title, with_checks=False)
-    table = _wide_table("every configuration (seconds; x: agentserving's figure over each "
-                        "one's)", ["config", *(h for _, h in (*CONFIG_COLUMNS,
+    medians = f"medians of {n} repeats; " if (n := (report.get("repeats") or {}).get("n")) \
+        else ""
+    table = _wide_table(f"every configuration ({medians}seconds; x: agentserving's figure over "
+                        "each one's)", ["config", *(h for _, h in (*CONFIG_COLUMNS,
                                                                *RELATIVE_COLUMNS))], 1)
     for row in config_rows(report):
         table.add_row(*row)
     console = _console()
     console.print(table)
-    text += _plain(table)
+    text += _plain(table) + print_spread(report)
     legend = [textwrap.fill(f"{name}: {m['description']}", REPORT_WIDTH - 2,
                             subsequent_indent="    ", break_on_hyphens=False)
               for name, m in report["configs"].items() if m.get("description")]
@@ -609,13 +649,23 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+def records_of(run_dir: Path, report: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Each configuration's turn records; of a repeated run, those of its median repeat (the
+    one whose req/s is the median: plots of pooled repeats would mix their time axes)."""
+    out = {}
+    for name, m in report["configs"].items():
+        k = (m.get("repeats") or {}).get("median_repeat")
+        folder = run_dir / f"repeat-{k}" / name if k else run_dir / name
+        out[name] = load_records(folder / "turns.jsonl")
+    return out
+
+
 def redraw(run_dir: Path) -> tuple[dict[str, Any], list[Path]]:
     """Redraw a run folder's plots (bench run or single replay); returns (report, files)."""
     report_path = run_dir / "report.json"
     if report_path.exists():
         report = json.loads(report_path.read_text())
-        records = {name: load_records(run_dir / name / "turns.jsonl")
-                   for name in report["configs"]}
+        records = records_of(run_dir, report)
     elif (run_dir / "summary.json").exists():
         summary = json.loads((run_dir / "summary.json").read_text())
         report = {"configs": {run_dir.name: summary}, "ratios": {}}

@@ -167,22 +167,29 @@ def _import(build: Callable[[], Any], out: Path) -> None:
     gen = trace.header.generator
     capped = (f" ({gen['sessions_dropped']} sessions dropped and {gen['sessions_cut']} cut by "
               "the context)") if "sessions_dropped" in gen else ""
-    click.echo(f"{out}: {len(trace.sessions)} sessions, {trace.num_turns} turns{capped}")
+    skipped = gen.get("runs_skipped", {}).get("count", 0)
+    why = f"; {skipped} runs skipped: no model call (runs_skipped in the header)" \
+        if skipped else ""
+    click.echo(f"{out}: {len(trace.sessions)} sessions, {trace.num_turns} turns{capped}{why}")
 
 
 @command.command("mini-swe-agent")
 @click.argument("src", type=click.Path(exists=True, path_type=Path))
 @_scaling_options(0.25, 0.1, 0.2, "Multiplies every time (tool gaps, session starts).", None)
+@option("--strict", is_flag=True,
+        help="Stop at a run that ended before any model call (exit status Timeout, "
+             "InternalServerError...) instead of skipping and counting it.")
 def mini_swe_agent_cmd(src: Path, model: str, token_scale: float, output_scale: float,
                        time_scale: float, max_gap: float | None, max_context: int,
                        max_turns: int | None, limit: int | None, real_sizes: bool,
-                       out: Path) -> None:
+                       out: Path, strict: bool) -> None:
     """Import mini-swe-agent trajectories: SRC is a folder (its *.traj.json, recursively), one
     .traj.json, or a .tar.gz of them (read in place). One session per run, one turn per model
-    call, counted in the serving model's tokens and chat template (docs/replay.md)."""
+    call, counted in the serving model's tokens and chat template (docs/replay.md). A run with
+    no model call is skipped and counted; a malformed file is an error naming file and field."""
     from agentserving.replay.importers.mini_swe_agent import SweOptions, read_mini_swe_agent
 
-    opts = SweOptions(model=model, limit=limit, scaling=_scaling(
+    opts = SweOptions(model=model, limit=limit, strict=strict, scaling=_scaling(
         token_scale, output_scale, time_scale, max_gap, max_context, max_turns, real_sizes))
     tokenizer = _tokenizer(model)
     _import(lambda: read_mini_swe_agent(src, tokenizer, opts), out)

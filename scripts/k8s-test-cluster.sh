@@ -104,9 +104,11 @@ build_k8s() {
   local what; what=$(printf 'cmd/%s ' "${missing[@]}")
   log "building ${missing[*]} (several minutes)"
   local t0=$SECONDS
-  # its own make, not a job of the caller's (`make -j test` would hand it a jobserver)
+  # its own make, not a job of the caller's (`make -j test` would hand it a jobserver); at a
+  # lower priority, so that the set-up phases beside it (the images) keep their pace
   (cd "$work/src" && env -u GOFLAGS -u MAKEFLAGS -u MFLAGS -u MAKELEVEL GOPROXY=off \
-     CGO_ENABLED=0 GOCACHE="$work/gocache" GOPATH="$work/gopath" make WHAT="${what% }")
+     CGO_ENABLED=0 GOCACHE="$work/gocache" GOPATH="$work/gopath" nice -n 10 \
+     make WHAT="${what% }")
   log "built in $((SECONDS - t0)) s"
   rm -rf "$out.tmp"; mkdir -p "$out.tmp/bin"
   [ -d "$out/bin" ] && cp -a "$out/bin/." "$out.tmp/bin/"

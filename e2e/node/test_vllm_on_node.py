@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from agentserving.operator.builders.common import MEMORY_PORT_START, PROXY_PORT
+from testkit.servers import wait_until
 
 from ..k8s.cluster import REPO, cache_dir
 from .conftest import (
@@ -46,6 +47,13 @@ def vllm_deployment(node_cluster, tmp_path_factory, vllm_pace):
         pods = apply_example(node_cluster, EXAMPLE, timeout=vllm_pace.bound(900))
         with PortForward(node_cluster, f"svc/{NAME}-proxy", PROXY_PORT,
                          tmp_path_factory.mktemp("pf") / "vllm-proxy.log") as pf:
+            # Ready pods are not yet known pods: the proxy finds each through the kvindex's
+            # registry, and until it knows a decode pod it serves every turn whole on the
+            # prefill pod (no decode pool)
+            wait_until(lambda: (r := httpx.get(pf.url + "/readyz", timeout=5)).status_code
+                       == 200 and r.json()["decode_pods"] >= 1, vllm_pace.bound(60),
+                       "the proxy to know the decode pod", ignoring=(httpx.HTTPError,),
+                       interval_s=0.5)
             yield pods, pf.url
     finally:
         node_cluster.kubectl("delete", "agentserving", NAME, "-n", NAMESPACE,
@@ -70,7 +78,8 @@ def test_vllm_pods_serve_a_session_with_prefill_decode_disaggregation(vllm_deplo
         turns = three_turns(client(proxy_url), f"node-vllm-{attempt}", seed=7 + attempt)
         assert all(resp.choices[0].text for resp, _ in turns)
         first = turns[0][1]
-        if first.get("x-agentserving-prefill-pod") == f"{NAME}-prefill-0":
+        if first.get("x-agentserving-prefill-pod") == f"{NAME}-prefill-0" and \
+                first.get("x-agentserving-decode-pod"):
             break
     assert (first.get("x-agentserving-prefill-pod"), first.get("x-agentserving-decode-pod")) \
         == (f"{NAME}-prefill-0", f"{NAME}-decode-0"), dict(first)

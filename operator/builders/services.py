@@ -16,7 +16,7 @@ from agentserving.core.argv import settings_argv
 from agentserving.kvindex.cli import command as kvindex_command
 from agentserving.kvindex.settings import KvindexSettings
 from agentserving.proxy.cli import command as proxy_command
-from agentserving.proxy.settings import ProxySettings
+from agentserving.proxy.settings import ENGINE_PROXY_SETTINGS, ProxySettings
 
 from .common import (
     KVINDEX_PORT,
@@ -127,8 +127,10 @@ def kvindex_argv(inst: Instance) -> list[str]:
     return _argv("kvindex", kvindex_command, KvindexSettings, "spec.kvindex", values)
 
 
-# spec.proxy's fields that are the proxy's own settings (unset: the proxy's default)
-PROXY_FIELDS = {"localPrefillTokens": "local_prefill_tokens", "admitPerPod": "admit_per_pod"}
+# spec.proxy's fields that are the proxy's own settings (unset: what agentserving runs in front
+# of the engine, ENGINE_PROXY_SETTINGS, else the proxy's default)
+PROXY_FIELDS = {"localPrefillTokens": "local_prefill_tokens", "admitPerPod": "admit_per_pod",
+                "maxPrefillBacklog": "max_prefill_backlog"}
 
 
 def proxy_argv(inst: Instance, kvindex_url: str) -> list[str]:
@@ -137,9 +139,13 @@ def proxy_argv(inst: Instance, kvindex_url: str) -> list[str]:
                               "routing": proxy["routing"],
                               # the kvindex scores prefixes in chunks of the workers' size
                               "chunk_size": inst.spec["kvCache"]["chunkSize"]}
+    engine_defaults = ENGINE_PROXY_SETTINGS.get(inst.spec["engine"]["type"], {})
     for field, setting in PROXY_FIELDS.items():
-        if proxy.get(field) is not None:
-            values[setting] = proxy[field]
+        value = proxy.get(field)
+        if value is None:
+            value = engine_defaults.get(setting)
+        if value is not None:
+            values[setting] = value
     if proxy["replicas"] > 1:  # a Service spreads a session's turns over the replicas
         values["shared_sessions"] = True
     return _argv("proxy", proxy_command, ProxySettings, "spec.proxy", values)

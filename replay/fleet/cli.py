@@ -5,7 +5,9 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -55,22 +57,27 @@ def command(prefill: int, decode: int, kvindex: str, model: str, engine: str, ro
             worker_args: tuple[str, ...], startup_timeout_s: float) -> None:
     """Start kvindex, workers and proxy on loopback; stop them all on Ctrl-C or SIGTERM.
 
-    Each runs as a real process in its own process group, logging to RUN_DIR/logs/<name>.log;
-    the endpoints are printed and written to RUN_DIR/fleet.json. With --prefill 0 --decode 0
-    only the kvindex runs. Point a client at the proxy, e.g.
-    `agentserving replay --trace bundled:bench-small --target http://127.0.0.1:8080`.
+    The fleet is the main job's agentserving configuration (`agentserving compare`'s: the
+    same worker flags, prefill scheduling and proxy settings) at these sizes. Each process
+    runs in its own process group, logging to RUN_DIR/logs/<name>.log; the endpoints are
+    printed and written to RUN_DIR/fleet.json. With --prefill 0 --decode 0 only the kvindex
+    runs; decode workers without a prefill worker are refused. Point a client at the proxy,
+    e.g. `agentserving replay --trace bundled:bench-small --target http://127.0.0.1:8080`.
     """
+    from agentserving.replay.configs import topology_error
     from agentserving.replay.fleet.process import FleetError
     from agentserving.replay.fleet.supervisor import Fleet
-    from agentserving.replay.fleet.topology import FleetSpec, build
+    from agentserving.replay.fleet.topology import build
 
+    if why := topology_error(prefill, decode):
+        raise click.BadParameter(why, param_hint="--prefill / --decode")
     run_dir = run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-up"
-    spec = FleetSpec(prefill=prefill, decode=decode, kvindex=kvindex, model=model, engine=engine,
-                     routing=routing, cpu_cache_gib=cpu_cache_gib,
-                     disk_cache_gib=disk_cache_gib, disk_io=disk_io,
-                     kv_layerwise_load=kv_layerwise_load, kv_transfer=kv_transfer,
-                     kv_transfer_gib=kv_transfer_gib, proxy_port=proxy_port,
-                     worker_args=list(worker_args), startup_timeout_s=startup_timeout_s)
+    spec = up_spec(prefill=prefill, decode=decode, engine=engine, model=model,
+                   cpu_cache_gib=cpu_cache_gib, disk_cache_gib=disk_cache_gib, disk_io=disk_io,
+                   worker_args=list(worker_args), startup_timeout_s=startup_timeout_s,
+                   kvindex=kvindex, routing=routing, kv_layerwise_load=kv_layerwise_load,
+                   kv_transfer=kv_transfer, kv_transfer_gib=kv_transfer_gib,
+                   proxy_port=proxy_port)
     fleet = Fleet(build(spec, run_dir), run_dir, on_event=lambda m: click.echo(f"[up] {m}"))
     # The handler only records the signal: it runs on the main thread between bytecodes, so
     # anything that takes a lock (Event.set, a buffered write) can deadlock with the very code
@@ -103,3 +110,19 @@ def command(prefill: int, decode: int, kvindex: str, model: str, engine: str, ro
             click.echo(f"[up] {signal.Signals(received[0]).name}: stopping")
         fleet.stop()
     sys.exit(code)
+
+
+def up_spec(*, prefill: int, decode: int, engine: str, model: str, cpu_cache_gib: float,
+            disk_cache_gib: float, disk_io: str, worker_args: list[str],
+            startup_timeout_s: float, **fleet: Any) -> Any:
+    """What `agentserving up` starts: ``compare``'s agentserving configuration at these sizes
+    (one place for its worker flags, prefill scheduling and proxy settings), with the
+    choices only a standing fleet has (``fleet``: kvindex store, routing, KV transfer, proxy
+    port, layer-wise load) set on it."""
+    from agentserving.replay.configs import CONFIGS, FleetSizes, fleet_spec
+
+    sizes = FleetSizes(engine=engine, prefill=prefill, decode=decode, model=model,
+                       cpu_cache_gib=cpu_cache_gib, disk_cache_gib=disk_cache_gib,
+                       disk_io=disk_io, worker_args=worker_args,
+                       startup_timeout_s=startup_timeout_s)
+    return replace(fleet_spec(CONFIGS["agentserving"], sizes), **fleet)

@@ -103,7 +103,7 @@ def test_the_vllm_configurations_share_pods_and_device_kv(tmp_path):
     assert without_shadow(DECODE_POD_LONGCAP) == DECODE_POD_LONGCAP
     assert without_shadow("shadow?lookahead=5") == "longcap-dynamic"
     # first turns may go local, and an idle prefill pod may keep a session
-    assert cand.proxy_args == ["--max-prefill-backlog", "1", "--admit-per-pod", "1"]
+    assert cand.proxy_args == ["--admit-per-pod", "1", "--max-prefill-backlog", "1"]
     precise = s["vllm-precise"]
     assert (precise.both, precise.routing, precise.kv_events) == (3, "kv-aware", True)
     assert precise.chunk_size == VLLM_BLOCK_TOKENS  # the proxy looks up vLLM's own blocks
@@ -230,7 +230,7 @@ def test_configurations_that_differ_in_their_proxy_alone_share_one_fleet():
                                                       "--max-prefill-backlog", "0"]
     assert not same_pods(s["agentserving"], s["agentserving-allpd"])
     # admission at the proxy: the default's, and the ablation's flag after it, overriding it
-    assert s["agentserving"].proxy_args[-2:] == ["--admit-per-pod", "1"]
+    assert s["agentserving"].proxy_args[-4:-2] == ["--admit-per-pod", "1"]
     assert s["agentserving-noadmit"].proxy_args[-2:] == ["--admit-per-pod", "0"]
     # balanced placement: the proxy's flags, and the default's backlog rule overridden
     assert s["agentserving-balanced"].proxy_args[-4:] == ["--balance-tokens", "1024",

@@ -347,3 +347,46 @@ def test_a_parents_prometheus_multiprocess_dir_does_not_reach_the_fleet():
     assert child_env(parent, {"OWN": "2"}) == {"PATH": "/bin", "KEEP": "1", "OWN": "2"}
     wanted = child_env(parent, {"PROMETHEUS_MULTIPROC_DIR": "/tmp/mine"})
     assert wanted["PROMETHEUS_MULTIPROC_DIR"] == "/tmp/mine"  # a spec may still ask for one
+
+
+def _flags(spec, role: str, run_dir: Path) -> list[str]:
+    """A fleet process's command line, its ports, URLs and paths aside."""
+    from agentserving.replay.fleet.topology import build
+
+    proc = next(p for p in build(spec, run_dir) if p.role == role)
+    return [a for a in proc.argv if "://" not in a and not a.startswith("/")
+            and not (a.isdigit() and int(a) > 1024)]
+
+
+def test_up_starts_the_configuration_the_main_job_measures(tmp_path):
+    """`agentserving up` and `agentserving compare`'s agentserving: the same worker flags,
+    prefill scheduling and proxy settings (one place: replay/configs.py), at up's sizes."""
+    from agentserving.replay.configs import CONFIGS, FleetSizes, engine_proxy_args, fleet_spec
+    from agentserving.replay.fleet.cli import up_spec
+
+    for engine in ("vllm", "reference"):
+        sizes = dict(prefill=1, decode=2, engine=engine, model="tiny", cpu_cache_gib=2.0,
+                     disk_cache_gib=4.0, disk_io="direct", worker_args=["--torch-threads=1"],
+                     startup_timeout_s=180.0)
+        up = up_spec(**sizes, kvindex="redis://127.0.0.1:1/0", proxy_port=8080)
+        main_job = fleet_spec(CONFIGS["agentserving"], FleetSizes(**sizes))
+        assert (up.worker_args, up.role_args, up.proxy_args) == \
+            (main_job.worker_args, main_job.role_args, main_job.proxy_args)
+        assert up.kvindex == "redis://127.0.0.1:1/0" and up.proxy_port == 8080
+        for role in ("prefill", "decode", "proxy"):
+            assert _flags(up, role, tmp_path) == _flags(main_job, role, tmp_path), role
+    vllm = up_spec(**{**sizes, "engine": "vllm"})
+    proxy = _flags(vllm, "proxy", tmp_path)
+    assert engine_proxy_args("vllm") == ["--admit-per-pod", "1", "--max-prefill-backlog", "1"]
+    assert proxy[-4:] == engine_proxy_args("vllm")
+    prefill = _flags(vllm, "prefill", tmp_path)
+    assert prefill[prefill.index("--scheduler-policy") + 1].startswith("longcap-dynamic")
+
+
+def test_up_refuses_decode_workers_without_a_prefill_worker(tmp_path):
+    res = subprocess.run([AGENTSERVING, "up", "--prefill", "0", "--decode", "3", "--run-dir",
+                          str(tmp_path / "up")], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert "--prefill / --decode" in res.stderr and "no prefill pod" in res.stderr
+    assert "--prefill 3 --decode 0" in res.stderr
+    assert not (tmp_path / "up" / "fleet.json").exists()

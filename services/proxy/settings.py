@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, Field
 
@@ -14,6 +15,15 @@ class RoutingName(StrEnum):
     KV_AWARE = "kv-aware"
     SESSION = "session"
     ROUND_ROBIN = "round-robin"
+
+
+# What agentserving runs its proxy with in front of an engine's pods, where that differs from
+# the proxy's own defaults (which suit any engine): the configuration the main job measures as
+# agentserving (replay/configs.py says what each buys). `agentserving up`, `agentserving
+# compare` and the operator (spec.proxy fields left unset) all take it from here.
+ENGINE_PROXY_SETTINGS: dict[str, dict[str, Any]] = {
+    "vllm": {"admit_per_pod": 1, "max_prefill_backlog": 1},
+}
 
 
 class ProxySettings(BaseModel):

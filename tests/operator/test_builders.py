@@ -216,6 +216,23 @@ def test_proxy_and_kvindex_command_lines(settings):
     assert children[("Service", "demo-kvindex")]["spec"]["ports"][0]["port"] == 8300
 
 
+def test_the_proxy_in_front_of_vllm_runs_what_the_main_job_measures(settings):
+    """Unset, spec.proxy's admission and prefill backlog are agentserving's settings for the
+    engine: the same flags `agentserving up` and `agentserving compare` give the proxy."""
+    from agentserving.replay.configs import engine_proxy_args
+
+    def proxy_command(spec):
+        return by_key(build_children(make_instance(spec), settings))[
+            ("Deployment", "demo-proxy")]["spec"]["template"]["spec"]["containers"][0]["command"]
+    vllm = proxy_command({"model": {"name": "m"}, "engine": {"type": "vllm"}})
+    assert vllm[-4:] == engine_proxy_args("vllm") == [
+        "--admit-per-pod", "1", "--max-prefill-backlog", "1"]
+    assert "--admit-per-pod" not in proxy_command({"model": {"name": "tiny"}})  # reference
+    off = proxy_command({"model": {"name": "m"}, "engine": {"type": "vllm"},
+                         "proxy": {"admitPerPod": 0, "maxPrefillBacklog": 2}})
+    assert off[-4:] == ["--admit-per-pod", "0", "--max-prefill-backlog", "2"]
+
+
 def test_kvindex_store_choices(settings):
     def store(kvindex):
         spec = {"model": {"name": "tiny"}, "kvindex": kvindex}

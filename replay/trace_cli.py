@@ -12,6 +12,7 @@ import click
 from agentserving.core.cli import option, settings_option
 from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.replay.importers.agent_mix import MixOptions
+from agentserving.replay.importers.agent_pressure import PressureOptions
 from agentserving.replay.mooncake import MooncakeOptions
 
 DATA = Path("../shared/data")
@@ -282,3 +283,69 @@ def agent_mix_cmd(ctx: click.Context, out: Path, **fields: Any) -> None:
     opts = MixOptions(**fields)
     tokenizer = _tokenizer(opts.model)
     _import(lambda: build_mix(tokenizer, opts, command=_command_line(ctx)), out)
+
+
+pressure_option = settings_option(PressureOptions)
+_share = click.FloatRange(0, 1)
+
+
+@command.command("agent-pressure")
+@pressure_option("--swe", "swe_src", type=click.Path(exists=True, path_type=Path),
+                 help="mini-swe-agent trajectories (folder, .traj.json or .tar.gz).")
+@pressure_option("--sessions", type=click.IntRange(min=1),
+                 help="Agent sessions, not counting their subagents.")
+@pressure_option("--turns", type=click.IntRange(min=3), help="Each session's first N model "
+                 "calls (within --max-context).")
+@pressure_option("--token-scale", type=click.FloatRange(min=0, min_open=True),
+                 help="Multiplies the sessions' input lengths.")
+@pressure_option("--seed", type=int, help="Seeds the selection, pauses, resets, forks and "
+                 "arrivals.")
+@pressure_option("--arrival-rate", type=click.FloatRange(min=0, min_open=True),
+                 help="Sessions per second (a Poisson process): all arrive within seconds.")
+@pressure_option("--time-scale", type=click.FloatRange(min=0, min_open=True),
+                 help="Multiplies every drawn pause (agentic: median 1.8 s; human: 25 s).")
+@pressure_option("--reset-share", type=_share,
+                 help="Share of sessions that reset their context once (at a turn drawn by "
+                      "its context length).")
+@pressure_option("--fork-share", type=_share, help="Share of sessions that fork subagents.")
+@pressure_option("--fork-min-branches", type=click.IntRange(min=1),
+                 help="Fewest subagents a forking session starts.")
+@pressure_option("--fork-max-branches", type=click.IntRange(min=1),
+                 help="Most subagents a forking session starts.")
+@pressure_option("--branch-turns", type=click.IntRange(min=1), help="Each subagent's calls.")
+@pressure_option("--fork-task-tokens", type=click.IntRange(min=1),
+                 help="Tokens of the task each subagent starts with, after its parent's "
+                      "context.")
+@pressure_option("--max-context", type=click.IntRange(min=1),
+                 help="Context cap of every session (the main job's per-pod vLLM context).")
+@pressure_option("--model", help=MODEL_HELP)
+@option("--kv-model", default="tiny",
+        help="The served model whose KV bytes per token size the working set in the header "
+             "(where its folder is prepared).")
+@option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True,
+        help="Where to write the JSONL trace (the bundled one: "
+             "replay/workloads/agent-pressure.jsonl).")
+@click.pass_context
+def agent_pressure_cmd(ctx: click.Context, out: Path, kv_model: str, **fields: Any) -> None:
+    """Build the pressure workload: real SWE agent sessions arriving together, with agentic
+    and human pauses, context resets and subagent forks (the bundled `agent-pressure`
+    workload; docs/replay.md)."""
+    from agentserving.replay.importers.agent_pressure import build_pressure
+
+    opts = PressureOptions(**fields)
+    if opts.fork_min_branches > opts.fork_max_branches:
+        raise click.BadParameter("at most --fork-max-branches", param_hint="--fork-min-branches")
+    tokenizer = _tokenizer(opts.model)
+    _import(lambda: build_pressure(tokenizer, opts, command=_command_line(ctx),
+                                   kv_bytes_per_token=kv_bytes_per_token(kv_model)), out)
+
+
+def kv_bytes_per_token(model: str) -> float | None:
+    """KV bytes per token of a prepared model (None where its folder is not there)."""
+    from agentserving.engine.kv.disk_probe import model_chunk_bytes
+    from agentserving.engine.model.folders import folder_of
+
+    folder = folder_of(model)
+    if folder is None or not (folder / "config.json").exists():
+        return None
+    return model_chunk_bytes(folder, DEFAULT_CHUNK_SIZE) / DEFAULT_CHUNK_SIZE

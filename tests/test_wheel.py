@@ -111,6 +111,7 @@ def test_wheel_has_every_source_module_and_no_tests(installed):
     names = zipfile.ZipFile(wheel).namelist()
     assert "agentserving/sim/profiles/reference-cpu.yaml" in names  # sim.profile reads it
     assert "agentserving/replay/workloads/agent-mix.jsonl" in names  # bundled:agent-mix
+    assert "agentserving/replay/workloads/agent-pressure.jsonl" in names  # bundled:agent-pressure
 
 
 def test_every_module_imports_from_the_wheel(installed):

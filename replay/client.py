@@ -94,6 +94,7 @@ class TurnRecord:
     gap_before_s: float = 0.0
     ideal_cached_tokens: int = 0
     source: str | None = None  # the session's meta.source
+    pause: str | None = None  # the pause before the turn, as the trace calls it (meta.pause)
     # what the trace's provider billed for this turn (turn meta "usage"), where recorded
     reference_prompt_tokens: int | None = None
     reference_cached_tokens: int | None = None
@@ -316,6 +317,8 @@ class Replayer:
             gap_before_s=gap_before_s(rs.turns, turn.index) * self._gap_scale,
             ideal_cached_tokens=self.ideal.per_turn.get((turn.session_id, turn.index), 0),
             source=source if isinstance(source, str) else None,
+            pause=pause if isinstance(pause := session.turns[turn.index].meta.get("pause"),
+                                      str) else None,
             reference_prompt_tokens=reference[0] if reference else None,
             reference_cached_tokens=reference[1] if reference else None,
             prompt_digest=token_digest(turn.prompt),

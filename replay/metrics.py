@@ -21,6 +21,12 @@ Definitions (all over one replay run):
   gap (the trace's, time-scaled) is over ``AFTER_GAP_S``: a session's KV idled through the
   tool, the turns the tool-gap prefetch is for. The bundled agent traces' tools run for tens
   of milliseconds (SWE-bench's shell commands), so every gap counts.
+- ``ttft_p50_after_human_pause_s`` over ``after_human_pause_turns``: the turns the trace says
+  follow a person's pause (``meta.pause`` ``human``: ``bundled:agent-pressure``), when a
+  session's KV has had tens of seconds to leave DRAM; ``branch_start_ttft_p90_s`` over
+  ``branch_starts``: the first turns of branches (forked subagents), which start from their
+  parent's context wherever it is; ``mean_jct_s``: the mean over sessions whose every turn
+  completed of their first turn's start to their last turn's end (pauses included).
 - ``forced_mismatches``: completed turns whose output was not the forced one (by the returned
   token ids where the server sent them, else by their count).
 - ``by_source.<source>`` (turns whose session names a ``meta.source``): ``turns``,
@@ -91,6 +97,10 @@ def summarize(records: Iterable[Mapping[str, Any]], *, sessions_planned: int,
     short = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None and is_short(r)]
     after_gap = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None
                  and float(r.get("gap_before_s") or 0.0) > AFTER_GAP_S]
+    after_human = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None
+                   and r.get("pause") == "human"]
+    branch_starts = [r["ttft_s"] for r in ok if r.get("ttft_s") is not None
+                     and r.get("parent_session_id") and r.get("turn") == 0]
     hit = cached / prompt if prompt else None
     return {
         "success_rate": sessions_ok / sessions_planned if sessions_planned else None,
@@ -109,6 +119,11 @@ def summarize(records: Iterable[Mapping[str, Any]], *, sessions_planned: int,
         "ttft_p85_short_s": percentile(short, 85),
         "after_gap_turns": len(after_gap),
         "ttft_p50_after_gap_s": percentile(after_gap, 50),
+        "after_human_pause_turns": len(after_human),
+        "ttft_p50_after_human_pause_s": percentile(after_human, 50),
+        "branch_starts": len(branch_starts),
+        "branch_start_ttft_p90_s": percentile(branch_starts, 90),
+        "mean_jct_s": mean_completion(records),
         "ideal_hit_rate": ideal_hit_rate,
         "hit_vs_ideal": (hit / ideal_hit_rate) if hit is not None and ideal_hit_rate else None,
         "sessions_planned": sessions_planned,
@@ -124,6 +139,23 @@ def summarize(records: Iterable[Mapping[str, Any]], *, sessions_planned: int,
         "errors": _error_counts(records),
         "by_source": by_source(records),
     }
+
+
+def mean_completion(records: list[Mapping[str, Any]]) -> float | None:
+    """Mean over sessions whose every sent turn completed, through their last turn, of first
+    turn's start to last turn's end."""
+    spans: dict[str, list[float]] = {}
+    done, failed = set(), set()
+    for r in records:
+        if not r.get("ok") or r.get("start_s") is None or r.get("end_s") is None:
+            failed.add(r["session_id"])
+            continue
+        span = spans.setdefault(r["session_id"], [r["start_s"], r["end_s"]])
+        span[0], span[1] = min(span[0], r["start_s"]), max(span[1], r["end_s"])
+        if r.get("last_turn"):
+            done.add(r["session_id"])
+    times = [end - start for sid, (start, end) in spans.items() if sid in done - failed]
+    return float(np.mean(times)) if times else None
 
 
 def is_short(record: Mapping[str, Any]) -> bool:

@@ -259,3 +259,21 @@ def test_forced_outputs_are_checked_by_their_ids(fake_server):
     fake_server.state.token_ids = False
     result = run(_sourced_trace(), fake_server)
     assert not any(r.forced_mismatch for r in result.records)
+
+
+def test_a_turns_pause_and_a_branchs_start_reach_the_records(fake_server):
+    trace = sessions_from([
+        {"session_id": "p", "turns": [
+            {"input": {"length": 40}, "output_tokens": 2, "tool_gap_s": 0.05},
+            {"input": {"length": 8}, "output_tokens": 2, "meta": {"pause": "human"}}]},
+        {"session_id": "p/sub-0", "parent": {"session_id": "p", "turn": 0},
+         "turns": [{"input": {"length": 8}, "output_tokens": 2}]}], block_size=16)
+    result = run(trace, fake_server)
+    by = {(r.session_id, r.turn): r for r in result.records}
+    assert by[("p", 1)].pause == "human" and by[("p", 0)].pause is None
+    assert result.summary["after_human_pause_turns"] == 1
+    assert result.summary["branch_starts"] == 1 and by[("p/sub-0", 0)].parent_session_id == "p"
+    assert result.summary["branch_start_ttft_p90_s"] == by[("p/sub-0", 0)].ttft_s
+    spans = [by[("p", 1)].end_s - by[("p", 0)].start_s,  # p's turns and the pause between
+             by[("p/sub-0", 0)].end_s - by[("p/sub-0", 0)].start_s]
+    assert spans[0] > 0.05 and result.summary["mean_jct_s"] == pytest.approx(sum(spans) / 2)

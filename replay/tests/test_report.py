@@ -6,6 +6,7 @@ import asyncio
 import json
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from agentserving.replay.client import Replayer, ReplayOptions
@@ -184,6 +185,26 @@ def test_summarize_counts_sessions_and_percentiles():
     assert s["itl_p99_s"] > 0.29 and s["errors"] == {"HTTP 500: x": 1}
     empty = summarize([], sessions_planned=1, turns_planned=1)
     assert empty["e2e_p95_s"] is None and empty["req_per_s"] is None
+
+
+def test_pressure_figures_human_pauses_branch_starts_and_session_completion():
+    def rec(sid, turn, start, end, ttft, *, last=False, pause=None, parent=None, ok=True):
+        return {"session_id": sid, "turn": turn, "ok": ok, "last_turn": last,
+                "start_s": start, "end_s": end, "ttft_s": ttft, "pause": pause,
+                "parent_session_id": parent, "prompt_tokens": 10}
+
+    recs = [rec("a", 0, 0.0, 1.0, 0.5), rec("a", 1, 30.0, 31.0, 4.0, pause="human"),
+            rec("a", 2, 32.0, 33.0, 0.2, pause="agentic", last=True),
+            rec("a/sub-0", 0, 2.0, 3.0, 1.0, parent="a"),
+            rec("a/sub-0", 1, 4.0, 5.0, 0.1, pause="agentic", parent="a", last=True),
+            rec("a/sub-1", 0, 2.0, 4.0, 3.0, parent="a", last=True),
+            rec("b", 0, 0.0, 1.0, 0.3), rec("b", 1, 20.0, 22.0, 2.0, pause="human", ok=False)]
+    s = summarize(recs, sessions_planned=4, turns_planned=8)
+    assert s["after_human_pause_turns"] == 1 and s["ttft_p50_after_human_pause_s"] == 4.0
+    assert s["branch_starts"] == 2 and s["branch_start_ttft_p90_s"] == pytest.approx(2.8)
+    # a: 33 s, a/sub-0: 3 s, a/sub-1: 2 s; b failed a turn: left out
+    assert s["mean_jct_s"] == pytest.approx((33 + 3 + 2) / 3)
+    assert summarize([], sessions_planned=1, turns_planned=1)["mean_jct_s"] is None
 
 
 def test_short_turns_are_the_same_turns_in_every_configuration():

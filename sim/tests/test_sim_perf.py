@@ -22,7 +22,9 @@ TIMING = {"wall_s", "lookup_s", "index_apply_s"}   # wall-clock measurements
 ADDED = {"index_chunk_ops", "forward_s", "forward_s_by_role", "decode_ttft_s",
          "host_busy_core_s"}                        # stats added after the fingerprints
 ADDED_SUMMARY = {"by_source", "short_turns", "ttft_p50_short_s", "ttft_p85_short_s",
-                 "after_gap_turns", "ttft_p50_after_gap_s"}  # the replay summary's, likewise
+                 "after_gap_turns", "ttft_p50_after_gap_s", "after_human_pause_turns",
+                 "ttft_p50_after_human_pause_s", "branch_starts", "branch_start_ttft_p90_s",
+                 "mean_jct_s"}  # the replay summary's, likewise
 
 # sha256 of `fingerprint` for generate_preset("agent", sessions=150), taken with the simulator
 # as it was before model_construct / netted flushes / the short shadow look-ahead / shallow

@@ -40,7 +40,6 @@ from typing import Any
 from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.engine.model.tokenizer import Tokenizer
 from agentserving.replay.importers import mini_swe_agent, mtrag
-from agentserving.replay.importers.reading import JsonSource
 from agentserving.replay.importers.scaling import MAIN_JOB_CONTEXT, fit_session
 from agentserving.replay.mooncake import MooncakeOptions, read_mooncake
 from agentserving.replay.trace import Session, Trace, TraceHeader
@@ -78,18 +77,8 @@ def _rng(opts: MixOptions, what: str) -> random.Random:
 def swe_sessions(tokenizer: Tokenizer, opts: MixOptions) -> tuple[list[Session], dict[str, Any]]:
     scaling = replace(mini_swe_agent.DEFAULT_SCALING, max_turns=opts.swe_turns,
                       token_scale=opts.swe_token_scale, max_context=opts.max_context)
-    source = JsonSource(opts.swe_src, mini_swe_agent.PATTERN)
-    order = source.members
-    _rng(opts, "swe").shuffle(order)
-    kept: list[Session] = []
-    for member in order:  # in the drawn order, until enough fit the context
-        if len(kept) >= opts.swe_sessions:
-            break
-        for imported in mini_swe_agent.import_sessions(tokenizer, source, [member]).sessions:
-            session, _ = fit_session(imported, scaling, namespace=mini_swe_agent.SOURCE,
-                                     block_size=DEFAULT_CHUNK_SIZE)
-            if session is not None:
-                kept.append(session)
+    kept = mini_swe_agent.drawn_sessions(tokenizer, opts.swe_src, scaling, _rng(opts, "swe"),
+                                         opts.swe_sessions)
     info = mini_swe_agent.generator(tokenizer, mini_swe_agent.SweOptions(
         model=opts.model, scaling=scaling))
     return kept, {**info, "src": str(opts.swe_src), "sessions": [s.session_id for s in kept]}

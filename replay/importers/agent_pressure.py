@@ -47,8 +47,7 @@ from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.engine.model.tokenizer import Tokenizer
 from agentserving.replay.importers import mini_swe_agent
 from agentserving.replay.importers.agent_mix import DATA, arrivals
-from agentserving.replay.importers.reading import JsonSource
-from agentserving.replay.importers.scaling import MAIN_JOB_CONTEXT, fit_session
+from agentserving.replay.importers.scaling import MAIN_JOB_CONTEXT
 from agentserving.replay.tokens import DEFAULT_VOCAB_SIZE
 from agentserving.replay.trace import (
     InputPart,
@@ -121,19 +120,8 @@ def real_sessions(tokenizer: Tokenizer, opts: PressureOptions, count: int) -> li
     context (runs that made no model call skipped)."""
     scaling = replace(mini_swe_agent.DEFAULT_SCALING, max_turns=opts.turns,
                       token_scale=opts.token_scale, max_context=opts.max_context)
-    source = JsonSource(opts.swe_src, mini_swe_agent.PATTERN)
-    order = source.members
-    _rng(opts, "swe").shuffle(order)
-    out: list[Session] = []
-    for member in order:
-        if len(out) >= count:
-            break
-        for imported in mini_swe_agent.import_sessions(tokenizer, source, [member]).sessions:
-            session, _ = fit_session(imported, scaling, namespace=mini_swe_agent.SOURCE,
-                                     block_size=DEFAULT_CHUNK_SIZE)
-            if session is not None and len(session.turns) >= 3:
-                out.append(session)
-    return out
+    return mini_swe_agent.drawn_sessions(tokenizer, opts.swe_src, scaling, _rng(opts, "swe"),
+                                         count, min_turns=3)
 
 
 def with_pauses(turns: list[Turn], rng: random.Random, time_scale: float) -> list[Turn]:

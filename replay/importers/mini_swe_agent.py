@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.engine.model.tokenizer import Tokenizer
 from agentserving.replay.importers.reading import Fields, JsonSource
 from agentserving.replay.importers.scaling import (
@@ -50,11 +51,12 @@ from agentserving.replay.importers.scaling import (
     ImportedSession,
     ImportedTurn,
     Scaling,
+    fit_session,
     fit_sessions,
     trace_of,
 )
 from agentserving.replay.importers.templated import Call, count_calls, renders_tool_calls
-from agentserving.replay.trace import Trace, TraceFormatError
+from agentserving.replay.trace import Session, Trace, TraceFormatError
 
 SOURCE = "mini-swe-agent"
 PATTERN = "*.traj.json"
@@ -317,6 +319,26 @@ def _unique_ids(sessions: Iterable[ImportedSession]) -> None:
         seen[s.session_id] = n + 1
         if n:
             s.session_id = f"{s.session_id}#{n + 1}"
+
+
+def drawn_sessions(tokenizer: Tokenizer, src: str | Path, scaling: Scaling, rng: Any,
+                   count: int, *, min_turns: int = 1) -> list[Session]:
+    """Up to ``count`` trajectories of ``src`` in the order ``rng`` shuffles them to, each
+    fitted by ``scaling``; one that fits fewer than ``min_turns`` calls (or none, or made no
+    model call) is passed over for the next."""
+    source = JsonSource(src, PATTERN)
+    order = source.members
+    rng.shuffle(order)
+    kept: list[Session] = []
+    for member in order:  # in the drawn order, until enough fit the context
+        if len(kept) >= count:
+            break
+        for imported in import_sessions(tokenizer, source, [member]).sessions:
+            session, _ = fit_session(imported, scaling, namespace=SOURCE,
+                                     block_size=DEFAULT_CHUNK_SIZE)
+            if session is not None and len(session.turns) >= min_turns:
+                kept.append(session)
+    return kept
 
 
 def read_mini_swe_agent(src: str | Path, tokenizer: Tokenizer, opts: SweOptions) -> Trace:

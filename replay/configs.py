@@ -11,6 +11,14 @@ On vLLM (the default engine, what users deploy):
 - ``vllm-session``: the same pods behind session affinity (a sticky-session router);
 - ``vllm-precise``: the same pods behind precise prefix-cache routing driven by their own KV
   events (the strongest router users deploy today: llm-d's precise scorer);
+- ``llmd``: what llm-d's tiered prefix-cache guide deploys: the same vLLM pods, each with
+  LMCache's CPU tier of the same DRAM (its CPU guide configures no disk tier; LMCache's reload
+  copied whole before the forward pass, as stock LMCache does), each pod prefilling and
+  decoding, behind llm-d's endpoint picker mirrored (the proxy's ``--routing llm-d``: sticky
+  sessions until a pod saturates, else the precise prefix scorer's tier-weighted match, 2 : 1
+  against the queue; ``proxy.routing.LlmdScheduler`` says where it differs). No P/D, no
+  admission, no pins, no prefetch, no fork placement, no eviction on a context change: what
+  agentserving adds on top;
 - ``agentserving``: vLLM + LMCache tiers (CPU DRAM, local disk), kvindex routing, P/D with
   conditional disaggregation, seed 003's Longcap-FCFS + Dynamic Chunk inside vLLM's
   scheduler on the prefill pods, under the ShadowScheduler (the N+1 window's LMCache
@@ -23,6 +31,8 @@ On vLLM (the default engine, what users deploy):
 - ``agentserving-allpd``: the same without conditional disaggregation: every turn's prefill
   runs on the prefill pod, as in seed 003 (the proxy's ``--local-prefill-tokens 0
   --max-prefill-backlog 0``);
+- ``agentserving-nopin``: the same without its TTL pins (a turn ending in a tool call pins
+  its session's KV for the predicted gap: the proxy's ``--tool-pin``);
 - ``agentserving-noadmit``: the same without admission at the proxy (``--admit-per-pod 0``:
   every turn straight to its pod, each engine serving its queue in arrival order);
 - ``agentserving-balanced`` (not run by default): the same placing turns by queued work over
@@ -111,15 +121,24 @@ BALANCED_PROXY_ARGS = ("--balance-tokens", "1024", "--max-prefill-backlog", "0")
 # own times.
 DEFAULT_TIME_SCALE = {"reference": 1.0, "vllm": 0.5}
 # The first configuration of each engine is the one the others' ratios are taken against.
-# On vLLM the default is what users deploy against agentserving: two fleets to start (the
-# three stock routers share one), about 6 minutes on 2 cores.
+# On vLLM the default is what users deploy against agentserving: three fleets to start (the
+# three stock routers share one; llm-d's tiered pods are the third), about 8 minutes on 2
+# cores.
 DEFAULT_CONFIGS = {"reference": ("baseline", "agentserving"),
-                   "vllm": ("vllm-rr", "vllm-session", "vllm-precise", "agentserving")}
+                   "vllm": ("vllm-rr", "vllm-session", "vllm-precise", "llmd", "agentserving")}
 # agentserving with one of its parts taken out (`agentserving compare --ablations`): a fleet
 # of its own each, about a minute and a half apiece on 2 cores.
 ABLATIONS = {"reference": (),
              "vllm": ("agentserving-fcfs", "agentserving-noprefetch", "agentserving-nolayerwise",
-                      "agentserving-allpd", "agentserving-noadmit")}
+                      "agentserving-allpd", "agentserving-noadmit", "agentserving-nopin")}
+
+
+# llmd's proxy: llm-d's picker (--routing llm-d) hashing each prompt itself, as its precise
+# scorer tokenizes and hashes every request (LMCache's chunks, in LMCache's scheme), and none
+# of what agentserving's proxy adds
+LLMD_PROXY_ARGS = ("--prompt-hash-scheme", HashScheme.LMCACHE_BUILTIN.value,
+                   "--admit-per-pod", "0", "--max-prefill-backlog", "0", "--no-tool-prefetch",
+                   "--no-tool-pin", "--no-fork-placement", "--no-context-change-evict")
 
 
 @dataclass(frozen=True)
@@ -135,6 +154,7 @@ class BenchConfig:
     precise: bool = False  # vLLM KV events -> kvindex; the proxy hashes prompts vLLM's way
     proxy_args: tuple[str, ...] = ()  # agentserving's proxy, after the engine's and the run's
     layerwise_load: bool = True  # the workers' --kv-layerwise-load
+    disk_tier: bool = True  # with tiers: LMCache's local disk tier below the DRAM one
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
@@ -153,6 +173,12 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig("baseline-apc", ("reference",), "independent workers, round-robin, each "
                 "reusing only what it computed itself (like vLLM's APC)", routing="round-robin",
                 own_prefix_cache_only=True),
+    BenchConfig("llmd", ("vllm",), "llm-d's tiered prefix cache: vLLM pods with LMCache's "
+                "CPU tier (no disk), each prefilling and decoding, behind llm-d's endpoint "
+                "picker (sticky sessions until a pod saturates, precise tier-weighted prefix "
+                "scoring against queue depth); no P/D, admission, pins or prefetch",
+                routing="llm-d", disk_tier=False, layerwise_load=False,
+                proxy_args=LLMD_PROXY_ARGS),
     BenchConfig("agentserving", ("reference", "vllm"), "LMCache CPU + disk tiers, kvindex "
                 "routing, P/D with conditional disaggregation, (on vLLM) seed 003's prefill "
                 "scheduling in vLLM's scheduler",
@@ -178,6 +204,10 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 "proxy: every turn goes straight to its pod, each pod's engine serving its "
                 "queue in arrival order (--admit-per-pod 0)", routing="kv-aware",
                 disaggregated=True, proxy_args=("--admit-per-pod", "0")),
+    BenchConfig("agentserving-nopin", ("vllm",), "agentserving without its TTL pins: a turn "
+                "ending in a tool call leaves its session's KV to the tiers' LRU "
+                "(--no-tool-pin)", routing="kv-aware", disaggregated=True,
+                proxy_args=("--no-tool-pin",)),
     BenchConfig("agentserving-allpd", ("vllm",), "agentserving without conditional "
                 "disaggregation: every turn's prefill on the prefill pod, as in seed 003",
                 routing="kv-aware", disaggregated=True,
@@ -287,6 +317,11 @@ def fleet_spec(config: BenchConfig, sizes: FleetSizes) -> Any:
                                   startup_timeout_s=sizes.startup_timeout_s,
                                   worker_command=sizes.worker_command, routing=config.routing)
     workers = sizes.prefill + sizes.decode
+    if not config.disaggregated and config.tiers and engine == "vllm":  # llmd
+        return FleetSpec(prefill=0, decode=0, both=workers, cpu_cache_gib=sizes.cpu_cache_gib,
+                         disk_cache_gib=sizes.disk_cache_gib if config.disk_tier else 0.0,
+                         disk_io=sizes.disk_io, proxy_args=list(config.proxy_args),
+                         internal_token=sizes.internal_token, **common)
     if not config.disaggregated:
         if engine == "vllm" and not config.tiers:
             # vllm-rr, -session and -precise deploy the same pods, each with its device prefix

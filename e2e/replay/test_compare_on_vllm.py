@@ -31,7 +31,7 @@ def _slowed() -> list[str]:
 def test_plain_vllm_pods_precise_routing_and_agentserving_side_by_side(tmp_path, vllm_pace):
     run_dir = tmp_path / "run"
     out = subprocess.run([AGENTSERVING, "compare", "--engine", "vllm",
-                          "--configs", "vllm-rr,vllm-precise,agentserving",
+                          "--configs", "vllm-rr,vllm-precise,llmd,agentserving",
                           "--workload", "bundled:bench-small", "--limit", "3", "--decode", "1",
                           "--device-kv-blocks", "128", "--time-scale", "1.0", "--no-progress",
                           # the decode pod under the ShadowScheduler too: it takes the turns
@@ -44,9 +44,9 @@ def test_plain_vllm_pods_precise_routing_and_agentserving_side_by_side(tmp_path,
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((run_dir / "report.json").read_text())
     configs = report["configs"]
-    assert list(configs) == ["vllm-rr", "vllm-precise", "agentserving"]
+    assert list(configs) == ["vllm-rr", "vllm-precise", "llmd", "agentserving"]
     assert report["baseline"] == "vllm-rr" and set(report["comparisons"]) == {
-        "vllm-rr", "vllm-precise"}
+        "vllm-rr", "vllm-precise", "llmd"}
     for name, m in configs.items():
         assert m["engine"] == "vllm" and m["description"]
         assert m["turns_failed"] == 0 and m["turns_not_sent"] == 0, name
@@ -70,6 +70,14 @@ def test_plain_vllm_pods_precise_routing_and_agentserving_side_by_side(tmp_path,
     assert first["turn"] == 0 and first["cached_tokens"] == 0, first
     assert "the same pods as vllm-rr, caches reset" in out.stdout
     assert "still lists" not in out.stdout  # the kvindex took in the pods' cleared events
+    # llmd: llm-d's picker kept each session where its KV is (sticky, and the prompt's own
+    # LMCache chunk hashes found in the kvindex), on pods that both prefill and decode
+    llmd = configs["llmd"]
+    assert llmd["hit_vs_ideal"] >= 0.9
+    recs = [json.loads(line) for line in
+            (run_dir / "llmd" / "turns.jsonl").read_text().splitlines()]
+    assert all(r["routing"]["x-agentserving-routing"] == "llm-d" for r in recs)
+    assert {r["prefill_pod"] for r in recs} <= {"worker-0", "worker-1"}
     # vLLM's own metrics reached the breakdown: every pod computed some prompt tokens
     for m in (rr, precise):
         assert all(w["computed_prompt_tokens_total"] > 0 for w in m["workers"].values())

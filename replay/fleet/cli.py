@@ -24,8 +24,14 @@ from agentserving.core.cli import option
 @option("--engine", type=click.Choice(["reference", "vllm"]), default="reference",
         help="The workers' engine: the project's reference engine, or vLLM with LMCache "
         "(scripts/vllm-env.sh installs it; with both pools KV servers carry P/D).")
-@option("--routing", type=click.Choice(["kv-aware", "session", "round-robin"]),
-        default="kv-aware", help="The proxy's routing policy.")
+@option("--config", "config", type=click.Choice(["agentserving", "llmd"]),
+        default="agentserving", help="What to deploy, as `agentserving compare` names it: "
+        "agentserving, or (--engine vllm) llmd, llm-d's tiered prefix cache (each pod "
+        "prefilling and decoding with LMCache's DRAM tier, llm-d's endpoint picker; "
+        "--prefill counts its pods).")
+@option("--routing", type=click.Choice(["kv-aware", "llm-d", "session", "round-robin"]),
+        default=None, help="The proxy's routing policy [default: the configuration's: "
+        "kv-aware, llm-d for llmd].")
 @option("--cpu-cache-gib", type=click.FloatRange(min=0, min_open=True), default=2.0,
         help="Each worker's CPU DRAM KV tier.")
 @option("--disk-cache-gib", type=click.FloatRange(min=0), default=4.0,
@@ -33,9 +39,10 @@ from agentserving.core.cli import option
 @option("--disk-io", type=click.Choice(["buffered", "direct"]), default="buffered",
         help="The disk tier's I/O (each worker's --disk-io): direct reads past the page "
              "cache (O_DIRECT), as an SSD costs once the working set outgrows DRAM.")
-@option("--kv-layerwise-load/--no-kv-layerwise-load", default=True,
+@option("--kv-layerwise-load/--no-kv-layerwise-load", default=None,
         help="Each worker copies a reused prefix into its KV blocks layer by layer while the "
-        "forward pass runs (each worker's --kv-layerwise-load); off: all of it before.")
+        "forward pass runs (each worker's --kv-layerwise-load); off: all of it before "
+        "[default: the configuration's: on, off for llmd].")
 @option("--kv-transfer", type=click.Choice(["p2p", "server"]), default="p2p",
         help="vLLM P/D: p2p gives each vLLM worker its own KV server and a decode pod reads "
         "the prefill pod's chunks from it into its DRAM tier; server runs one central KV "
@@ -50,9 +57,9 @@ from agentserving.core.cli import option
         help="Extra flag passed to every worker (repeatable), e.g. --worker-arg=--torch-threads=1.")
 @option("--startup-timeout", "startup_timeout_s", type=click.FloatRange(min=1), default=180.0,
         help="Seconds a worker may take to become healthy.")
-def command(prefill: int, decode: int, kvindex: str, model: str, engine: str, routing: str,
-            cpu_cache_gib: float, disk_cache_gib: float, disk_io: str,
-            kv_layerwise_load: bool, kv_transfer: str, kv_transfer_gib: float,
+def command(prefill: int, decode: int, kvindex: str, model: str, engine: str, config: str,
+            routing: str | None, cpu_cache_gib: float, disk_cache_gib: float, disk_io: str,
+            kv_layerwise_load: bool | None, kv_transfer: str, kv_transfer_gib: float,
             proxy_port: int, run_dir: Path | None,
             worker_args: tuple[str, ...], startup_timeout_s: float) -> None:
     """Start kvindex, workers and proxy on loopback; stop them all on Ctrl-C or SIGTERM.
@@ -71,13 +78,16 @@ def command(prefill: int, decode: int, kvindex: str, model: str, engine: str, ro
 
     if why := topology_error(prefill, decode):
         raise click.BadParameter(why, param_hint="--prefill / --decode")
+    if config != "agentserving" and engine != "vllm":
+        raise click.BadParameter(f"{config} runs on --engine vllm", param_hint="--config")
     run_dir = run_dir or Path("runs") / f"{time.strftime('%Y%m%d-%H%M%S')}-up"
+    chosen = {k: v for k, v in (("routing", routing), ("kv_layerwise_load", kv_layerwise_load))
+              if v is not None}
     spec = up_spec(prefill=prefill, decode=decode, engine=engine, model=model,
                    cpu_cache_gib=cpu_cache_gib, disk_cache_gib=disk_cache_gib, disk_io=disk_io,
                    worker_args=list(worker_args), startup_timeout_s=startup_timeout_s,
-                   kvindex=kvindex, routing=routing, kv_layerwise_load=kv_layerwise_load,
-                   kv_transfer=kv_transfer, kv_transfer_gib=kv_transfer_gib,
-                   proxy_port=proxy_port)
+                   config=config, kvindex=kvindex, kv_transfer=kv_transfer,
+                   kv_transfer_gib=kv_transfer_gib, proxy_port=proxy_port, **chosen)
     fleet = Fleet(build(spec, run_dir), run_dir, on_event=lambda m: click.echo(f"[up] {m}"))
     # The handler only records the signal: it runs on the main thread between bytecodes, so
     # anything that takes a lock (Event.set, a buffered write) can deadlock with the very code
@@ -114,15 +124,16 @@ def command(prefill: int, decode: int, kvindex: str, model: str, engine: str, ro
 
 def up_spec(*, prefill: int, decode: int, engine: str, model: str, cpu_cache_gib: float,
             disk_cache_gib: float, disk_io: str, worker_args: list[str],
-            startup_timeout_s: float, **fleet: Any) -> Any:
-    """What `agentserving up` starts: ``compare``'s agentserving configuration at these sizes
+            startup_timeout_s: float, config: str = "agentserving", **fleet: Any) -> Any:
+    """What `agentserving up` starts: ``compare``'s ``config`` configuration at these sizes
     (one place for its worker flags, prefill scheduling and proxy settings), with the
     choices only a standing fleet has (``fleet``: kvindex store, routing, KV transfer, proxy
-    port, layer-wise load) set on it."""
+    port, layer-wise load) set on it. llmd's pods both prefill and decode: ``prefill +
+    decode`` of them."""
     from agentserving.replay.configs import CONFIGS, FleetSizes, fleet_spec
 
     sizes = FleetSizes(engine=engine, prefill=prefill, decode=decode, model=model,
                        cpu_cache_gib=cpu_cache_gib, disk_cache_gib=disk_cache_gib,
                        disk_io=disk_io, worker_args=worker_args,
                        startup_timeout_s=startup_timeout_s)
-    return replace(fleet_spec(CONFIGS["agentserving"], sizes), **fleet)
+    return replace(fleet_spec(CONFIGS[config], sizes), **fleet)

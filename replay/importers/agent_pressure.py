@@ -125,11 +125,16 @@ def real_sessions(tokenizer: Tokenizer, opts: PressureOptions, count: int) -> li
 
 
 def with_pauses(turns: list[Turn], rng: random.Random, time_scale: float) -> list[Turn]:
-    """The turns with a drawn pause before each after the first (the previous turn's gap)."""
+    """The turns with a drawn pause before each after the first (the previous turn's gap).
+    A turn before a human pause ended without a tool call (the agent handed back to its
+    user), so it names no tool: what a client tells the server (a tool call in the answer, or
+    none) says which kind of pause follows."""
     out = [t.model_copy(deep=True) for t in turns]
     for k in range(1, len(out)):
         kind, gap = pause(rng, time_scale)
         out[k - 1].tool_gap_s = gap
+        if kind == "human":
+            out[k - 1].tool = None
         out[k].meta["pause"] = kind
     out[-1].tool_gap_s = 0.0
     return out

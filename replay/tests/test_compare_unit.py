@@ -109,11 +109,22 @@ def test_the_vllm_configurations_share_pods_and_device_kv(tmp_path):
     assert precise.chunk_size == VLLM_BLOCK_TOKENS  # the proxy looks up vLLM's own blocks
     assert precise.proxy_args == ["--prompt-hash-scheme", "vllm-sha256"]
     assert precise.worker_args[-2:] == ["--vllm-kv-connector", "none"]
+    # llm-d's tiered guide: the same pods with LMCache's DRAM tier and no disk, each both
+    # prefilling and decoding, llm-d's picker and none of agentserving's proxy additions
+    llmd = s["llmd"]
+    assert (llmd.both, llmd.prefill, llmd.decode, llmd.routing) == (3, 0, 0, "llm-d")
+    assert (llmd.cpu_cache_gib, llmd.disk_cache_gib) == (cand.cpu_cache_gib, 0.0)
+    assert "--vllm-kv-connector" not in llmd.worker_args and not llmd.kv_layerwise_load
+    assert not llmd.role_args and not llmd.kv_events
+    assert llmd.proxy_args[:2] == ["--prompt-hash-scheme", "lmcache-builtin"]
+    assert {"--no-tool-pin", "--no-tool-prefetch", "--no-fork-placement"} <= set(
+        llmd.proxy_args) and "1" not in llmd.proxy_args  # no admission, no backlog
+    assert s["agentserving-nopin"].proxy_args == [*cand.proxy_args, "--no-tool-pin"]
 
 
 def test_configurations_are_checked_against_the_engine():
     assert [c.name for c in resolve("", "vllm")] == list(DEFAULT_CONFIGS["vllm"]) == [
-        "vllm-rr", "vllm-session", "vllm-precise", "agentserving"]
+        "vllm-rr", "vllm-session", "vllm-precise", "llmd", "agentserving"]
     # --ablations: agentserving's ablations after the chosen ones, none twice
     assert [c.name for c in resolve("", "vllm", ablations=True)] == [
         *DEFAULT_CONFIGS["vllm"], *ABLATIONS["vllm"]]
@@ -219,9 +230,10 @@ def test_configurations_that_differ_in_their_proxy_alone_share_one_fleet():
     s = specs("vllm")
     groups = fleet_groups([(n, s[n]) for n in (*DEFAULT_CONFIGS["vllm"], *ABLATIONS["vllm"])])
     assert [[n for n, _ in g] for g in groups] == [
-        ["vllm-rr", "vllm-session", "vllm-precise"], ["agentserving"], ["agentserving-fcfs"],
-        ["agentserving-noprefetch"], ["agentserving-nolayerwise"],
-        ["agentserving-allpd"], ["agentserving-noadmit"]]  # fresh fleets: see below
+        ["vllm-rr", "vllm-session", "vllm-precise"], ["llmd"], ["agentserving"],
+        ["agentserving-fcfs"], ["agentserving-noprefetch"], ["agentserving-nolayerwise"],
+        ["agentserving-allpd"], ["agentserving-noadmit"],
+        ["agentserving-nopin"]]  # fresh fleets: see below
     assert same_pods(s["vllm-rr"], s["vllm-precise"])
     # the ablations' prefill pods differ
     assert not same_pods(s["agentserving"], s["agentserving-fcfs"])

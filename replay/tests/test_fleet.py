@@ -381,6 +381,17 @@ def test_up_starts_the_configuration_the_main_job_measures(tmp_path):
     assert proxy[-4:] == engine_proxy_args("vllm")
     prefill = _flags(vllm, "prefill", tmp_path)
     assert prefill[prefill.index("--scheduler-policy") + 1].startswith("longcap-dynamic")
+    # `up --config llmd`: the rival compare measures, its pods both prefilling and decoding
+    llmd = up_spec(**{**sizes, "engine": "vllm"}, config="llmd")
+    assert llmd == fleet_spec(CONFIGS["llmd"], FleetSizes(**{**sizes, "engine": "vllm"}))
+    assert (llmd.both, llmd.routing) == (3, "llm-d")
+    assert "--no-tool-pin" in _flags(llmd, "proxy", tmp_path)
+
+
+def test_up_refuses_llmd_on_the_reference_engine(tmp_path):
+    res = subprocess.run([AGENTSERVING, "up", "--config", "llmd", "--run-dir",
+                          str(tmp_path / "up")], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "llmd runs on --engine vllm" in res.stderr
 
 
 def test_up_refuses_decode_workers_without_a_prefill_worker(tmp_path):

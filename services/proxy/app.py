@@ -39,7 +39,7 @@ from agentserving.proxy.request_hints import merged_memory, read_hints
 from agentserving.proxy.residency_replica import ReplicaMetrics, ResidencyReplica, following
 from agentserving.proxy.routing import make_policy
 from agentserving.proxy.sessions import kvindex_session_id, session_key
-from agentserving.proxy.settings import ProxySettings, RoutingName
+from agentserving.proxy.settings import INDEXED_ROUTING, ProxySettings
 from agentserving.proxy.upstream import UPSTREAM_ERRORS, new_session
 
 _EXTENSION_FIELDS = ("agent_memory", "cache_control", "nvext")
@@ -175,7 +175,7 @@ def _replica(settings: ProxySettings, metrics: ReplicaMetrics) -> ResidencyRepli
     """The in-process residency replica kv-aware routing reads, on a connection of its own
     (its long polls would hold a lookup's); None when routing does not look residency up."""
     if (not settings.residency_replica or settings.kvindex_url is None
-            or settings.routing != RoutingName.KV_AWARE):
+            or settings.routing not in INDEXED_ROUTING):
         return None
     client = AioKvindexClient(settings.kvindex_url,
                               ResidencyReplica.WAIT_S + settings.kvindex_timeout_s + 1.0,

@@ -24,7 +24,9 @@ setting = settings_option(ProxySettings)
 @setting("--decode", "decode_urls", multiple=True,
          help="A decode worker's base URL; repeatable. None: prefill pods do both.")
 @setting("--routing", type=click.Choice([r.value for r in RoutingName]),
-         help="kv-aware: to the longest cached prefix, balanced by load; session: affinity; "
+         help="kv-aware: to the longest cached prefix, balanced by load; llm-d: llm-d's "
+              "endpoint picker mirrored (sticky sessions until a pod saturates, then prefix 2 : "
+              "queue 1 weighted scores; the rival of the benchmarks); session: affinity; "
               "round-robin: even spread, no KV awareness.")
 @setting("--api-keys", "api_keys_file", type=click.Path(exists=True, dir_okay=False,
                                                          path_type=Path),
@@ -130,6 +132,15 @@ setting = settings_option(ProxySettings)
               "turn to its pod, which then moves its KV to DRAM: at once, or, where the pod's "
               "scheduler predicts admissions (a ShadowScheduler), when it predicts the turn for "
               "its next step.")
+@setting("--tool-pin/--no-tool-pin",
+         help="Pin a session's KV in every tier that honours pins after a turn that ends in a "
+              "tool call (the caller names it in x-agentserving-next-tool, or the answer calls "
+              "one), for --pin-gap-multiple times the predicted tool gap within --pin-ttl-floor "
+              "and --pin-ttl-cap: the agent is back when the tool returns. A turn that hands "
+              "back to a person is not pinned; a turn's own agent_memory wins.")
+@setting("--fork-placement/--no-fork-placement",
+         help="A branch's first turn (x-parent-session-id) starts on its parent's pod, and the "
+              "kvindex copies the parent's session record (its context, pins, priority) to it.")
 @setting("--context-change-evict/--no-context-change-evict",
          help="When a turn's prompt is not an extension of its session's previous context "
               "(the agent compacted or edited its history: the chunk chain leaves the previous "

@@ -199,7 +199,7 @@ class Orchestrator:
         await self._adopt_shared_route(turn, state)
         self._on_arrival(turn, state)
         self._resolve_pin(turn)
-        if turn.parent_session_id and state.turns == 0:
+        if turn.parent_session_id and state.turns == 0 and self.settings.fork_placement:
             await self._fork(turn, state)
         if turn.memory and self.kvindex and turn.session_id:
             await memory_hooks.before_turn(self.kvindex.for_tenant(turn.tenant),
@@ -250,18 +250,29 @@ class Orchestrator:
     def _resolve_pin(self, turn: Turn) -> None:
         """A pin asked for without a TTL gets one from the tool-gap prediction (the tool the
         caller names, else the mean over all), within the floor and cap; the turn's pin then
-        goes to the pod too (``vllm_xargs``), whose engine may hold its blocks for it."""
+        goes to the pod too (``vllm_xargs``), whose engine may hold its blocks for it. With
+        ``--tool-pin``, a turn whose caller names the tool it ends in asks for such a pin
+        unless its ``agent_memory`` says otherwise."""
+        if turn.memory is None and self._tool_pins(turn):
+            turn.memory = AgentMemory(pin=True)
         mem = turn.memory
         if mem is None or (mem.pin_ttl_s is None and not mem.pin):
             return
         ttl_s = mem.pin_ttl_s
         if ttl_s is None:
-            s = self.settings
-            ttl_s = round(pin_ttl_for_gap(self.tool_gaps.predict(turn.next_tool),
-                                          s.pin_ttl_floor_s, s.pin_ttl_cap_s,
-                                          s.pin_gap_multiple), 3)
+            ttl_s = self._pin_ttl(turn.next_tool)
             turn.memory = mem.model_copy(update={"pin_ttl_s": ttl_s, "pin": False})
         with_pin_xarg(turn.body, ttl_s)
+
+    def _pin_ttl(self, tool: str | None) -> float:
+        s = self.settings
+        return round(pin_ttl_for_gap(self.tool_gaps.predict(tool), s.pin_ttl_floor_s,
+                                     s.pin_ttl_cap_s, s.pin_gap_multiple), 3)
+
+    def _tool_pins(self, turn: Turn, tool: str | None = None) -> bool:
+        """Whether ``--tool-pin`` pins the session after this turn: it ends in a tool call
+        (``tool``: one its answer called) and the agent will be back when the tool returns."""
+        return bool(self.settings.tool_pin and turn.session_id and (turn.next_tool or tool))
 
     async def _check_context(self, turn: Turn) -> None:
         """A 400 naming the field for a turn that fits no pod's context (``context_limit``).
@@ -328,7 +339,7 @@ class Orchestrator:
         # One prefill pod leaves nothing to choose: the lookup (a kvindex round trip, the
         # larger part of the proxy's added latency) is only made when it can change the order.
         hashes = self._lookup_hashes(turn, state) if len(candidates) > 1 else None
-        if self.kvindex is not None and hashes and self.policy.name == "kv-aware":
+        if self.kvindex is not None and hashes and self.policy.uses_index:
             try:
                 found = await self._lookup(LookupRequest(
                     chunk_hashes=hashes, pods=[c.name for c in candidates],
@@ -341,7 +352,8 @@ class Orchestrator:
                 turn.headers[H_DEGRADED] = "kvindex-unavailable; routed by session affinity"
                 log.warning("kvindex_unavailable_routing_by_affinity", error=str(exc))
         prefill_order = self.policy.rank(RouteInput(turn.session_key, candidates, prefixes,
-                                                    state.last_pod, index_ok))
+                                                    state.last_pod, index_ok,
+                                                    prompt_chunks=len(hashes or ())))
         decode_order = self._decode_policy.rank(
             RouteInput(turn.session_key, [replace(c, recent_work=self.activity.level(c.name))
                                           for c in self.pool.decode_candidates()],
@@ -758,8 +770,13 @@ class Orchestrator:
             if route is not None:
                 self.metrics.shared_sessions.labels("write", "failed").inc()
             log.warning("session_context_write_failed", error=str(exc))
-        if turn.memory:
-            await memory_hooks.after_turn(kv, turn.session_id, turn.memory,
+        memory = turn.memory
+        if memory is None and self._tool_pins(turn, state.pending_tool):
+            # the answer called a tool the caller did not announce: pinned after the turn
+            # (in the tiers the kvindex reaches; the pod's device cache took no pin with it)
+            memory = AgentMemory(pin_ttl_s=self._pin_ttl(state.pending_tool))
+        if memory:
+            await memory_hooks.after_turn(kv, turn.session_id, memory,
                                           outcome.chunk_hashes, self._record_hook, pods)
 
     def _schedule_tool_prefetch(self, turn: Turn, state: SessionState) -> None:

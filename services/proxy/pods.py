@@ -43,12 +43,14 @@ class PodState:
     inflight: int = 0
     failed_until: float = 0.0
     queued_prompt_tokens: int = 0
+    queued_prompts: int = 0  # turns whose prompt it is computing: its waiting queue
     max_model_len: int | None = None  # from its GET /v1/models
     stalled: bool = False  # went silent past a stall deadline; until it answers a probe
     probed_at: float | None = None
 
     def candidate(self) -> Candidate:
-        return Candidate(self.name, self.url, self.inflight, self.queued_prompt_tokens)
+        return Candidate(self.name, self.url, self.inflight, self.queued_prompt_tokens,
+                         queued_prompts=self.queued_prompts)
 
 
 class QueuedPrompt:
@@ -58,11 +60,11 @@ class QueuedPrompt:
 
     def __init__(self, pool: PodPool, pod: str, tokens: int) -> None:
         self._pool, self._pod, self.tokens = pool, pod, max(0, tokens)
-        self._pool._add_queued(pod, self.tokens)
+        self._pool._add_queued(pod, self.tokens, 1)
 
     def done(self) -> None:
         if self._pod is not None:
-            self._pool._add_queued(self._pod, -self.tokens)
+            self._pool._add_queued(self._pod, -self.tokens, -1)
             self._pod = None
 
     def __enter__(self) -> QueuedPrompt:
@@ -187,9 +189,10 @@ class PodPool:
     def queue_prompt(self, name: str, tokens: int) -> QueuedPrompt:
         return QueuedPrompt(self, name, tokens)
 
-    def _add_queued(self, name: str, tokens: int) -> None:
+    def _add_queued(self, name: str, tokens: int, prompts: int) -> None:
         if (pod := self._find(name)) is not None:
             pod.queued_prompt_tokens = max(0, pod.queued_prompt_tokens + tokens)
+            pod.queued_prompts = max(0, pod.queued_prompts + prompts)
 
     def mark_failed(self, name: str) -> None:
         if (pod := self._find(name)) is not None:

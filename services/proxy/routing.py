@@ -28,6 +28,7 @@ class Candidate:
     # decode pods: the work its sessions have given it lately, in the load's prompt tokens
     # (``proxy.pod_activity``)
     recent_work: float = 0.0
+    queued_prompts: int = 0  # turns whose prompt it is computing (its waiting queue)
 
 
 @dataclass
@@ -37,10 +38,12 @@ class RouteInput:
     prefixes: dict[str, PodPrefix] = field(default_factory=dict)  # from the kvindex lookup
     last_pod: str | None = None  # where this session's previous turn ran
     index_available: bool = True
+    prompt_chunks: int = 0  # the prompt's full chunks (the kvindex lookup's length)
 
 
 class RoutingPolicy(Protocol):
     name: str
+    uses_index: bool  # ranks by the kvindex's prefixes: the proxy looks the prompt up
 
     def rank(self, inp: RouteInput) -> list[Candidate]: ...
 
@@ -59,6 +62,7 @@ class RoundRobin:
     """Spread turns evenly, ignoring sessions and KV: the baseline of the benchmarks."""
 
     name = "round-robin"
+    uses_index = False
 
     def __init__(self) -> None:
         self._counter = itertools.count()
@@ -87,6 +91,7 @@ class SessionAffinity:
     """A session's turns stay on one pod (its previous one while it lives)."""
 
     name = "session"
+    uses_index = False
 
     def rank(self, inp: RouteInput) -> list[Candidate]:
         order = affinity_order(inp.session_key, inp.candidates)
@@ -104,6 +109,7 @@ class KvAware:
     """
 
     name = "kv-aware"
+    uses_index = True
 
     def __init__(self, chunk_size: int = DEFAULT_CHUNK_SIZE, load_penalty_tokens: int = 2048
                  ) -> None:
@@ -139,6 +145,7 @@ class LeastLoaded:
     instant."""
 
     name = "least-loaded"
+    uses_index = False
 
     def __init__(self, turn_tokens: int = 2048) -> None:
         self.turn_tokens = max(1, turn_tokens)
@@ -155,12 +162,83 @@ class LeastLoaded:
             affinity[c.name]))
 
 
+@dataclass(frozen=True)
+class LlmdWeights:
+    """llm-d's scheduler as its precise prefix-cache guide configures it (llm-d-router's
+    ``epp-precise-prefix-cache-config.yaml``; the guide's scheduler values): scorer weights
+    prefix 2, kv-cache utilization 1, queue 1; the precise index's tier weights (its
+    ``DefaultKVCacheBackendConfig``: gpu 1.0, cpu 0.8; a disk tier, which its CPU guide does
+    not deploy, weighs as this project's kvindex weighs it); and its utilization saturation
+    detector's queue-depth threshold (5)."""
+
+    prefix: float = 2.0
+    kv_utilization: float = 1.0
+    queue: float = 1.0
+    saturation_queue_depth: int = 5
+
+
+class LlmdScheduler:
+    """The rival router of the benchmarks: llm-d's endpoint picker, mirrored.
+
+    - **session stickiness until saturation** (llm-d 1.0's session-aware routing: its
+      session-affinity filter after the utilization filter): a session whose pod is not
+      saturated goes back to it; a saturated pod (more than ``saturation_queue_depth`` turns
+      waiting for their first token) is left out, and the session moves to the best other
+      pod, where it stays;
+    - otherwise the highest weighted score: prefix = the tier-weighted longest cached prefix
+      over the prompt's chunks (the precise scorer's ``weightedScore / totalBlocks``, in
+      [0, 1]; the kvindex weighs device 1, DRAM 0.8, disk 0.5 per chunk, as llm-d's index
+      weighs gpu 1.0 and cpu 0.8); queue = (max - q) / (max - min) over the candidates' waiting
+      turns (all equal: 1).
+
+    Where it differs from llm-d: the waiting queue is the proxy's count of a pod's turns
+    without a first token (llm-d scrapes vLLM's ``num_requests_waiting``); the kv-cache
+    utilization scorer and the detector's KV threshold (0.8) have no input here (the pods do
+    not report their KV usage to the proxy), so that scorer adds the same to every pod and
+    saturation is by queue alone; ties go to the session's rendezvous order (llm-d picks at
+    random among equal scores)."""
+
+    name = "llm-d"
+    uses_index = True
+
+    def __init__(self, weights: LlmdWeights = LlmdWeights()) -> None:
+        self.weights = weights
+
+    def saturated(self, c: Candidate) -> bool:
+        return c.queued_prompts > self.weights.saturation_queue_depth
+
+    def score(self, c: Candidate, inp: RouteInput, queues: tuple[int, int]) -> float:
+        w = self.weights
+        prefix = inp.prefixes.get(c.name)
+        matched = min(1.0, prefix.score / inp.prompt_chunks) \
+            if prefix is not None and inp.prompt_chunks else 0.0
+        low, high = queues
+        queue = 1.0 if high == low else (high - c.queued_prompts) / (high - low)
+        return w.prefix * matched + w.queue * queue + w.kv_utilization * 1.0
+
+    def rank(self, inp: RouteInput) -> list[Candidate]:
+        pods = list(inp.candidates)
+        if not pods:
+            return []
+        open_pods = [c for c in pods if not self.saturated(c)] or pods
+        queues = (min(c.queued_prompts for c in open_pods),
+                  max(c.queued_prompts for c in open_pods))
+        affinity = {c.name: i for i, c in enumerate(affinity_order(inp.session_key, pods))}
+        order = sorted(pods, key=lambda c: (
+            c not in open_pods, c.name != inp.last_pod,
+            -self.score(c, inp, queues), affinity[c.name]))
+        return order
+
+
 def make_policy(name: str, chunk_size: int = DEFAULT_CHUNK_SIZE,
                 load_penalty_tokens: int = 2048) -> RoutingPolicy:
     if name == "kv-aware":
         return KvAware(chunk_size, load_penalty_tokens)
     if name == "session":
         return SessionAffinity()
+    if name == "llm-d":
+        return LlmdScheduler()
     if name == "round-robin":
         return RoundRobin()
-    raise ValueError(f"unknown routing policy '{name}'; expected kv-aware, session, round-robin")
+    raise ValueError(f"unknown routing policy '{name}'; expected kv-aware, llm-d, session, "
+                     "round-robin")

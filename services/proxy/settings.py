@@ -13,8 +13,13 @@ from agentserving.core.hashing import DEFAULT_CHUNK_SIZE, HashScheme
 
 class RoutingName(StrEnum):
     KV_AWARE = "kv-aware"
+    LLM_D = "llm-d"  # llm-d's endpoint picker mirrored (proxy.routing.LlmdScheduler)
     SESSION = "session"
     ROUND_ROBIN = "round-robin"
+
+
+# the policies that rank pods by the kvindex's residency (the proxy looks each prompt up)
+INDEXED_ROUTING = (RoutingName.KV_AWARE, RoutingName.LLM_D)
 
 
 # What agentserving runs its proxy with in front of an engine's pods, where that differs from
@@ -100,6 +105,15 @@ class ProxySettings(BaseModel):
     tool_prefetch: bool = Field(
         default=True, description="Announce each session's next turn to its pod while a tool "
         "runs, so its KV is back in DRAM when the turn arrives.")
+    tool_pin: bool = Field(
+        default=True, description="Pin a session's KV after a turn that ends in a tool call "
+        "(the caller names the tool, x-agentserving-next-tool, or the answer calls one) for "
+        "the predicted tool gap (--pin-gap-multiple of it, between --pin-ttl-floor and "
+        "--pin-ttl-cap): an agent comes back within seconds; a turn that hands back to a "
+        "person gets no pin.")
+    fork_placement: bool = Field(
+        default=True, description="A branch's first turn (x-parent-session-id) starts on "
+        "its parent's pod and the kvindex copies the parent's session record.")
     context_change_evict: bool = Field(
         default=True, description="When a turn's prompt is not an extension of the session's "
         "previous context (history compacted or edited), evict the chunks only the dropped "

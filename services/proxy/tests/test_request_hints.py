@@ -238,3 +238,43 @@ def test_a_pin_without_ttl_follows_the_learnt_gap_of_the_tool_named() -> None:
     assert pytest_pin == {"ttl": 80.0, PIN_TTL_XARG: 80.0}  # twice the tool's gap
     assert grep_pin == {"ttl": 5.0, PIN_TTL_XARG: 5.0}  # the floor
     assert 5.0 < unnamed["ttl"] < 80.0  # the mean over all tools, doubled
+
+
+def test_a_turn_that_ends_in_a_tool_call_pins_its_session_for_the_gap(wired) -> None:
+    """--tool-pin (the default): the agent is back when its tool returns, so the session's KV
+    is pinned for the predicted gap (here the floor) on the pod and in the kvindex; a turn
+    that names no tool hands back to a person and pins nothing."""
+    client, pod, kv_url = wired
+    r = client.post("/v1/completions", headers={"x-session-id": "agent",
+                                                "x-agentserving-next-tool": "bash"},
+                    json={"model": "m", "prompt": list(range(16))})
+    assert r.status_code == 200, r.text
+    assert pod.bodies[-1]["vllm_xargs"] == {PIN_TTL_XARG: 7.0}
+    info = wait_until(lambda: (s := session(kv_url, "agent")) and s["pinned_until"] and s,
+                      what="the session pinned", ignoring=(httpx.HTTPError,))
+    assert info["pinned_until"] == pytest.approx(time.time() + 7, abs=3)
+
+    r = client.post("/v1/completions", headers={"x-session-id": "human"},
+                    json={"model": "m", "prompt": list(range(16))})
+    assert r.status_code == 200 and "vllm_xargs" not in pod.bodies[-1]
+    info = wait_until(lambda: session(kv_url, "human"), what="the session",
+                      ignoring=(httpx.HTTPError,))
+    assert not info["pinned_until"]
+
+
+def test_tool_pins_yield_to_the_agents_own_memory_verbs_and_to_the_flag() -> None:
+    async def resolve(settings: ProxySettings, memory: AgentMemory | None
+                      ) -> AgentMemory | None:
+        async with aiohttp.ClientSession() as http:
+            orch = Orchestrator(settings, PodPool([], [], None), None, make_policy("kv-aware"),
+                                http, ProxyMetrics(CollectorRegistry()))
+            turn = Turn(endpoint="/v1/completions", body={"prompt": [1]}, session_id="s",
+                        session_key="s", memory=memory, next_tool="bash")
+            orch._resolve_pin(turn)
+            return turn.memory
+
+    pinned = asyncio.run(resolve(ProxySettings(), None))
+    assert pinned is not None and pinned.pin_ttl_s == 5.0  # the floor: no gap learnt yet
+    assert asyncio.run(resolve(ProxySettings(tool_pin=False), None)) is None
+    released = asyncio.run(resolve(ProxySettings(), AgentMemory(release=True)))
+    assert released == AgentMemory(release=True)

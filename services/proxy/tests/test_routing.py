@@ -14,6 +14,7 @@ from agentserving.proxy.routing import (
     Candidate,
     KvAware,
     LeastLoaded,
+    LlmdScheduler,
     RoundRobin,
     RouteInput,
     SessionAffinity,
@@ -65,6 +66,37 @@ def test_least_loaded_decode_sticks_to_the_sessions_pod_only_on_a_tie():
     assert firsts == {"d0", "d1"}
 
 
+def test_llmd_keeps_a_session_on_its_pod_until_that_pod_saturates():
+    llmd = LlmdScheduler()
+    cached = {"p0": prefix("p0", 8.0)}  # the whole prompt cached on p0
+    busy = [Candidate("p0", "a"), Candidate("p1", "b", queued_prompts=5), Candidate("p2", "c")]
+    # sticky: its pod p1 has 5 turns waiting (the threshold), more prefix elsewhere
+    inp = RouteInput("s", busy, cached, last_pod="p1", prompt_chunks=8)
+    assert llmd.rank(inp)[0].name == "p1"
+    # one more waiting turn saturates p1: the session moves to the best scored pod, p1 last
+    saturated = [busy[0], Candidate("p1", "b", queued_prompts=6), busy[2]]
+    order = llmd.rank(RouteInput("s", saturated, cached, last_pod="p1", prompt_chunks=8))
+    assert [c.name for c in order][0::2] == ["p0", "p1"]
+    # every pod saturated: the filter lets all through, and the session stays
+    full = [Candidate(c.name, c.url, queued_prompts=9) for c in PODS]
+    assert llmd.rank(RouteInput("s", full, cached, last_pod="p1", prompt_chunks=8)
+                     )[0].name == "p1"
+
+
+def test_llmd_weighs_the_prefix_share_twice_the_queue():
+    llmd = LlmdScheduler()
+    pods = [Candidate("p0", "a", queued_prompts=4), Candidate("p1", "b"), Candidate("p2", "c")]
+    # p0: 3/4 of the prompt cached in DRAM (score 0.8 per chunk) but the longest queue;
+    # prefix 2 x 0.6 + queue 0 = 1.2 against p1's 0 + 1
+    inp = RouteInput(None, pods, {"p0": prefix("p0", 4.8, n=6)}, prompt_chunks=8)
+    assert llmd.rank(inp)[0].name == "p0"
+    # a quarter cached: 2 x 0.2 = 0.4 < 1: the idle pods first
+    inp = RouteInput(None, pods, {"p0": prefix("p0", 1.6, n=2)}, prompt_chunks=8)
+    assert llmd.rank(inp)[-1].name == "p0"
+    # no lookup (a one-chunk prompt, the index down): the least queued pods first
+    assert llmd.rank(RouteInput(None, pods))[-1].name == "p0"
+
+
 def test_round_robin_rotates():
     rr = RoundRobin()
     firsts = [rr.rank(RouteInput(None, PODS))[0].name for _ in range(6)]
@@ -83,6 +115,7 @@ def test_affinity_is_stable_and_minimal_on_pod_loss(sid):
 def test_make_policy_names():
     assert make_policy("kv-aware").name == "kv-aware"
     assert make_policy("session").name == "session"
+    assert make_policy("llm-d").name == "llm-d" and make_policy("llm-d").uses_index
     with pytest.raises(ValueError, match="unknown routing policy 'random'"):
         make_policy("random")
 

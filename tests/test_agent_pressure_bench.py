@@ -38,6 +38,7 @@ def test_the_bench_reports_medians_with_their_spread_and_judges_targets_on_them(
         {"agentserving": _summary(12.0, 3.0), "llmd": _summary(21.0, 3.0)}])
     out = bench.result(tmp_path, "agentserving compare ...", 12.5)
     cand, llmd = out["configs"]["agentserving"], out["configs"]["llmd"]
+    assert llmd["median"]["mean_jct_s"] == 21.0
     assert out["repeats"] == 3 and cand["repeats"] == {"n": 3}
     assert cand["median"]["mean_jct_s"] == 12.0 and cand["min"]["mean_jct_s"] == 10.0
     assert cand["max"]["mean_jct_s"] == 30.0

@@ -108,6 +108,9 @@ KERNELS, KERNELS_COMMAND = "kernels.json", "python -m bench kernels"
 REFERENCE_RUNS = ("reference-quick-run/run1.json", "reference-quick-run/run2.json")
 REFERENCE_COMMAND = "agentserving compare --engine reference"
 PROXY_CPU, PROXY_CPU_COMMAND = "proxy-cpu.json", "python -m bench proxy_cpu"
+AGENT_PRESSURE = "agent-pressure.json"
+AGENT_PRESSURE_COMMAND = ("python -m bench agent_pressure --configs "
+                          "agentserving,llmd,agentserving-nopin --repeats 3")
 SIM_VALIDATION = "sim/validation-and-seed.json"
 SIM_VALIDATION_COMMAND = ("python -m bench sim --parts 1,2 --real sim/validation/run3-report.json "
                           "... --real sim/validation/run10-report.json")
@@ -473,6 +476,37 @@ def _prefix_stability_table(doc: Doc) -> str:
                    f"{c['timed_sessions']} sessions ({c['calls']:,} calls, {c['prompt_tokens']:,} "
                    f"tokens): whole prompts "
                    f"{c['whole_prompts_s']:.1f} s, `PromptCounter` {c['counter_s']:.2f} s. ")
+
+
+def _agent_pressure_table(doc: Doc) -> str:
+    """The pressure workload's figures per configuration: median [min-max] of the repeats,
+    then each target judged on the medians."""
+    r = _load(doc.root, AGENT_PRESSURE)
+    figures = (("mean_jct_s", "mean session time"),
+               ("ttft_p50_after_human_pause_s", "TTFT P50 after a human pause"),
+               ("e2e_p95_s", "E2E P95"), ("branch_start_ttft_p90_s", "branch-start TTFT P90"),
+               ("req_per_s", "req/s"), ("hit_vs_ideal", "hit / ideal"),
+               ("failed_turns", "failed turns"), ("forced_mismatches", "forced mismatches"))
+
+    def cell(c: dict, key: str) -> str:
+        med, lo, hi = (c[k].get(key) for k in ("median", "min", "max"))
+        if med is None:
+            return "-"
+        fmt = _pct if key == "hit_vs_ideal" else (
+            _num if key in ("failed_turns", "forced_mismatches") else
+            (lambda x: f"{x:.2f}") if key == "req_per_s" else _s)
+        return fmt(med) if lo == hi else f"{fmt(med)} [{fmt(lo)}–{fmt(hi)}]"
+
+    lines = _md(["config", *(label for _, label in figures)],
+                [[f"`{name}`", *(cell(c, key) for key, _ in figures)]
+                 for name, c in r["configs"].items()])
+    verdicts = "; ".join(
+        f"{t['figure']} {t['config']} / {t['against']} ×{t['ratio']:.2f} (≤ ×{t['at_most']:.2f}: "
+        f"{_yes(t['met'])})" for t in r["targets"] if t["ratio"] is not None)
+    return _finish(doc, lines, AGENT_PRESSURE_COMMAND, (AGENT_PRESSURE,),
+                   f"Medians of {r['repeats']} interleaved repeats, [min–max] beside them. "
+                   f"Targets on the medians: {verdicts}. Compare: `{r['compare_command']}`; "
+                   f"{r['seconds']:.0f} s in all. ")
 
 
 def _ms(x: float) -> str:
@@ -885,6 +919,7 @@ TABLES: dict[str, Callable[[Doc], str]] = {
                                                   MIX_COMMAND["0.25"], short_ttft=False),
     "disk-tier": _disk_tier_table,
     "prefix-stability": _prefix_stability_table,
+    "agent-pressure": _agent_pressure_table,
     "announced-turns": _announced_table,
     "tool-gap-disk": _tool_gap_disk_table,
     "kv-lifecycle": _kv_lifecycle_table,

@@ -10,6 +10,9 @@ import pytest
 
 from bench import agent_pressure_bench as bench
 
+SID = "s"
+PAUSES = {(SID, 1): 1.5, (SID, 2): 45.0, (SID, 3): 45.0}  # the pause before each turn
+
 
 def _summary(jct: float, human: float | None, failed: int = 0) -> dict:
     return {"mean_jct_s": jct, "ttft_p50_after_human_pause_s": human, "e2e_p95_s": jct / 2,
@@ -22,20 +25,22 @@ def _run(root: Path, repeats: list[dict[str, dict]]) -> None:
         folder = root / f"repeat-{k}"
         for name in configs:
             (folder / name).mkdir(parents=True)
-            turns = [{"ok": True, "turn": 0, "ttft_s": 9.0, "gap_before_s": 0.0},
-                     {"ok": True, "turn": 1, "ttft_s": 0.2 * k, "gap_before_s": 1.5},
-                     {"ok": True, "turn": 2, "ttft_s": 3.0, "gap_before_s": 45.0},
-                     {"ok": False, "turn": 3, "ttft_s": None, "gap_before_s": 45.0}]
+            turns = [{"session_id": SID, "ok": True, "turn": 0, "ttft_s": 9.0},
+                     {"session_id": SID, "ok": True, "turn": 1, "ttft_s": 0.2 * k},
+                     {"session_id": SID, "ok": True, "turn": 2, "ttft_s": 3.0},
+                     {"session_id": SID, "ok": False, "turn": 3, "ttft_s": None}]
             (folder / name / "turns.jsonl").write_text(
                 "".join(json.dumps(t) + "\n" for t in turns))
         (folder / "report.json").write_text(json.dumps({"configs": configs}))
 
 
-def test_the_bench_reports_medians_with_their_spread_and_judges_targets_on_them(tmp_path):
+def test_the_bench_reports_medians_with_their_spread_and_judges_targets_on_them(
+        tmp_path, monkeypatch):
     _run(tmp_path, [
         {"agentserving": _summary(10.0, 1.0), "llmd": _summary(20.0, 4.0)},
         {"agentserving": _summary(30.0, None, failed=1), "llmd": _summary(25.0, 5.0)},
         {"agentserving": _summary(12.0, 3.0), "llmd": _summary(21.0, 3.0)}])
+    monkeypatch.setattr(bench, "trace_pauses", lambda: PAUSES)
     out = bench.result(tmp_path, "agentserving compare ...", 12.5)
     cand, llmd = out["configs"]["agentserving"], out["configs"]["llmd"]
     assert llmd["median"]["mean_jct_s"] == 21.0
@@ -45,6 +50,8 @@ def test_the_bench_reports_medians_with_their_spread_and_judges_targets_on_them(
     # a repeat without the figure is left out of its median, not counted as zero
     assert cand["median"]["ttft_p50_after_human_pause_s"] == 2.0
     assert cand["median"]["failed_turns"] == 0 and cand["max"]["failed_turns"] == 1
+    assert cand["median"]["disk_read_critical_s"] is None and "disk_read_critical_s" in out[
+        "not_measured"]
     targets = {(t["figure"], t["against"]): t for t in out["targets"]}
     jct = targets[("mean_jct_s", "llmd")]
     assert jct["ratio"] == pytest.approx(12.0 / 21.0, abs=1e-3) and jct["met"]
@@ -75,6 +82,17 @@ def test_the_bench_sizes_dram_to_a_third_of_the_working_set_and_asks_compare_for
     assert argv[argv.index("--limit") + 1] == "6" and "--no-progress" in argv
     full = bench.parse_args([])
     assert full.repeats == 3 and full.limit is None and "llmd" in full.configs.split(",")
+
+
+def test_the_pauses_come_from_the_trace_human_ones_included():
+    pauses = bench.trace_pauses()
+    from agentserving.replay.loader import load_trace
+
+    trace = load_trace(bench.WORKLOAD)
+    human = [(s.session_id, k) for s in trace.sessions for k, t in enumerate(s.turns)
+             if t.meta.get("pause") == "human"]
+    assert human and all(pauses[key] > 0 for key in human)
+    assert max(pauses[key] for key in human) > 10  # tens of seconds: what strains DRAM
 
 
 def test_a_folder_without_reports_is_an_error_naming_it(tmp_path):

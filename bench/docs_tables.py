@@ -110,7 +110,7 @@ REFERENCE_COMMAND = "agentserving compare --engine reference"
 PROXY_CPU, PROXY_CPU_COMMAND = "proxy-cpu.json", "python -m bench proxy_cpu"
 AGENT_PRESSURE = "agent-pressure.json"
 AGENT_PRESSURE_COMMAND = ("python -m bench agent_pressure --configs "
-                          "agentserving,llmd,agentserving-nopin --repeats 3")
+                          "agentserving,llmd,agentserving-toolpin --repeats 3")
 SIM_VALIDATION = "sim/validation-and-seed.json"
 SIM_VALIDATION_COMMAND = ("python -m bench sim --parts 1,2 --real sim/validation/run3-report.json "
                           "... --real sim/validation/run10-report.json")

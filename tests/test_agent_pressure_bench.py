@@ -58,7 +58,7 @@ def test_the_bench_reports_medians_with_their_spread_and_judges_targets_on_them(
     human = targets[("ttft_p50_after_human_pause_s", "llmd")]
     assert human["ratio"] == 0.5 and human["met"]
     assert targets[("e2e_p95_s", "llmd")]["met"]
-    assert ("mean_jct_s", "agentserving-nopin") not in targets  # it did not run
+    assert not any(t["config"] == "agentserving-toolpin" for t in out["targets"])
     # TTFT by the pause before the turn: first turns and failed turns left out
     curve = {c["pause_from_s"]: c for c in out["ttft_by_pause"]["llmd"]}
     assert curve[1.0]["turns"] == 3 and curve[1.0]["ttft_p50_s"] == pytest.approx(0.4)
@@ -82,6 +82,21 @@ def test_the_bench_sizes_dram_to_a_third_of_the_working_set_and_asks_compare_for
     assert argv[argv.index("--limit") + 1] == "6" and "--no-progress" in argv
     full = bench.parse_args([])
     assert full.repeats == 3 and full.limit is None and "llmd" in full.configs.split(",")
+
+
+def test_a_run_is_reported_under_the_names_its_flags_have_now(tmp_path, monkeypatch):
+    _run(tmp_path, [{"agentserving": _summary(10.0, 1.0), "plain": _summary(8.0, 1.0)}])
+    monkeypatch.setattr(bench, "trace_pauses", lambda: PAUSES)
+    renamed = bench.renames(["agentserving=agentserving-toolpin", "plain=agentserving"])
+    out = bench.result(tmp_path, None, None, renamed)
+    assert out["renamed"] == renamed
+    assert out["configs"]["agentserving"]["median"]["mean_jct_s"] == 8.0
+    assert out["configs"]["agentserving-toolpin"]["median"]["mean_jct_s"] == 10.0
+    pins = next(t for t in out["targets"] if t["config"] == "agentserving-toolpin")
+    assert pins["ratio"] == 1.25 and not pins["met"]
+    assert out["ttft_by_pause"]["agentserving-toolpin"][2]["turns"] == 1  # its own turns
+    with pytest.raises(SystemExit, match="expected RAN=NAME"):
+        bench.renames(["agentserving"])
 
 
 def test_the_pauses_come_from_the_trace_human_ones_included():

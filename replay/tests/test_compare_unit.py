@@ -119,7 +119,7 @@ def test_the_vllm_configurations_share_pods_and_device_kv(tmp_path):
     assert llmd.proxy_args[:2] == ["--prompt-hash-scheme", "lmcache-builtin"]
     assert {"--no-tool-pin", "--no-tool-prefetch", "--no-fork-placement"} <= set(
         llmd.proxy_args) and "1" not in llmd.proxy_args  # no admission, no backlog
-    assert s["agentserving-nopin"].proxy_args == [*cand.proxy_args, "--no-tool-pin"]
+    assert s["agentserving-toolpin"].proxy_args == [*cand.proxy_args, "--tool-pin"]
 
 
 def test_configurations_are_checked_against_the_engine():
@@ -232,8 +232,7 @@ def test_configurations_that_differ_in_their_proxy_alone_share_one_fleet():
     assert [[n for n, _ in g] for g in groups] == [
         ["vllm-rr", "vllm-session", "vllm-precise"], ["llmd"], ["agentserving"],
         ["agentserving-fcfs"], ["agentserving-noprefetch"], ["agentserving-nolayerwise"],
-        ["agentserving-allpd"], ["agentserving-noadmit"],
-        ["agentserving-nopin"]]  # fresh fleets: see below
+        ["agentserving-allpd"], ["agentserving-noadmit"]]  # fresh fleets: see below
     assert same_pods(s["vllm-rr"], s["vllm-precise"])
     # the ablations' prefill pods differ
     assert not same_pods(s["agentserving"], s["agentserving-fcfs"])

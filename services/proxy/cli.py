@@ -137,7 +137,9 @@ setting = settings_option(ProxySettings)
               "tool call (the caller names it in x-agentserving-next-tool, or the answer calls "
               "one), for --pin-gap-multiple times the predicted tool gap within --pin-ttl-floor "
               "and --pin-ttl-cap: the agent is back when the tool returns. A turn that hands "
-              "back to a person is not pinned; a turn's own agent_memory wins.")
+              "back to a person is not pinned; a turn's own agent_memory wins. Off by "
+              "default: measured to cost more than it saves where pods are saturated "
+              "(docs/benchmarks.md, agent pressure).")
 @setting("--fork-placement/--no-fork-placement",
          help="A branch's first turn (x-parent-session-id) starts on its parent's pod, and the "
               "kvindex copies the parent's session record (its context, pins, priority) to it.")

@@ -105,8 +105,13 @@ class ProxySettings(BaseModel):
     tool_prefetch: bool = Field(
         default=True, description="Announce each session's next turn to its pod while a tool "
         "runs, so its KV is back in DRAM when the turn arrives.")
+    # Off by default: on the agent-pressure workload (python -m bench agent_pressure, two
+    # repeats of three, docs/benchmarks.md) sessions pinned through their agentic pauses
+    # finished later than unpinned ones (mean session time x1.06 / x1.15): with every pod
+    # computing all the time, the blocks a pin holds are blocks the running turns lack, and the
+    # disk tier returns an unpinned session's KV faster than a pin saves it.
     tool_pin: bool = Field(
-        default=True, description="Pin a session's KV after a turn that ends in a tool call "
+        default=False, description="Pin a session's KV after a turn that ends in a tool call "
         "(the caller names the tool, x-agentserving-next-tool, or the answer calls one) for "
         "the predicted tool gap (--pin-gap-multiple of it, between --pin-ttl-floor and "
         "--pin-ttl-cap): an agent comes back within seconds; a turn that hands back to a "

@@ -150,17 +150,28 @@ class RecordingPod:
         self.server = ThreadedServer(app)
 
 
-@pytest.fixture
-def wired() -> Iterator[tuple[TestClient, RecordingPod, str]]:
+def _wired(**settings: Any) -> Iterator[tuple[TestClient, RecordingPod, str]]:
+    """A proxy (``settings`` on top of the tests' own) in front of a recording pod and a
+    real kvindex."""
     pod = RecordingPod()
     kv = ThreadedServer(create_kvindex(KvindexSettings(), InMemoryIndex(),
                                        InMemorySessionStore()))
-    settings = ProxySettings(kvindex_url=kv.url, prefill_urls=[pod.server.url],
-                             stall_detection=False, pin_ttl_floor_s=7)
-    with TestClient(create_proxy(settings)) as client:
+    proxy = ProxySettings(kvindex_url=kv.url, prefill_urls=[pod.server.url],
+                          stall_detection=False, pin_ttl_floor_s=7, **settings)
+    with TestClient(create_proxy(proxy)) as client:
         yield client, pod, kv.url
     kv.stop()
     pod.server.stop()
+
+
+@pytest.fixture
+def wired() -> Iterator[tuple[TestClient, RecordingPod, str]]:
+    yield from _wired()
+
+
+@pytest.fixture
+def tool_pinning() -> Iterator[tuple[TestClient, RecordingPod, str]]:
+    yield from _wired(tool_pin=True)
 
 
 def session(kv_url: str, sid: str) -> dict[str, Any] | None:
@@ -240,11 +251,11 @@ def test_a_pin_without_ttl_follows_the_learnt_gap_of_the_tool_named() -> None:
     assert 5.0 < unnamed["ttl"] < 80.0  # the mean over all tools, doubled
 
 
-def test_a_turn_that_ends_in_a_tool_call_pins_its_session_for_the_gap(wired) -> None:
-    """--tool-pin (the default): the agent is back when its tool returns, so the session's KV
-    is pinned for the predicted gap (here the floor) on the pod and in the kvindex; a turn
-    that names no tool hands back to a person and pins nothing."""
-    client, pod, kv_url = wired
+def test_a_turn_that_ends_in_a_tool_call_pins_its_session_for_the_gap(tool_pinning) -> None:
+    """--tool-pin: the agent is back when its tool returns, so the session's KV is pinned for
+    the predicted gap (here the floor) on the pod and in the kvindex; a turn that names no
+    tool hands back to a person and pins nothing."""
+    client, pod, kv_url = tool_pinning
     r = client.post("/v1/completions", headers={"x-session-id": "agent",
                                                 "x-agentserving-next-tool": "bash"},
                     json={"model": "m", "prompt": list(range(16))})
@@ -273,8 +284,8 @@ def test_tool_pins_yield_to_the_agents_own_memory_verbs_and_to_the_flag() -> Non
             orch._resolve_pin(turn)
             return turn.memory
 
-    pinned = asyncio.run(resolve(ProxySettings(), None))
+    pinned = asyncio.run(resolve(ProxySettings(tool_pin=True), None))
     assert pinned is not None and pinned.pin_ttl_s == 5.0  # the floor: no gap learnt yet
-    assert asyncio.run(resolve(ProxySettings(tool_pin=False), None)) is None
-    released = asyncio.run(resolve(ProxySettings(), AgentMemory(release=True)))
+    assert asyncio.run(resolve(ProxySettings(), None)) is None  # off by default
+    released = asyncio.run(resolve(ProxySettings(tool_pin=True), AgentMemory(release=True)))
     assert released == AgentMemory(release=True)

@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="Where the compare run goes (default under runs/).")
     parser.add_argument("--from-run", type=Path, default=None,
                         help="Summarise an existing compare run folder instead of running one.")
+    parser.add_argument("--command", default=None,
+                        help="With --from-run: the compare command that made it, for the JSON.")
     parser.add_argument("--rename", action="append", default=[], metavar="RAN=NAME",
                         help="With --from-run: report the configuration the run named RAN as "
                         "NAME (a run from before a default changed, whose flags NAME now "
@@ -230,6 +232,8 @@ def result(run_dir: Path, command: str | None, seconds: float | None,
         raise FileNotFoundError(f"no report.json under {run_dir}")
     configs = summarise(summaries)
     pauses = trace_pauses()
+    if seconds is None and (run_dir / "report.json").is_file():  # the run's own duration
+        seconds = json.loads((run_dir / "report.json").read_text()).get("duration_s")
     ran_as = {new: old for old, new in renamed.items()}
     return {"bench": "agent_pressure", "workload": WORKLOAD, "compare_command": command,
             "renamed": renamed, "repeats": len(summaries), "configs": configs,
@@ -255,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     from agentserving.engine.vllm.serve_command import DEFAULT_ENV_DIR
 
     started = time.time()
-    command = None
+    command = args.command
     run_dir = args.from_run
     if run_dir is None:
         if not (DEFAULT_ENV_DIR / "bin" / "python").exists():
@@ -270,8 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         if done.returncode != 0:
             print(f"agent_pressure: compare exited with {done.returncode}", file=sys.stderr)
             return done.returncode
-    out = result(run_dir, command, round(time.time() - started, 1) if command else None,
-                 renames(args.rename))
+    seconds = None if args.from_run else round(time.time() - started, 1)
+    out = result(run_dir, command, seconds, renames(args.rename))
     out["quick"] = args.quick
     write_result(args.out, out)
     plot({n: c for n, c in out["ttft_by_pause"].items()}, args.out.with_suffix(".png"))

@@ -109,8 +109,9 @@ REFERENCE_RUNS = ("reference-quick-run/run1.json", "reference-quick-run/run2.jso
 REFERENCE_COMMAND = "agentserving compare --engine reference"
 PROXY_CPU, PROXY_CPU_COMMAND = "proxy-cpu.json", "python -m bench proxy_cpu"
 AGENT_PRESSURE = "agent-pressure.json"
-AGENT_PRESSURE_COMMAND = ("python -m bench agent_pressure --configs "
-                          "agentserving,llmd,agentserving-toolpin --repeats 3")
+AGENT_PRESSURE_COMMAND = ("python -m bench agent_pressure --from-run RUN --rename "
+                          "agentserving=agentserving-toolpin "
+                          "--rename agentserving-nopin=agentserving")
 SIM_VALIDATION = "sim/validation-and-seed.json"
 SIM_VALIDATION_COMMAND = ("python -m bench sim --parts 1,2 --real sim/validation/run3-report.json "
                           "... --real sim/validation/run10-report.json")
@@ -503,10 +504,12 @@ def _agent_pressure_table(doc: Doc) -> str:
     verdicts = "; ".join(
         f"{t['figure']} {t['config']} / {t['against']} ×{t['ratio']:.2f} (≤ ×{t['at_most']:.2f}: "
         f"{_yes(t['met'])})" for t in r["targets"] if t["ratio"] is not None)
+    renamed = "; ".join(f"`{ran}` reported as `{name}`" for ran, name in r["renamed"].items())
     return _finish(doc, lines, AGENT_PRESSURE_COMMAND, (AGENT_PRESSURE,),
                    f"Medians of {r['repeats']} interleaved repeats, [min–max] beside them. "
-                   f"Targets on the medians: {verdicts}. Compare: `{r['compare_command']}`; "
-                   f"{r['seconds']:.0f} s in all. ")
+                   f"Targets on the medians: {verdicts}. Compare: `{r['compare_command']}` "
+                   f"({r['seconds']:.0f} s in all)" + (f", its configurations {renamed} (the "
+                   "names their flags have now)" if renamed else "") + ". ")
 
 
 def _ms(x: float) -> str:

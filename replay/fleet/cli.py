@@ -26,9 +26,9 @@ from agentserving.core.cli import option
         "(scripts/vllm-env.sh installs it; with both pools KV servers carry P/D).")
 @option("--config", "config", type=click.Choice(["agentserving", "llmd"]),
         default="agentserving", help="What to deploy, as `agentserving compare` names it: "
-        "agentserving, or (--engine vllm) llmd, llm-d's tiered prefix cache (each pod "
-        "prefilling and decoding with LMCache's DRAM tier, llm-d's endpoint picker; "
-        "--prefill counts its pods).")
+        "agentserving, or (--engine vllm) llmd, llm-d's tiered prefix cache: --prefill plus "
+        "--decode pods, each prefilling and decoding with LMCache's DRAM tier (no disk tier: "
+        "--disk-cache-gib is not used), behind llm-d's endpoint picker.")
 @option("--routing", type=click.Choice(["kv-aware", "llm-d", "session", "round-robin"]),
         default=None, help="The proxy's routing policy [default: the configuration's: "
         "kv-aware, llm-d for llmd].")

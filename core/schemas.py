@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from enum import StrEnum
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -195,6 +195,9 @@ TENANT_PATTERN = r"^[A-Za-z0-9._@:-]{1,128}$"
 # A session id names a session within its tenant: no '/', the separator of a tenant's scope.
 SESSION_ID_PATTERN = r"^[^/]{1,256}$"
 SessionId = Annotated[str, Field(pattern=SESSION_ID_PATTERN)]
+# A stored response's id (the Responses API's ``resp_<hex>``): path-safe, and without '/', so a
+# tenant-scoped key never collides with an unscoped one.
+RESPONSE_ID_PATTERN = r"^[A-Za-z0-9_-]{1,256}$"
 
 
 # ---------------------------------------------------------------- pods
@@ -572,6 +575,30 @@ class SessionClosed(BaseModel):
 
 class ForkRequest(Strict):
     child: SessionId = Field(description="The child's id, in the parent's tenant.")
+
+
+class StoredResponse(BaseModel):
+    """A Responses API object kept with the conversation behind it, so whichever proxy replica
+    a continuation (``previous_response_id``) reaches can rebuild its prompt."""
+    response: dict[str, Any] = Field(
+        description="The Responses API object as returned to the client.")
+    messages: list[dict[str, Any]] = Field(
+        description="The chat messages a continuation's prompt starts with, the response's "
+        "own output included.")
+    session_id: str | None = Field(
+        default=None, description="The agent session the response belongs to, if any, as "
+        "the proxy names it.")
+    ttl_s: float | None = Field(
+        default=None, gt=0,
+        description="Seconds to keep it; null: the kvindex's --stored-response-ttl, which is "
+        "also the most it keeps one. An answer carries the TTL it was stored with.")
+
+
+class StoredResponseDeleted(BaseModel):
+    """OpenAI's answer to deleting a response, so the proxy can pass it through."""
+    id: str = Field(description="The deleted response's id.")
+    object: Literal["response"] = Field(default="response", description="Always 'response'.")
+    deleted: bool = Field(default=True, description="Always true: a miss is a 404.")
 
 
 # ---------------------------------------------------------------- memory API, details (worker)

@@ -299,6 +299,36 @@ def test_proxy_replicas_share_each_sessions_routing(fleet):
     assert control[1][0] == "disaggregated" and control != one, control
 
 
+def test_agent_apis_continue_across_proxy_replicas_on_pd(fleet):
+    """A Responses chain started through one proxy replica continues through another (the
+    conversation in the kvindex's store) on the session's decode pod, its prompt reused; an
+    Anthropic Messages turn with teacher forcing runs P/D and answers the forced tokens."""
+    other = fleet.start_proxy(name="proxy-responses-b")
+    forced = {"forced_output_token_ids": [100, 101, 102, 103]}
+    question = " ".join(f"word{i}" for i in range(600))
+    first = client(fleet.proxy_pd).responses.with_raw_response.create(
+        model="tiny", input=question, max_output_tokens=4, extra_body=forced)
+    first_headers, first = first.headers, first.parse()
+    assert first_headers["x-agentserving-pd"] == "disaggregated"
+    follow = client(other).responses.with_raw_response.create(
+        model="tiny", input="and then " * 20, max_output_tokens=4, extra_body=forced,
+        previous_response_id=first.id)
+    headers, follow = follow.headers, follow.parse()
+    assert headers["x-agentserving-session-source"] == "previous_response_id"
+    assert headers["x-agentserving-decode-pod"] == first_headers["x-agentserving-decode-pod"]
+    assert follow.usage.input_tokens_details.cached_tokens >= 256, follow.usage
+    r = httpx.post(fleet.proxy_pd.url + "/v1/messages", timeout=120, json={
+        "model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": question}],
+        "metadata": {"user_id": "anthropic-pd"}, **forced})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-agentserving-pd"] == "disaggregated"
+    chat = client(fleet.proxy_pd).chat.completions.create(
+        model="tiny", max_tokens=4, messages=[{"role": "user", "content": question}],
+        extra_body=forced)
+    assert r.json()["content"][0]["text"] == chat.choices[0].message.content
+    other.kill()
+
+
 def metric(proc, name: str, **labels: str) -> float:  # type: ignore[no-untyped-def]
     """One sample of a service's /metrics (0 when absent)."""
     want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}"

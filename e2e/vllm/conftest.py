@@ -67,7 +67,14 @@ POD_ARGS = ["--kv-cache-gib", "1", "--max-model-len", "20000"]
 # request beside a pinned context, so a flood that takes every unpinned block is five
 # 2,048-token prompts
 WORKER0_ARGS = ["--kv-cache-blocks", "80", "--kv-block-size", "128", "--max-model-len", "8192"]
-SMOLLM2_ARGS = ["--kv-cache-gib", "1", "--max-model-len", "4096"]
+# Tool calls as agents send them (vLLM asks for a parser before it forces or parses a call;
+# SmolLM2 has no tool format of its own, pythonic's is plain text); for a request that sets no
+# sampling (the agents' CLIs), greedy answers of at most 256 tokens, so a CLI's turn ends as
+# answered rather than cut at the context's end.
+SMOLLM2_ARGS = ["--kv-cache-gib", "1", "--max-model-len", "4096",
+                "--vllm-arg=--enable-auto-tool-choice", "--vllm-arg=--tool-call-parser=pythonic",
+                '--vllm-arg=--override-generation-config={"max_new_tokens": 256, '
+                '"temperature": 0}']
 # the bound, on the reference machine, for a reset of the whole fleet between tests
 RESET_BOUND_S = 30.0
 # this machine's pace once the fleet measured it (bounds as set until then)

@@ -28,6 +28,7 @@ from agentserving.kvindex.http_apis import (
     residency_feed,
     session_context,
     sessions,
+    stored_responses,
 )
 from agentserving.kvindex.http_apis.deps import KvindexState, ServiceMetrics
 from agentserving.kvindex.index.base import BackendUnavailable, Index, SessionStore
@@ -126,6 +127,6 @@ def create_app(settings: KvindexSettings, index: Index | None = None,
         return {"status": "ready", "store": store_kind}
 
     for router in (pods.router, residency.router, residency_feed.router, control.router,
-                   sessions.router, session_context.router):
+                   sessions.router, session_context.router, stored_responses.router):
         app.include_router(router)
     return app

@@ -54,6 +54,17 @@ def _parse_pairs(values: tuple[str, ...], flag: str, form: str) -> dict[str, str
 @setting("--session-idle-ttl", "session_idle_ttl_s", type=click.FloatRange(min=0),
          help="Seconds after its last write that an agent session expires and stops protecting "
          "its chunks from eviction (a pin extends it); 0: never.")
+@setting("--stored-response-ttl", "stored_response_ttl_s",
+         type=click.FloatRange(min=0, min_open=True),
+         help="Seconds a stored response (the proxy's Responses API objects with store: true, "
+              "kept for previous_response_id) lives when the proxy names no TTL; also the "
+              "most any lives.")
+@setting("--max-stored-response-bytes", type=click.IntRange(min=1),
+         help="Largest stored response, serialized with its conversation's messages (more: "
+              "413). Each is kept whole in the kvindex's memory or Redis.")
+@setting("--max-stored-responses", type=click.IntRange(min=1),
+         help="Stored responses kept at most, across tenants: past it the oldest written "
+              "goes first, whatever its TTL.")
 @option("--vllm-events", multiple=True, metavar="POD=ENDPOINT",
         help="Subscribe to a vLLM KV event stream (ZMQ PUB) on behalf of POD; repeatable.")
 @setting("--lmcache-controller", metavar="tcp://HOST:PORT",

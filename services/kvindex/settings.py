@@ -26,6 +26,15 @@ class KvindexSettings(BaseModel):
         "expires (its references stop protecting chunks from eviction, then the reaper drops "
         "it); a pin extends it. 0: sessions never expire idle."
     )
+    stored_response_ttl_s: float = Field(
+        default=86400.0, gt=0, description="Seconds a stored response (Responses API, "
+        "store: true) is kept when the proxy names no TTL, and the most any is kept.")
+    max_stored_response_bytes: int = Field(
+        default=4 * 1024 * 1024, gt=0, description="Largest stored response, serialized "
+        "(the response and its conversation's messages); more: 413.")
+    max_stored_responses: int = Field(
+        default=100_000, gt=0, description="Stored responses kept at most, across tenants; "
+        "past it the oldest written goes first.")
     vllm_event_endpoints: dict[str, str] = Field(
         default_factory=dict, description="pod name -> ZMQ PUB endpoint of a vLLM KV event stream"
     )

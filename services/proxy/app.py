@@ -1,4 +1,4 @@
-"""The proxy service: OpenAI-compatible routes in front of the worker pools."""
+"""The proxy service: OpenAI- and Anthropic-compatible routes in front of the worker pools."""
 
 from __future__ import annotations
 
@@ -10,21 +10,20 @@ from typing import Any
 import aiohttp
 from fastapi import FastAPI, Request
 from prometheus_client import CollectorRegistry
-from pydantic import ValidationError
 
 from agentserving.core.service import (
     ApiError,
     error_responses,
-    field_path,
     install_error_handlers,
     install_health_route,
     install_metrics_route,
 )
+from agentserving.proxy.agent_api_routes import install_agent_api_routes
 from agentserving.proxy.auth import ApiKeys, Principal
 from agentserving.proxy.engine_routes import install_engine_routes
+from agentserving.proxy.intake import json_body, read_turn
 from agentserving.proxy.jsonio import loads
 from agentserving.proxy.kvindex_http import AioKvindexClient
-from agentserving.proxy.memory_hooks import AgentMemory
 from agentserving.proxy.metrics import ProxyMetrics
 from agentserving.proxy.openapi import (
     TURN_RESPONSES,
@@ -33,16 +32,13 @@ from agentserving.proxy.openapi import (
     document_turn_bodies,
     turn_body,
 )
-from agentserving.proxy.orchestrator import H_NEXT_TOOL, Orchestrator, Turn
+from agentserving.proxy.orchestrator import Orchestrator, Turn
 from agentserving.proxy.pods import PodPool
-from agentserving.proxy.request_hints import merged_memory, read_hints
 from agentserving.proxy.residency_replica import ReplicaMetrics, ResidencyReplica, following
+from agentserving.proxy.response_store import KvindexResponseStore, LocalResponseStore
 from agentserving.proxy.routing import make_policy
-from agentserving.proxy.sessions import kvindex_session_id, session_key
 from agentserving.proxy.settings import INDEXED_ROUTING, ProxySettings
 from agentserving.proxy.upstream import UPSTREAM_ERRORS, new_session
-
-_EXTENSION_FIELDS = ("agent_memory", "cache_control", "nvext")
 
 
 def create_app(settings: ProxySettings) -> FastAPI:
@@ -63,6 +59,9 @@ def create_app(settings: ProxySettings) -> FastAPI:
         await pool.refresh()
         policy = make_policy(settings.routing, settings.chunk_size, settings.load_penalty_tokens)
         replica = _replica(settings, replica_metrics)
+        app.state.responses = (
+            KvindexResponseStore(kvindex) if kvindex is not None else
+            LocalResponseStore(settings.max_stored_responses, settings.stored_response_ttl_s))
         app.state.orch = Orchestrator(settings, pool, kvindex, policy, http, metrics, replica)
         follower = asyncio.create_task(pool.follow(settings.discovery_interval_s))
         try:
@@ -87,61 +86,34 @@ def create_app(settings: ProxySettings) -> FastAPI:
     def authenticate(request: Request) -> Principal | None:
         if keys is None:
             return None
-        principal = keys.authenticate(request.headers.get("authorization"))
+        principal = keys.authenticate(_bearer(request))
         if principal is None:
-            raise ApiError(401, "missing or invalid API key (Authorization: Bearer <key>)",
+            raise ApiError(401, "missing or invalid API key (Authorization: Bearer <key>, or "
+                           "x-api-key: <key>)",
                            type="authentication_error", code="invalid_api_key")
         return principal
 
-    async def read_turn(request: Request, endpoint: str, required: str) -> Turn:
+    async def read_openai_turn(request: Request, endpoint: str, required: str) -> Turn:
         principal = authenticate(request)
-        try:
-            body = loads(await request.body())
-        except ValueError as exc:
-            raise ApiError(400, f"malformed JSON: {exc}", param="body") from exc
-        if not isinstance(body, dict):
-            raise ApiError(400, "body must be a JSON object", param="body")
+        body = json_body(await request.body())
         if required not in body:
             raise ApiError(400, f"{required}: field required", param=required)
-        if "stream" in body and not isinstance(body["stream"], bool):
-            raise ApiError(400, "stream: must be a boolean", param="stream")
-        if "kv_transfer_params" in body:  # a client's would send a pod pulling KV from anywhere
-            raise ApiError(400, "kv_transfer_params: the P/D hand-off's parameters are the "
-                           "proxy's to set, not a client's", param="kv_transfer_params")
-        memory = None
-        if (raw := body.pop("agent_memory", None)) is not None:
-            try:
-                memory = AgentMemory.model_validate(raw)
-            except ValidationError as exc:
-                err = exc.errors()[0]
-                param = "agent_memory." + field_path(err["loc"]) if err["loc"] else "agent_memory"
-                raise ApiError(400, f"{param}: {err['msg']}", param=param) from exc
-        hints = read_hints(body)
-        memory = merged_memory(memory, hints)
-        tenant = principal.tenant if principal else None
-        if principal is not None and principal.cache_salt:
-            body["cache_salt"] = principal.cache_salt  # tenants never share or probe prefixes
-        sid = kvindex_session_id(request.headers.get("x-session-id") or (
-            body.get("user") if isinstance(body.get("user"), str) else None))
-        return Turn(endpoint=endpoint, body=body, session_id=sid,
-                    session_key=session_key(tenant, sid), tenant=tenant,
-                    parent_session_id=kvindex_session_id(
-                        request.headers.get("x-parent-session-id")),
-                    memory=memory, next_tool=request.headers.get(H_NEXT_TOOL),
-                    announce_next=hints.speculative_prefill)
+        return read_turn(request.headers, principal, endpoint, body, metrics=metrics,
+                         api="chat" if endpoint == "/v1/chat/completions" else "completions")
 
     @app.post("/v1/chat/completions", tags=["openai"], responses=TURN_RESPONSES,
               openapi_extra=turn_body(ChatTurn),
               summary="Chat completion, routed to the pod holding the session's KV.")
     async def chat_completions(request: Request) -> Any:
         return await app.state.orch.handle(
-            await read_turn(request, "/v1/chat/completions", "messages"))
+            await read_openai_turn(request, "/v1/chat/completions", "messages"))
 
     @app.post("/v1/completions", tags=["openai"], responses=TURN_RESPONSES,
               openapi_extra=turn_body(CompletionTurn),
               summary="Text completion, routed to the pod holding the session's KV.")
     async def completions(request: Request) -> Any:
-        return await app.state.orch.handle(await read_turn(request, "/v1/completions", "prompt"))
+        return await app.state.orch.handle(
+            await read_openai_turn(request, "/v1/completions", "prompt"))
 
     @app.get("/v1/models", tags=["openai"], responses=error_responses(401),
              summary="The models the worker pools serve.")
@@ -166,9 +138,19 @@ def create_app(settings: ProxySettings) -> FastAPI:
         return {"status": "ready", "prefill_pods": len(pods),
                 "decode_pods": len(orch.pool.decode_candidates())}
 
-    install_engine_routes(app, registry, authenticate)
+    install_agent_api_routes(app, authenticate, install_engine_routes(app, registry,
+                                                                      authenticate))
     document_turn_bodies(app)
     return app
+
+
+def _bearer(request: Request) -> str | None:
+    """The caller's key: ``Authorization: Bearer``, or Anthropic's ``x-api-key`` (what the
+    anthropic SDK and Claude Code send)."""
+    authorization = request.headers.get("authorization")
+    if authorization is None and (key := request.headers.get("x-api-key")):
+        return f"Bearer {key}"
+    return authorization
 
 
 def _replica(settings: ProxySettings, metrics: ReplicaMetrics) -> ResidencyReplica | None:

@@ -118,6 +118,14 @@ setting = settings_option(ProxySettings)
          help="Seconds after a session's last turn that the proxy forgets its routing state "
               "(match the kvindex's --session-idle-ttl); a turn with agent_memory."
               "close_session forgets it at once. 0: only --max-sessions bounds them.")
+@setting("--stored-response-ttl", "stored_response_ttl_s",
+         type=click.FloatRange(min=0, min_open=True),
+         help="Without --kvindex: seconds the proxy keeps a stored Responses API object "
+              "(store: true) for previous_response_id. With --kvindex the kvindex keeps them "
+              "(its --stored-response-ttl), shared by every proxy replica.")
+@setting("--max-stored-responses", type=click.IntRange(min=1),
+         help="Without --kvindex: stored responses kept at most in this process (the oldest "
+              "go first).")
 @setting("--activity-half-life", "activity_half_life_s",
          type=click.FloatRange(min=0, min_open=True),
          help="P/D: a new session goes to the decode pod with the least recent work plus "

@@ -126,8 +126,9 @@ def _passed_on(answer: tuple[str, Reply]) -> Response:
 
 
 def install_engine_routes(app: FastAPI, registry: CollectorRegistry,
-                          authenticate: Callable[[Request], Principal | None]) -> None:
-    """The four routes, answered through ``app.state.orch``'s pods and client.
+                          authenticate: Callable[[Request], Principal | None]) -> PodForwarder:
+    """The four routes, answered through ``app.state.orch``'s pods and client (their
+    forwarder is returned: other routes that need a pod's tokenizer ask through it).
     ``/tokenize`` and ``/detokenize`` take the API key as a turn does (they reach a pod);
     ``/version`` and ``/health`` are probes, open as on vLLM."""
     forwarder = PodForwarder(lambda: app.state.orch, EngineRouteMetrics(registry))
@@ -172,3 +173,4 @@ def install_engine_routes(app: FastAPI, registry: CollectorRegistry,
 
     app.include_router(router)
     document_models(app, *TOKENIZE_BODY_MODELS, DetokenizeRequest)
+    return forwarder

@@ -32,6 +32,11 @@ class ProxyMetrics:
                                ["stage"], registry=registry)
         self.failures = Counter("proxy_failed_turns_total", "Turns answered with an error.",
                                 ["reason"], registry=registry)
+        self.api_turns = Counter(
+            "proxy_api_turns_total", "Turns by the API they came in by (chat, completions, "
+            "messages, responses) and what named their session (session_identity: a header, "
+            "prompt_cache_key, metadata.user_id, user, previous_response_id, response; none).",
+            ["api", "session_source"], registry=registry)
         self.degraded = Counter("proxy_degraded_total",
                                 "Turns routed without the kvindex (unreachable).",
                                 registry=registry)

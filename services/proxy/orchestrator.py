@@ -274,16 +274,20 @@ class Orchestrator:
         (``tool``: one its answer called) and the agent will be back when the tool returns."""
         return bool(self.settings.tool_pin and turn.session_id and (turn.next_tool or tool))
 
-    async def _check_context(self, turn: Turn) -> None:
-        """A 400 naming the field for a turn that fits no pod's context (``context_limit``).
-        The context length is the flag's, else the pods': asked once up front when no pod's
-        is known yet, then kept current by the prober."""
+    async def context_length(self) -> int | None:
+        """The model's context length: the flag's, else the pods' (asked once up front when no
+        pod's is known yet, then kept current by the prober); None: unknown."""
         limit = self.settings.max_model_len or self.pool.max_model_len()
         if limit is None and not self._context_asked:
             self._context_asked = True
             await self._ensure_pods()
             await self.pool.probe(self.http, PROBE_TIMEOUT_S)
             limit = self.pool.max_model_len()
+        return limit
+
+    async def _check_context(self, turn: Turn) -> None:
+        """A 400 naming the field for a turn that fits no pod's context (``context_limit``)."""
+        limit = await self.context_length()
         error = context_error(turn.endpoint, turn.body, turn.prompt_size, limit)
         if error is not None:
             self.metrics.failures.labels("context_length").inc()

@@ -137,6 +137,13 @@ class ProxySettings(BaseModel):
     session_idle_ttl_s: float = Field(
         default=3600.0, ge=0, description="Forget a session's routing state this long after "
         "its last turn (as the kvindex's --session-idle-ttl expires its session); 0: never.")
+    stored_response_ttl_s: float = Field(
+        default=86400.0, gt=0, description="Without a kvindex: how long the proxy keeps a "
+        "stored Responses API object (store: true) for previous_response_id (the kvindex's "
+        "--stored-response-ttl otherwise).")
+    max_stored_responses: int = Field(
+        default=10_000, gt=0, description="Without a kvindex: stored responses the proxy "
+        "keeps at most (the oldest go first).")
     max_model_len: int | None = Field(
         default=None, gt=1, description="The model's context length in tokens (None: the "
         "largest the pods report in GET /v1/models).")

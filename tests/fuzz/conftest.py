@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import collections
 import json
+import re
 import os
 import subprocess
 import sys
@@ -102,12 +103,21 @@ class FuzzRun:
         assert self.requests > 0 and self.checks_run > 0
 
 
+# Anthropic's errors carry no param: a 400's message starts with the field it names
+_NAMED_FIELD = re.compile(r"^[A-Za-z_][\w.\[\]-]*: ")
+
+
 def _error_problem(status: int, content: bytes) -> str | None:
-    """None when a 4xx body is OpenAI's error shape (and a 400 names its field)."""
+    """None when a 4xx body is OpenAI's error shape, or Anthropic's on its routes (and a 400
+    names its field)."""
     try:
-        err = json.loads(content)["error"]
-        message, param = err["message"], err["param"]
-    except (ValueError, KeyError, TypeError):
+        body = json.loads(content)
+        err = body["error"]
+        message = err["message"]
+        param = err.get("param") if body.get("type") == "error" else err["param"]
+        if body.get("type") == "error" and isinstance(message, str):
+            param = param or (message.split(":")[0] if _NAMED_FIELD.match(message) else None)
+    except (ValueError, KeyError, TypeError, AttributeError):
         return f"{status}: not an error body: {content[:200]!r}"
     if not isinstance(message, str) or not message:
         return f"{status}: no message: {content[:200]!r}"

@@ -4,7 +4,8 @@ worker found through it, the proxy's memory hooks writing sessions to the kvinde
 The proxy passes a turn's body on to a worker, which validates it; the proxy's schema (the
 workers' request models plus ``agent_memory``) cannot know the model's vocabulary or context,
 so a 400 with code ``token_id_out_of_vocabulary`` or ``context_length_exceeded`` is the one
-answer a schema-valid turn may get (st_hooks.py). After the run: every process is alive, a
+answer a schema-valid turn may get (st_hooks.py), besides ``empty_conversation``: a Responses
+request whose input holds only reasoning items and continues nothing. After the run: every process is alive, a
 greedy turn through the proxy still gives the worker's own tokens, and the sessions the
 memory hooks wrote read back as chunk hashes.
 """
@@ -37,6 +38,7 @@ def test_proxy_fuzz(fleet, fuzz) -> None:  # type: ignore[no-untyped-def]
     run = fuzz(fleet.proxy_url, "proxy", max_examples=10, timeout_s=300,
                extra=("-H", f"x-session-id: {SESSION}"),
                runtime_limit_codes=("context_length_exceeded", "token_id_out_of_vocabulary",
+                                   "empty_conversation",
                                    "integer_out_of_range"))
     run.assert_clean()
     assert _greedy(fleet.proxy_url) == direct, "a greedy turn through the proxy changed"

@@ -49,6 +49,11 @@ class ServiceMetrics:
             "kvindex_reclaimed_bytes_total",
             "Bytes of those chunks, by each pod's reported bytes per chunk in the tier.",
             ["reason", "tier"], registry=registry)
+        self.stored_responses = Counter(
+            "kvindex_stored_responses_total",
+            "Stored-response calls, by op (put, get, delete) and result (ok; not_found; "
+            "too_large: over --max-stored-response-bytes).", ["op", "result"],
+            registry=registry)
         self.unavailable = Counter("kvindex_backend_unavailable_total",
                                    "Requests answered 503 because the store was down.",
                                    registry=registry)

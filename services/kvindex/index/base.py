@@ -15,6 +15,9 @@ Contract every backend honours (``tests/test_contract.py`` runs against each):
   holds (any tier) and which tier is the fastest for each of them.
 - A session's routing record (``put_route``) lives apart from the session, until its own TTL
   or the session's close; it references no chunk.
+- A stored response (``put_stored_response``: the proxy's Responses API object with its
+  conversation, opaque JSON) lives until its TTL or its delete, apart from every session; a
+  put past ``max_count`` of them drops the oldest written first, expired or not.
 - A session lives until it is closed or until it expires idle: every write to it (intents,
   pin, release, priority) moves its expiry to ``session_expiry(now, idle_ttl_s, pin)``; an
   expired session is invisible to every read at once (its references stop protecting chunks),
@@ -292,6 +295,21 @@ class SessionStore(Protocol):
 
     async def get_route(self, session_id: str) -> str | None:
         """The session's routing record, or None (never written, expired, closed)."""
+        ...
+
+    async def put_stored_response(self, key: str, value: str, ttl_s: float,
+                                  max_count: int) -> None:
+        """Keep ``value`` under ``key`` for ``ttl_s`` (rewriting it makes it the newest);
+        then, past ``max_count`` kept, drop the oldest written, so a flood of ``store: true``
+        responses cannot grow the store without bound whatever their TTLs."""
+        ...
+
+    async def get_stored_response(self, key: str) -> str | None:
+        """The stored value, or None (never stored, expired, deleted, pushed out)."""
+        ...
+
+    async def delete_stored_response(self, key: str) -> bool:
+        """Drop it; False when nothing live was stored under ``key``."""
         ...
 
     async def ping(self) -> None: ...

@@ -7,7 +7,7 @@ awaiting), so each method is atomic by construction.
 from __future__ import annotations
 
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
 from agentserving.core.schemas import (
     DEFAULT_PRIORITY,
@@ -328,6 +328,8 @@ class InMemorySessionStore:
         self._sessions: dict[str, _Session] = {}
         self._refs: dict[str, set[str]] = {}
         self._routes: dict[str, tuple[str, float | None]] = {}  # sid -> (record, expiry)
+        # key -> (value, expiry), oldest written first: the count bound drops from the front
+        self._responses: OrderedDict[str, tuple[str, float]] = OrderedDict()
 
     def _live(self, sid: str, now: float) -> _Session | None:
         session = self._sessions.get(sid)
@@ -462,6 +464,8 @@ class InMemorySessionStore:
         for sid in [sid for sid, (_, exp) in self._routes.items() if exp is not None
                     and exp <= now]:
             del self._routes[sid]
+        for key in [key for key, (_, exp) in self._responses.items() if exp <= now]:
+            del self._responses[key]
         return gone
 
     async def put_route(self, session_id: str, route: str, ttl_s: float | None = None
@@ -471,6 +475,21 @@ class InMemorySessionStore:
     async def get_route(self, session_id: str) -> str | None:
         route, expiry = self._routes.get(session_id, (None, None))
         return None if expiry is not None and expiry <= self._clock() else route
+
+    async def put_stored_response(self, key: str, value: str, ttl_s: float,
+                                  max_count: int) -> None:
+        self._responses.pop(key, None)
+        self._responses[key] = (value, self._clock() + ttl_s)
+        while len(self._responses) > max_count:
+            self._responses.popitem(last=False)
+
+    async def get_stored_response(self, key: str) -> str | None:
+        value, expiry = self._responses.get(key, (None, 0.0))
+        return value if expiry > self._clock() else None
+
+    async def delete_stored_response(self, key: str) -> bool:
+        _, expiry = self._responses.pop(key, (None, 0.0))
+        return expiry > self._clock()
 
     async def ping(self) -> None:
         return None

@@ -27,6 +27,10 @@ one round trip. The key layout (``P`` is ``key_prefix``, default ``as:``):
   ``P cr:<chunk>`` (set: the sessions referencing it, what an evict's protection is decided
   from) and ``P sexp`` (sorted set ``sid`` by expiry, for the session reaper). Times are the
   client's clock, passed in as ``repr`` strings and stored as given, so they read back exactly.
+- Stored responses: ``P resp:<key>`` (string with a PX TTL: Redis expires it, no reaper) and
+  ``P resps`` (sorted set ``key`` by write time), which bounds how many are kept: a put past
+  the bound pops the oldest members and deletes their strings. Members whose string expired
+  stay until popped, so the set never holds more than the bound.
 
 The scripts touch keys they compute from their arguments, which standalone Redis (and
 Sentinel) allows; Redis Cluster is not supported (``P chunks`` is one key by design).
@@ -666,6 +670,26 @@ return gone
 """
 
 
+# ARGV: P, key, value, ttl ms, now, most. Keeps the value, then drops the oldest past `most`.
+_PUT_STORED_RESPONSE = _LIB + r"""
+local key = ARGV[2]
+redis.call('SET', P .. 'resp:' .. key, ARGV[3], 'PX', ARGV[4])
+redis.call('ZADD', P .. 'resps', ARGV[5], key)
+local over = redis.call('ZCARD', P .. 'resps') - tonumber(ARGV[6])
+if over > 0 then
+  local gone = redis.call('ZPOPMIN', P .. 'resps', over)
+  for i = 1, #gone, 2 do redis.call('DEL', P .. 'resp:' .. gone[i]) end
+end
+return over
+"""
+
+# ARGV: P, key. 1 when a live value was dropped.
+_DELETE_STORED_RESPONSE = _LIB + r"""
+redis.call('ZREM', P .. 'resps', ARGV[2])
+return redis.call('DEL', P .. 'resp:' .. ARGV[2])
+"""
+
+
 # ---------------------------------------------------------------------------------------------
 
 
@@ -974,9 +998,12 @@ class RedisSessionStore(RedisBackend):
     _SCRIPTS = {"put_intent": _PUT_INTENT, "get_intent": _GET_INTENT,
                 "delete_intent": _DELETE_INTENT, "get_session": _GET_SESSION,
                 "close_session": _CLOSE_SESSION, "fork": _FORK, "lifecycle": _LIFECYCLE,
-                "references": _REFERENCES, "expire_sessions": _EXPIRE_SESSIONS}
+                "references": _REFERENCES, "expire_sessions": _EXPIRE_SESSIONS,
+                "put_stored_response": _PUT_STORED_RESPONSE,
+                "delete_stored_response": _DELETE_STORED_RESPONSE}
+    # a stored response is waited on (unlike a routing record): the client was told it is kept
     _WRITES = frozenset({"put_intent", "delete_intent", "close_session", "fork", "lifecycle",
-                         "expire_sessions"})
+                         "expire_sessions", "put_stored_response", "delete_stored_response"})
     # sessions one expiry script drops at most, so a large backlog never blocks Redis long
     EXPIRE_BATCH = 1000
 
@@ -1036,6 +1063,18 @@ class RedisSessionStore(RedisBackend):
 
     async def get_route(self, session_id: str) -> str | None:
         return await self._guard(lambda: self._redis.get(self._route_key(session_id)))
+
+    async def put_stored_response(self, key: str, value: str, ttl_s: float,
+                                  max_count: int) -> None:
+        """One script: the count bound holds however many replicas put at once."""
+        await self._run("put_stored_response", key, value, _ttl_ms(ttl_s),
+                        repr(self._clock()), max_count)
+
+    async def get_stored_response(self, key: str) -> str | None:
+        return await self._guard(lambda: self._redis.get(f"{self._prefix}resp:{key}"))
+
+    async def delete_stored_response(self, key: str) -> bool:
+        return bool(await self._run("delete_stored_response", key))
 
     async def fork(self, session_id: str, child: str,
                    idle_ttl_s: float | None = None) -> SessionInfo:

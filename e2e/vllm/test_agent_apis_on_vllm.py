@@ -236,3 +236,27 @@ def test_codex_talks_to_the_proxy(vllm_fleet: VllmFleet, tmp_path: Path) -> None
     text, usage = turn("resume", "--last", QUESTIONS[1])
     assert WORDS.search(text), text
     assert usage["cached_input_tokens"] >= 256, usage
+
+
+def test_a_session_that_switches_api_keeps_its_kv(vllm_fleet: VllmFleet) -> None:
+    """Chat completions, then Messages, then Responses, one session: each turn reads the
+    previous one's prompt back from the pods' cache."""
+    base, session = vllm_fleet.url("proxy-smollm2"), {"x-session-id": "switches-api"}
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
+    first = httpx.post(base + "/v1/chat/completions", headers=session, timeout=300, json={
+        "model": "smollm2", "messages": chat, "max_tokens": 16, "temperature": 0}).json()
+    answer = first["choices"][0]["message"]["content"]
+    history = [*chat[1:], {"role": "assistant", "content": answer},
+               {"role": "user", "content": QUESTIONS[1]}]
+    second = _anthropic(vllm_fleet).messages.create(
+        model="smollm2", max_tokens=16, system=SYSTEM, messages=history, extra_body=GREEDY,
+        extra_headers=session)
+    assert second.usage.cache_read_input_tokens >= first["usage"]["prompt_tokens"] // 256 * 256
+    history += [{"role": "assistant", "content": second.content[0].text},
+                {"role": "user", "content": QUESTIONS[2]}]
+    third = _openai(vllm_fleet).responses.create(
+        model="smollm2", instructions=SYSTEM, input=history, max_output_tokens=16,
+        temperature=0, store=False, extra_headers=session)
+    prompt_before = second.usage.cache_read_input_tokens + second.usage.input_tokens \
+        + second.usage.cache_creation_input_tokens
+    assert third.usage.input_tokens_details.cached_tokens >= prompt_before // 256 * 256

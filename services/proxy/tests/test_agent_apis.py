@@ -122,6 +122,21 @@ def test_a_tool_round_trip_through_the_anthropic_sdk(stack: Stack) -> None:
         in metrics
 
 
+def test_agent_memory_and_teacher_forcing_ride_along(stack: Stack) -> None:
+    """The turn extensions of chat completions work on both APIs: agent_memory's pin reaches
+    the pod and the kvindex, forced tokens reach the pod."""
+    stack.anthropic.messages.create(model="m", max_tokens=4, messages=[
+        {"role": "user", "content": "Hi"}], metadata={"user_id": "with-memory"},
+        extra_body={"agent_memory": {"pin_ttl_s": 120}, "forced_output_token_ids": [5, 6]})
+    sent = stack.pod.bodies[-1]
+    assert sent["vllm_xargs"][PIN_TTL_XARG] == 120.0 and "agent_memory" not in sent
+    assert sent["forced_output_token_ids"] == [5, 6]
+    assert stack.session("with-memory")["pinned_until"] > time.time() + 60
+    stack.openai.responses.create(model="m", input="Hi", store=False,
+                                  extra_body={"forced_output_token_ids": [7]})
+    assert stack.pod.bodies[-1]["forced_output_token_ids"] == [7]
+
+
 def test_the_answer_validates_against_the_sdk_models(stack: Stack) -> None:
     r = httpx.post(stack.proxy.url + "/v1/messages", json={
         "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "Hi"}]},

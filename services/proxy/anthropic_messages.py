@@ -326,6 +326,7 @@ class MessageStream:
 
     def __init__(self, req: MessagesRequest) -> None:
         self.req = req
+        self.breakpoint_ttl = breakpoint_ttl_s(req)
         self.id = new_id("msg")
         self.started = False
         self.block: int = -1  # index of the open content block, -1: none
@@ -340,7 +341,7 @@ class MessageStream:
         if self.started:
             return []
         self.started = True
-        first = usage(self.usage, breakpoint_ttl_s(self.req))
+        first = usage(self.usage, self.breakpoint_ttl)
         first["output_tokens"] = 0
         return [sse("message_start", {"type": "message_start", "message": {
             "id": self.id, "type": "message", "role": "assistant", "model": self.req.model,
@@ -405,7 +406,7 @@ class MessageStream:
         return [*self._start(), *self._close_block(),
                 sse("message_delta", {"type": "message_delta",
                                       "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                      "usage": usage(self.usage, breakpoint_ttl_s(self.req))}),
+                                      "usage": usage(self.usage, self.breakpoint_ttl)}),
                 sse("message_stop", {"type": "message_stop"})]
 
     async def events(self, chat: AsyncIterator[bytes | str]) -> AsyncIterator[bytes]:

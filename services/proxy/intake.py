@@ -7,15 +7,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import ValidationError
-
-from agentserving.core.service import ApiError, field_path
+from agentserving.core.service import ApiError
 from agentserving.proxy.auth import Principal
 from agentserving.proxy.jsonio import loads
 from agentserving.proxy.memory_hooks import AgentMemory
 from agentserving.proxy.metrics import ProxyMetrics
 from agentserving.proxy.orchestrator import H_NEXT_TOOL, Turn
-from agentserving.proxy.request_hints import merged_memory, read_hints
+from agentserving.proxy.request_hints import merged_memory, read_hints, validated_field
 from agentserving.proxy.session_identity import BodyIds, SessionIdentity, identify
 from agentserving.proxy.sessions import session_key
 
@@ -47,14 +45,8 @@ def read_turn(headers: Mapping[str, str], principal: Principal | None, endpoint:
     if "kv_transfer_params" in body:  # a client's would send a pod pulling KV from anywhere
         raise ApiError(400, "kv_transfer_params: the P/D hand-off's parameters are the "
                        "proxy's to set, not a client's", param="kv_transfer_params")
-    memory = None
-    if (raw := body.pop("agent_memory", None)) is not None:
-        try:
-            memory = AgentMemory.model_validate(raw)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            param = "agent_memory." + field_path(err["loc"]) if err["loc"] else "agent_memory"
-            raise ApiError(400, f"{param}: {err['msg']}", param=param) from exc
+    raw = body.pop("agent_memory", None)
+    memory = validated_field(AgentMemory, raw, "agent_memory") if raw is not None else None
     hints = read_hints(body)
     memory = merged_memory(memory, hints)
     tenant = principal.tenant if principal else None

@@ -92,7 +92,8 @@ class TurnHints:
     speculative_prefill: bool = False
 
 
-def _validated(model: type[BaseModel], raw: Any, name: str) -> Any:
+def validated_field(model: type[BaseModel], raw: Any, name: str) -> Any:
+    """The body's field ``name`` as ``model``, or a 400 naming the field within it."""
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
@@ -106,8 +107,8 @@ def read_hints(body: dict[str, Any]) -> TurnHints:
     field for a bad one); given at the top and under ``nvext``, the top one is the pin."""
     top = body.pop("cache_control", None)
     raw_ext = body.pop("nvext", None)
-    ext = _validated(NvExt, raw_ext, "nvext") if raw_ext is not None else NvExt()
-    cache = _validated(CacheControl, top, "cache_control") if top is not None else None
+    ext = validated_field(NvExt, raw_ext, "nvext") if raw_ext is not None else NvExt()
+    cache = validated_field(CacheControl, top, "cache_control") if top is not None else None
     cache = cache or ext.cache_control
     hints = ext.agent_hints or AgentHints()
     return TurnHints(pin=cache is not None, pin_ttl_s=cache.ttl if cache else None,

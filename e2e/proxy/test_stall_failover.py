@@ -19,10 +19,12 @@ import time
 import httpx
 import pytest
 
+from agentserving.proxy.settings import ProxySettings
 from testkit.servers import wait_until
 
 FIRST_TOKEN_S = 3.0  # the test's fixed deadlines (the default follows the pods' P99)
 INTER_TOKEN_S = 2.0
+PROBE_TIMEOUT_S = 1.0  # the silent pod's probe: a stall is called this long after a deadline
 MAX_TOKENS = 8
 
 pytestmark = pytest.mark.timeout(300)
@@ -44,18 +46,22 @@ def fleet(fleet_factory):
         "--stall-decode-first-token", str(FIRST_TOKEN_S),
         "--stall-prefill-inter-token", str(INTER_TOKEN_S),
         "--stall-decode-inter-token", str(INTER_TOKEN_S),
-        "--probe-interval", "0.5", "--upstream-timeout", "120")
+        "--stall-probe-timeout", str(PROBE_TIMEOUT_S), "--probe-interval", "0.5",
+        "--upstream-timeout", "120")
     wait_until(lambda: len(httpx.get(f.kvindex.url + "/v1/pods", headers=f.headers,
                                      timeout=5).json()["pods"]) == 3,
                timeout_s=60, what="three pods registered")
     return f
 
 
-def turn(proxy_url: str, session: str, prompt: list[int], stream: bool = True
-         ) -> tuple[float, dict[str, str], list[dict]]:
-    """One turn: (seconds, the proxy's headers, the SSE events or the one JSON answer)."""
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "stream": stream,
+def turn(proxy_url: str, session: str, prompt: list[int], stream: bool = True,
+         max_tokens: int | None = MAX_TOKENS) -> tuple[float, dict[str, str], list[dict]]:
+    """One turn: (seconds, the proxy's headers, the SSE events or the one JSON answer). The
+    answer is forced, MAX_TOKENS long: without ``max_tokens`` that is its only bound."""
+    body = {"model": "tiny", "prompt": prompt, "stream": stream,
             "forced_output_token_ids": list(range(100, 100 + MAX_TOKENS))}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
     t0 = time.perf_counter()
     with httpx.Client(timeout=120) as client, client.stream(
             "POST", proxy_url + "/v1/completions", json=body,
@@ -152,9 +158,10 @@ def test_a_stalled_decode_pod_costs_no_turn_and_comes_back(fleet):
         # happens when the four turns start unevenly on a busy machine)
         assert affected and ("s0" in affected or results["s0"][0] < FIRST_TOKEN_S), affected
         for sid, (seconds, _h, _e) in {**affected, blocking: results[blocking]}.items():
-            # the first-token deadline, then about one normal turn elsewhere (the machine is
-            # shared: twice the slowest normal turn, plus a second of slack)
-            assert seconds <= FIRST_TOKEN_S + 2 * max(normal) + 1.0, (sid, seconds, normal)
+            # the first-token deadline and the probe it raises, then about one normal turn
+            # elsewhere (the machine is shared: twice the slowest normal turn, plus a second)
+            assert seconds <= FIRST_TOKEN_S + PROBE_TIMEOUT_S + 2 * max(normal) + 1.0, \
+                (sid, seconds, normal)
             print(f"affected {sid}{' (blocking)' if sid == blocking else ''}: {seconds:.2f}s "
                   f"(deadline {FIRST_TOKEN_S}s, slowest normal turn {max(normal):.2f}s)")
         assert metric(url, "proxy_stalls_total", kind="first_token") >= 1
@@ -174,3 +181,60 @@ def test_a_stalled_decode_pod_costs_no_turn_and_comes_back(fleet):
         assert answered(events)
         back.append(headers["x-agentserving-decode-pod"])
     assert victim in back, back
+
+
+def test_a_busy_pool_is_never_cut_however_short_its_deadlines(fleet):
+    """Deadlines of 50 ms, far under any first token or gap here: every turn goes silent past
+    them, and every pod answers the probe that silence raises, so no turn is moved or cut
+    (as on a machine many times slower than the one deadlines were learned on)."""
+    proxy = fleet.start_proxy(
+        *(arg for stage in ("prefill", "decode") for kind in ("first-token", "inter-token")
+          for arg in (f"--stall-{stage}-{kind}", "0.05")),
+        "--upstream-timeout", "120", name="proxy-short-deadlines")
+    sessions = {f"busy{i}": prompt_for(200 + i, 1200) for i in range(6)}
+    for round_ in range(2):
+        with concurrent.futures.ThreadPoolExecutor(len(sessions)) as pool:
+            futures = {sid: pool.submit(turn, proxy.url, sid, prompt, i % 2 == 0)
+                       for i, (sid, prompt) in enumerate(sessions.items())}
+            results = {sid: f.result() for sid, f in futures.items()}
+        for sid, (_seconds, headers, events) in results.items():
+            assert answered(events), (round_, sid, events)
+            assert not headers.get("x-agentserving-retried"), (round_, sid, headers)
+            sessions[sid] += list(range(100, 100 + MAX_TOKENS)) + prompt_for(300, 80)
+    assert metric(proxy.url, "proxy_stalls_total") == 0
+    assert metric(proxy.url, "proxy_failed_turns_total") == 0
+    assert metric(proxy.url, "proxy_silent_pod_probes_total", answer="answered") > 0
+    assert metric(proxy.url, "proxy_silent_pod_probes_total", answer="silent") == 0
+
+
+def test_a_fresh_proxy_moves_a_blocking_turn_off_a_stopped_pod_without_max_tokens(fleet):
+    """A proxy with its default (adaptive) deadlines, right after start: a session of 1,500
+    tokens with two turns served, its decode pod stopped, then its third turn, blocking and
+    without max_tokens (no token count to bound the wait): moved within the initial
+    first-token deadline and the probe, not left to the client's timeout."""
+    proxy = fleet.start_proxy("--upstream-timeout", "120", name="proxy-defaults")
+    prompt = prompt_for(400, 1500)
+    normal = []
+    for _ in range(2):
+        seconds, headers, events = turn(proxy.url, "fresh", prompt, stream=False,
+                                        max_tokens=None)
+        assert answered(events), events
+        normal.append(seconds)
+        prompt = prompt + list(range(100, 100 + MAX_TOKENS)) + prompt_for(410, 60)
+    victim = headers["x-agentserving-decode-pod"]
+    signal_pod(fleet, victim, signal.SIGSTOP)
+    try:
+        seconds, headers, events = turn(proxy.url, "fresh", prompt, stream=False,
+                                        max_tokens=None)
+        print(f"third turn {seconds:.2f}s on {headers.get('x-agentserving-decode-pod')} "
+              f"({headers.get('x-agentserving-pd')}), moved off {victim}")
+        assert answered(events), events
+        assert victim in headers.get("x-agentserving-retried", "").split(",")
+        initial = ProxySettings().stall_first_token_initial_s
+        probe = ProxySettings().stall_probe_timeout_s
+        assert seconds <= initial + probe + 2 * max(normal) + 2.0, (seconds, normal)
+        assert metric(proxy.url, "proxy_stalls_total", kind="first_token") == 1
+    finally:
+        signal_pod(fleet, victim, signal.SIGCONT)
+    wait_until(lambda: metric(proxy.url, "proxy_stalled_pods") == 0, timeout_s=15,
+               what="the resumed pod answering the proxy's probe")

@@ -172,10 +172,13 @@ setting = settings_option(ProxySettings)
               "before any pod works on it (a text prompt is left to the engine, which "
               "tokenizes it). Unset: the largest max_model_len the pods list in GET /v1/models.")
 @setting("--stall-detection/--no-stall-detection",
-         help="Move a turn off a pod that goes silent past its stage's deadline (below), as "
-              "off a dead one, and route nothing to that pod until it answers GET /v1/models "
-              "again. A stream is moved only while no token reached the caller; after that it "
-              "ends with an error event (code stalled), which the caller may retry.")
+         help="Move a turn off a pod that goes silent past its stage's deadline (below) and "
+              "then does not answer GET /v1/models within --stall-probe-timeout (a busy pod "
+              "answers, a stopped one does not), as off a dead one, and route nothing to that "
+              "pod until it answers again. While the pod answers, the turn waits on and the "
+              "pod is asked again after each further deadline. A stream is moved only while "
+              "no token reached the caller; after that it ends with an error event (code "
+              "stalled), which the caller may retry.")
 @setting("--stall-prefill-first-token", "stall_prefill_first_token_s",
          type=click.FloatRange(min=0, min_open=True),
          help="Seconds a pod computing a prompt (P/D's prefill call, or a turn run whole) may "
@@ -199,10 +202,9 @@ setting = settings_option(ProxySettings)
          help="Adaptive first-token deadlines are never shorter than this (seconds).")
 @setting("--stall-inter-token-floor", "stall_inter_token_floor_s",
          type=click.FloatRange(min=0, min_open=True),
-         help="Adaptive inter-token deadlines are never shorter than this (seconds). A stream "
-              "stalled mid-way ends with an error the caller sees, and a busy pod's decodes "
-              "wait out other requests' prefill steps (seconds on a CPU pod): keep it well "
-              "above the longest step.")
+         help="Adaptive inter-token deadlines are never shorter than this (seconds). A busy "
+              "pod's decodes wait out other requests' prefill steps (seconds on a CPU pod): "
+              "each wait past the deadline costs a probe of the pod.")
 @setting("--stall-first-token-initial", "stall_first_token_initial_s",
          type=click.FloatRange(min=0, min_open=True),
          help="Adaptive first-token deadline until --stall-min-samples are observed (seconds).")
@@ -211,6 +213,10 @@ setting = settings_option(ProxySettings)
          help="Adaptive inter-token deadline until --stall-min-samples are observed (seconds).")
 @setting("--stall-min-samples", type=click.IntRange(min=1),
          help="Observations of a stage's latency before its adaptive deadline follows them.")
+@setting("--stall-probe-timeout", "stall_probe_timeout_s",
+         type=click.FloatRange(min=0, min_open=True),
+         help="Seconds a pod found silent past a stall deadline has to answer GET /v1/models "
+              "before it is called stalled (also the timeout of a stalled pod's probes).")
 @setting("--probe-interval", "probe_interval_s", type=click.FloatRange(min=0, min_open=True),
          help="Seconds between the GET /v1/models probes of a stalled pod.")
 @log_options(setting)

@@ -70,9 +70,15 @@ class ProxyMetrics:
             ["found"], registry=registry)
         self.sessions = Gauge("proxy_sessions", "Sessions remembered.", registry=registry)
         self.stalls = Counter("proxy_stalls_total",
-                              "Pods that took a turn and went silent past a stall deadline, "
+                              "Pods that took a turn, went silent past a stall deadline and "
+                              "answered no probe, "
                               "by stage (prefill, decode) and kind (first_token, inter_token).",
                               ["stage", "kind"], registry=registry)
+        self.silent_probes = Counter(
+            "proxy_silent_pod_probes_total",
+            "Probes of a pod a turn found silent past its stall deadline, by stage and answer "
+            "(answered: busy, the turn waits on; silent: stalled, the turn moves).",
+            ["stage", "answer"], registry=registry)
         self.stall_deadline = Gauge("proxy_stall_deadline_seconds",
                                     "The stall deadline last applied, by stage and kind (a "
                                     "flag's, or a multiple of the observed P99).",

@@ -9,10 +9,11 @@ that fails before the caller saw a byte is retried on the next pod of the policy
 caller always gets an answer or an OpenAI-shaped error, never silence.
 
 Before any of it, a turn that cannot finish within the model's context is refused
-(``context_limit``). A pod that takes a request and goes silent past its stage's deadline
-(``stalls``) fails over as a dead pod does and is kept out of rotation until it answers a
-probe: a stream is moved only while nothing reached the caller (its first token is read before
-the answer starts), after which it ends with an error event whose code is ``stalled``.
+(``context_limit``). A pod that takes a request, goes silent past its stage's deadline
+(``stalls``) and then does not answer a probe (``liveness``: a busy pod answers, a stopped one
+does not) fails over as a dead pod does and is kept out of rotation until it answers again: a
+stream is moved only while nothing reached the caller (its first token is read before the
+answer starts), after which it ends with an error event whose code is ``stalled``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Any, TypeVar
@@ -57,6 +58,7 @@ from agentserving.proxy.disagg import (
     plan_local_pod,
     prompt_size,
 )
+from agentserving.proxy.liveness import PodLiveness, http_probe
 from agentserving.proxy.memory_hooks import AgentMemory
 from agentserving.proxy.metrics import ProxyMetrics
 from agentserving.proxy.pod_activity import PodActivity
@@ -98,7 +100,6 @@ H_PD = "x-agentserving-pd"  # "disaggregated", or "local": prefilled on the deco
 # (or a fault bench) can tell a turn saved by a retry from one that never met a failure
 H_RETRIED = "x-agentserving-retried"
 H_ADMISSION = "x-agentserving-admission"  # --admit-per-pod: how the turn was let in, and its wait
-PROBE_TIMEOUT_S = 1.0  # a pod's GET /v1/models (its context length; a stalled pod's return)
 
 
 Attempt = tuple[Candidate, Candidate | None]  # (pod that prefills, decode pod or None)
@@ -183,6 +184,9 @@ class Orchestrator:
         self._prefetch_tasks: dict[str, asyncio.Task] = {}
         self._background: set[asyncio.Task] = set()
         self.stalls = StallDeadlines(policy_from(settings))
+        self.liveness = PodLiveness(
+            lambda url: http_probe(self.http, url, settings.stall_probe_timeout_s),
+            fresh_s=min(settings.probe_interval_s, 1.0))
         self._prober: asyncio.Task | None = None
         self._stall_signals: dict[str, asyncio.Event] = {}  # set when the pod is found stalled
         self._context_asked = False
@@ -281,7 +285,7 @@ class Orchestrator:
         if limit is None and not self._context_asked:
             self._context_asked = True
             await self._ensure_pods()
-            await self.pool.probe(self.http, PROBE_TIMEOUT_S)
+            await self.pool.probe(self.http, self.settings.stall_probe_timeout_s)
             limit = self.pool.max_model_len()
         return limit
 
@@ -302,7 +306,7 @@ class Orchestrator:
         while True:
             await asyncio.sleep(self.settings.probe_interval_s)
             try:
-                await self.pool.probe(self.http, PROBE_TIMEOUT_S)
+                await self.pool.probe(self.http, self.settings.stall_probe_timeout_s)
             except Exception as exc:  # a probe round must never end the prober
                 log.warning("probe_round_failed", error=repr(exc))
             self.metrics.stalled_pods.set(len(self.pool.stalled()))
@@ -448,8 +452,8 @@ class Orchestrator:
         for i, (prefill, decode) in enumerate(attempts):
             if prefill.name in failed or (decode is not None and decode.name in failed):
                 continue
-            # the last pods left get no stall deadline: a turn is never lost to deadlines
-            # alone (an unusually long prompt is slow on every pod, not stalled)
+            # the last pods left get no stall deadline: with nowhere to move the turn, it
+            # waits for a stopped pod to resume (SIGCONT, a node back) until --upstream-timeout
             turn.last_resort = next(untried(attempts[i + 1:], failed), None) is None
             try:
                 if decode is None:
@@ -648,26 +652,37 @@ class Orchestrator:
 
     async def _watched(self, pod: Candidate, stage: str, fn, body: dict[str, Any], turn: Turn
                        ) -> Any:  # type: ignore[no-untyped-def]
-        """One upstream call under its stage's stall deadlines, feeding them what it observes:
-        a stream its first token and gaps; a blocking answer of n tokens is allowed the
-        first-token deadline plus n inter-token ones (unbounded without max_tokens)."""
+        """One upstream call under its stage's stall deadlines, feeding them what it observes
+        (a stream its first token and gaps, P/D's prefill call its answer). Silence past a
+        deadline asks the pod for a sign of life (``liveness``); a blocking answer is silent
+        until its last token, so it is asked every first-token deadline while it lasts."""
         first, gap = self._deadline(stage, "first_token"), self._deadline(stage, "inter_token")
         url = pod.url + turn.endpoint
         if fn is open_stream:
             reply = await self._unless_stalled(pod.name, open_watched_stream(
                 self.http, pod.name, url, body, turn.upstream_headers, first, gap,
-                on_gap=lambda s: self.stalls.observe(stage, "inter_token", s)))
+                on_gap=lambda s: self.stalls.observe(stage, "inter_token", s),
+                alive=self._alive(pod, stage)))
             if reply.is_success and reply.first_token_s is not None:
                 self.stalls.observe(stage, "first_token", reply.first_token_s)
             return reply
         n = body.get("max_completion_tokens", body.get("max_tokens"))
-        deadline = first + gap * n if isinstance(n, int) and n > 0 else None
         t0 = time.perf_counter()
         reply = await self._unless_stalled(pod.name, post_watched(
-            self.http, pod.name, url, body, turn.upstream_headers, deadline))
+            self.http, pod.name, url, body, turn.upstream_headers, first,
+            self._alive(pod, stage)))
         if stage == "prefill" and n == 1 and reply.is_success:  # P/D's prefill call
             self.stalls.observe(stage, "first_token", time.perf_counter() - t0)
         return reply
+
+    def _alive(self, pod: Candidate, stage: str) -> Callable[[], Awaitable[bool]]:
+        """Asked when a call to ``pod`` has gone silent past its deadline: does the pod still
+        answer a probe? Counted by answer, so a pool busier than its deadlines shows."""
+        async def alive() -> bool:
+            answered = await self.liveness.answers(pod.url)
+            self.metrics.silent_probes.labels(stage, "answered" if answered else "silent").inc()
+            return answered
+        return alive
 
     async def _unless_stalled(self, pod: str, call: Coroutine[Any, Any, T]) -> T:
         """``call``, unless another turn finds ``pod`` stalled first: then ``Stalled`` at once.

@@ -154,14 +154,16 @@ class ProxySettings(BaseModel):
     stall_decode_inter_token_s: float | None = Field(default=None, gt=0)
     stall_multiple: float = Field(default=5.0, ge=1)
     stall_first_token_floor_s: float = Field(default=5.0, gt=0)
-    # An inter-token stall mostly cuts a stream the caller already reads (its tokens cannot be
-    # taken back), and a busy pod's decodes legitimately wait out other requests' prefill
-    # steps: 2-3.5 s on vLLM-CPU in the main job, where a 2 s floor cut three streams of the
-    # baselines' pods. Only a pod silent far longer than any step is called stalled mid-stream.
-    stall_inter_token_floor_s: float = Field(default=30.0, gt=0)
-    stall_first_token_initial_s: float = Field(default=30.0, gt=0)
-    stall_inter_token_initial_s: float = Field(default=30.0, gt=0)
+    # A deadline only raises the question; the pod's silence to a probe answers it (liveness),
+    # so a busy pod's decodes waiting out other requests' prefill steps (2-3.5 s on vLLM-CPU
+    # in the main job) cost a probe, not the stream. The floor keeps those probes rare.
+    stall_inter_token_floor_s: float = Field(default=5.0, gt=0)
+    stall_first_token_initial_s: float = Field(default=10.0, gt=0)
+    stall_inter_token_initial_s: float = Field(default=10.0, gt=0)
     stall_min_samples: int = Field(default=20, ge=1)
+    stall_probe_timeout_s: float = Field(
+        default=2.0, gt=0, description="Seconds a pod has to answer GET /v1/models when a "
+        "turn finds it silent past a stall deadline (and when a stalled pod is probed).")
     probe_interval_s: float = Field(
         default=1.0, gt=0, description="Seconds between GET /v1/models probes of a stalled "
         "pod (it routes again once it answers).")

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -24,6 +24,10 @@ _JSON = {"content-type": "application/json"}
 
 # What a failing worker or connection raises, before or during a streamed answer.
 UPSTREAM_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, asyncio.TimeoutError)
+
+# Does the pod still answer (``liveness``)? Asked when a call has been silent past its deadline.
+Liveness = Callable[[], Awaitable[bool]]
+T = TypeVar("T")
 
 
 def new_session(timeout_s: float, connect_timeout_s: float) -> aiohttp.ClientSession:
@@ -52,8 +56,9 @@ class Stalled(UpstreamFailed):
 
 
 class InterTokenStall(asyncio.TimeoutError):
-    """A stream's next line did not come within its inter-token deadline (one of
-    ``UPSTREAM_ERRORS``: a stream that stalls ends as one whose pod died)."""
+    """A stream's next line did not come within its inter-token deadline and its pod did not
+    answer a probe (one of ``UPSTREAM_ERRORS``: a stream that stalls ends as one whose pod
+    died)."""
 
     def __init__(self, pod: str, deadline_s: float) -> None:
         super().__init__(f"{pod}: stalled: no token within {deadline_s:.3g}s")
@@ -81,20 +86,53 @@ class Reply:
         return loads(self.content)
 
 
+class PodSilent(Exception):
+    """A call's answer did not come within its deadline and the pod did not answer a probe."""
+
+    def __init__(self, waited_s: float) -> None:
+        super().__init__(f"silent for {waited_s:.3g}s")
+        self.waited_s = waited_s
+
+
+async def unless_silent(call: Awaitable[T], silence_s: float, alive: Liveness | None) -> T:
+    """``call``'s result. Each time ``silence_s`` passes without it, ``alive`` is asked: while
+    the pod answers, the call gets another ``silence_s``; when it does not (or there is no
+    ``alive``), ``PodSilent``. The call is cancelled unless it finished."""
+    task = asyncio.ensure_future(call)
+    t0 = time.perf_counter()
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=silence_s)
+            if done:
+                return task.result()
+            answered = alive is not None and await alive()
+            if task.done():  # the answer came while the probe was out
+                return task.result()
+            if not answered:
+                raise PodSilent(time.perf_counter() - t0)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+
 class StreamReply:
     """A worker's answer whose body is still to be read, line by line. With an inter-token
-    deadline, a line that does not come in time raises ``InterTokenStall``; ``on_gap`` is told
-    each gap between two ``data:`` lines (the latencies the adaptive deadlines follow)."""
+    deadline, a line that does not come in time while the pod answers no probe (``alive``)
+    raises ``InterTokenStall``; ``on_gap`` is told each gap between two ``data:`` lines (the
+    latencies the adaptive deadlines follow)."""
 
     def __init__(self, resp: aiohttp.ClientResponse, pod: str = "",
                  inter_token_s: float | None = None,
-                 on_gap: Callable[[float], None] | None = None) -> None:
+                 on_gap: Callable[[float], None] | None = None,
+                 alive: Liveness | None = None) -> None:
         self._resp = resp
         self.status_code = resp.status
         self.headers: Mapping[str, str] = resp.headers
         self.pod = pod
         self.inter_token_s = inter_token_s
         self.on_gap = on_gap
+        self.alive = alive
         self.first_token_s: float | None = None  # from the request to the first data line
         self._early: list[str] = []  # lines read before the body was handed on
         self._lines: AsyncIterator[str] | None = None
@@ -125,7 +163,8 @@ class StreamReply:
 
     async def aiter_lines(self) -> AsyncIterator[str]:
         """Lines without their ``\n`` / ``\r\n``; raises ``UPSTREAM_ERRORS`` if the worker
-        goes away mid-stream, ``InterTokenStall`` if it goes silent past the deadline."""
+        goes away mid-stream (the client's own timeout included), ``InterTokenStall`` if it
+        goes silent past the deadline and answers no probe."""
         for line in self._early:
             yield line
         self._early = []
@@ -136,14 +175,11 @@ class StreamReply:
                 if self.inter_token_s is None:
                     line = await anext(lines)
                 else:
-                    line = await asyncio.wait_for(anext(lines), self.inter_token_s)
+                    line = await unless_silent(anext(lines), self.inter_token_s, self.alive)
             except StopAsyncIteration:
                 return
-            except TimeoutError:  # the deadline's, or the client's own timeout
-                if self.inter_token_s is None or \
-                        time.perf_counter() - last < self.inter_token_s:
-                    raise
-                raise InterTokenStall(self.pod, self.inter_token_s) from None
+            except PodSilent as silent:
+                raise InterTokenStall(self.pod, silent.waited_s) from None
             if line.startswith("data:"):
                 now = time.perf_counter()
                 if self.on_gap is not None and line[5:].strip() != "[DONE]":
@@ -194,25 +230,27 @@ async def open_stream(client: aiohttp.ClientSession, pod: str, url: str, body: d
 
 
 async def post_watched(client: aiohttp.ClientSession, pod: str, url: str, body: dict[str, Any],
-                       headers: Mapping[str, str] | None, deadline_s: float | None) -> Reply:
-    """``post_json``, or ``Stalled`` when the whole answer takes longer than ``deadline_s``
-    (a blocking answer shows no token before its last)."""
-    if deadline_s is None:
-        return await post_json(client, pod, url, body, headers)
+                       headers: Mapping[str, str] | None, silence_s: float,
+                       alive: Liveness | None) -> Reply:
+    """``post_json``, or ``Stalled`` when the answer has not come within ``silence_s`` and
+    the pod answers no probe (``unless_silent``). A blocking answer shows no token before its
+    last, so however long it takes, only the pod's silence to a probe moves it."""
     try:  # post_json turns the client's own timeouts into UpstreamFailed: this one is ours
-        return await asyncio.wait_for(post_json(client, pod, url, body, headers), deadline_s)
-    except TimeoutError:
-        raise Stalled(pod, "first_token", deadline_s) from None
+        return await unless_silent(post_json(client, pod, url, body, headers), silence_s, alive)
+    except PodSilent as silent:
+        raise Stalled(pod, "first_token", silent.waited_s) from None
 
 
 async def open_watched_stream(client: aiohttp.ClientSession, pod: str, url: str,
                               body: dict[str, Any], headers: Mapping[str, str] | None,
                               first_token_s: float, inter_token_s: float,
-                              on_gap: Callable[[float], None] | None = None) -> StreamReply:
-    """``open_stream`` that also reads up to the first token, within ``first_token_s``
-    (``Stalled`` past it), and whose later lines must come within ``inter_token_s``. Nothing
-    has reached the caller when it returns, so any failure up to the first token -- a pod
-    that dies, one that stalls -- can still move the turn to another pod unseen."""
+                              on_gap: Callable[[float], None] | None = None,
+                              alive: Liveness | None = None) -> StreamReply:
+    """``open_stream`` that also reads up to the first token, ``Stalled`` when it has not come
+    within ``first_token_s`` and the pod answers no probe; its later lines are watched the
+    same way with ``inter_token_s``. Nothing has reached the caller when it returns, so any
+    failure up to the first token -- a pod that dies, one that stalls -- can still move the
+    turn to another pod unseen."""
     t0 = time.perf_counter()
     opened: list[StreamReply] = []
 
@@ -228,15 +266,15 @@ async def open_watched_stream(client: aiohttp.ClientSession, pod: str, url: str,
         return reply
 
     try:
-        reply = await asyncio.wait_for(first_token(), first_token_s)
+        reply = await unless_silent(first_token(), first_token_s, alive)
     except BaseException as exc:
         for r in opened:
             r.abort()
-        if isinstance(exc, asyncio.TimeoutError):
-            raise Stalled(pod, "first_token", first_token_s) from None
+        if isinstance(exc, PodSilent):
+            raise Stalled(pod, "first_token", exc.waited_s) from None
         raise
     reply.first_token_s = time.perf_counter() - t0
-    reply.inter_token_s, reply.on_gap = inter_token_s, on_gap
+    reply.inter_token_s, reply.on_gap, reply.alive = inter_token_s, on_gap, alive
     return reply
 
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import base64
 import collections
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import urllib.parse

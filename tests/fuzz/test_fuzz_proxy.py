@@ -5,9 +5,9 @@ The proxy passes a turn's body on to a worker, which validates it; the proxy's s
 workers' request models plus ``agent_memory``) cannot know the model's vocabulary or context,
 so a 400 with code ``token_id_out_of_vocabulary`` or ``context_length_exceeded`` is the one
 answer a schema-valid turn may get (st_hooks.py), besides ``empty_conversation``: a Responses
-request whose input holds only reasoning items and continues nothing. After the run: every process is alive, a
-greedy turn through the proxy still gives the worker's own tokens, and the sessions the
-memory hooks wrote read back as chunk hashes.
+request whose input holds only reasoning items and continues nothing. After the run: every
+process is alive, a greedy turn through the proxy still gives the worker's own tokens, and the
+sessions the memory hooks wrote read back as chunk hashes.
 """
 
 from __future__ import annotations

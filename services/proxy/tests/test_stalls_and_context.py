@@ -120,14 +120,66 @@ def test_flags_and_env_reach_the_policy(monkeypatch):
 
 # ------------------------------------------------------------------ deadlines on real sockets
 
-def test_a_silent_pod_misses_its_first_token_and_a_stream_that_stops_its_next_one():
-    """Real HTTP on loopback: a server that takes the request and never answers (a stopped
-    process), and one that sends a first token then goes silent."""
+def _pod_server(answers_probes: bool, first_token_after_s: float | None,
+                then_silent: bool = False, tokens: int = 3, gap_s: float = 0.0):
+    """A pod on a raw socket: ``GET /v1/models`` answered at once when ``answers_probes`` (a
+    busy pod's API process) or never (a stopped one); a completion's first token after
+    ``first_token_after_s`` (None: never), then ``tokens - 1`` more ``gap_s`` apart (or
+    nothing more when ``then_silent``)."""
+    import asyncio
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"GET /v1/models"):
+            if not answers_probes:
+                await asyncio.sleep(30)
+            body = b'{"data": []}'
+            writer.write(b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: %d\r\n"
+                         b"\r\n%s" % (len(body), body))
+            await writer.drain()
+            writer.close()
+            return
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length")))
+        await reader.readexactly(length)
+        if first_token_after_s is None:
+            await asyncio.sleep(30)
+        await asyncio.sleep(first_token_after_s)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")
+        for i in range(1 if then_silent else tokens):
+            if i:
+                await asyncio.sleep(gap_s)
+            event = b'data: {"choices": [{"text": "a"}]}\n\n'
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+        if then_silent:
+            await asyncio.sleep(30)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    return handle
+
+
+async def _serve(handler):  # type: ignore[no-untyped-def]
+    import asyncio
+
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    return server, f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+def test_a_stopped_pod_is_stalled_a_busy_one_is_waited_for_at_any_speed():
+    """Real HTTP on loopback. Deadlines of 0.3 s, far shorter than the busy pod's 1.2 s first
+    token and 0.8 s gaps: the busy pod answers its probes, so neither its stream nor its
+    blocking answer is cut; the stopped pod answers no probe and is stalled, blocking or
+    streaming, first token or mid-stream."""
     import asyncio
     import time
 
     import aiohttp
 
+    from agentserving.proxy.liveness import PodLiveness, http_probe
     from agentserving.proxy.upstream import (
         InterTokenStall,
         Stalled,
@@ -135,42 +187,87 @@ def test_a_silent_pod_misses_its_first_token_and_a_stream_that_stops_its_next_on
         post_watched,
     )
 
-    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        await asyncio.sleep(30)
-
-    async def one_token(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await reader.readuntil(b"\r\n\r\n")
-        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                     b"transfer-encoding: chunked\r\n\r\n")
-        event = b'data: {"choices": [{"text": "a"}]}\n\n'
-        writer.write(b"%x\r\n%s\r\n" % (len(event), event))
-        await writer.drain()
-        await asyncio.sleep(30)
-
     async def go() -> None:
-        servers = [await asyncio.start_server(h, "127.0.0.1", 0) for h in (silent, one_token)]
-        hang, stop = (f"http://127.0.0.1:{s.sockets[0].getsockname()[1]}/v1/completions"
-                      for s in servers)
+        stopped, stopped_url = await _serve(_pod_server(False, None))
+        busy, busy_url = await _serve(_pod_server(True, 1.2, tokens=3, gap_s=0.8))
+        halted, halted_url = await _serve(_pod_server(False, 0.05, then_silent=True))
+        probes: list[str] = []
         gaps: list[float] = []
         async with aiohttp.ClientSession() as http:
+            async def probe(url: str) -> bool:
+                probes.append(url)
+                return await http_probe(http, url, 0.3)
+
+            liveness = PodLiveness(probe, fresh_s=0.05)
+
+            def alive(url: str):  # type: ignore[no-untyped-def]
+                return lambda: liveness.answers(url)
+
             t0 = time.perf_counter()
             with pytest.raises(Stalled) as first:
-                await open_watched_stream(http, "p", hang, {}, None, 0.3, 0.3)
+                await open_watched_stream(http, "p", stopped_url + "/v1/completions", {}, None,
+                                          0.3, 0.3, alive=alive(stopped_url))
             assert first.value.kind == "first_token" and first.value.pod == "p"
-            with pytest.raises(Stalled):
-                await post_watched(http, "p", hang, {}, None, 0.3)
-            assert time.perf_counter() - t0 < 2.0
-            reply = await open_watched_stream(http, "q", stop, {}, None, 2.0, 0.3,
-                                              on_gap=gaps.append)
-            assert reply.first_token_s is not None and reply.first_token_s < 2.0
-            lines = []
+            with pytest.raises(Stalled):  # blocking, no max_tokens: its silence moves it
+                await post_watched(http, "p", stopped_url + "/v1/completions", {}, None, 0.3,
+                                   alive(stopped_url))
+            assert time.perf_counter() - t0 < 3.0  # two deadlines and two probe timeouts
+            assert probes.count(stopped_url) == 2
+
+            reply = await open_watched_stream(http, "b", busy_url + "/v1/completions", {},
+                                              None, 0.3, 0.3, on_gap=gaps.append,
+                                              alive=alive(busy_url))
+            assert reply.first_token_s is not None and reply.first_token_s >= 1.2
+            lines = [line async for line in reply.aiter_lines() if line.startswith("data:")]
+            assert len(lines) == 3 and len(gaps) == 2 and min(gaps) >= 0.7
+            await reply.aclose()
+            blocking = await post_watched(http, "b", busy_url + "/v1/completions", {}, None,
+                                          0.3, alive(busy_url))
+            assert blocking.is_success and blocking.content.count(b"data:") == 3
+            assert probes.count(busy_url) >= 4  # asked each time it was silent, and answered
+
+            reply = await open_watched_stream(http, "h", halted_url + "/v1/completions", {},
+                                              None, 2.0, 0.3, alive=alive(halted_url))
+            seen = []
             with pytest.raises(InterTokenStall) as later:
                 async for line in reply.aiter_lines():
-                    lines.append(line)
-            assert later.value.pod == "q" and lines[0].startswith("data:")
+                    seen.append(line)
+            assert later.value.pod == "h" and seen[0].startswith("data:")
             reply.abort()
-        for s in servers:
-            s.close()
+            # without a way to ask the pod, silence alone decides (as with no liveness at all)
+            with pytest.raises(Stalled):
+                await post_watched(http, "b", busy_url + "/v1/completions", {}, None, 0.3, None)
+        for server in (stopped, busy, halted):
+            server.close()
+
+    asyncio.run(go())
+
+
+def test_pod_liveness_shares_one_probe_per_pod_and_trusts_an_answer_briefly():
+    import asyncio
+
+    from agentserving.proxy.liveness import PodLiveness
+
+    calls: list[str] = []
+    now = [0.0]
+    answers = {"a": True, "b": False}
+
+    async def probe(url: str) -> bool:
+        calls.append(url)
+        await asyncio.sleep(0.05)
+        return answers[url]
+
+    async def go() -> None:
+        live = PodLiveness(probe, fresh_s=1.0, clock=lambda: now[0])
+        assert await asyncio.gather(*(live.answers("a") for _ in range(5))) == [True] * 5
+        assert calls == ["a"]  # five silent turns, one probe
+        now[0] = 0.5
+        assert await live.answers("a") and calls == ["a"]  # still fresh
+        now[0] = 1.6
+        answers["a"] = False  # stopped since
+        assert not await live.answers("a") and calls == ["a", "a"]
+        assert not await live.answers("a") and calls == ["a", "a", "a"]  # silence is not kept
+        assert not any(await asyncio.gather(live.answers("b"), live.answers("b")))
+        assert calls.count("b") == 1
 
     asyncio.run(go())

@@ -644,6 +644,9 @@ class MemoryPinResult(BaseModel):
     num_missing: int = Field(default=0, description="Chunks no tier holds (not an error).")
     num_refused: int = Field(default=0, description="Chunks past the pod's pin bound "
                              "(its --pin-share of DRAM): left to the tiers' own eviction.")
+    num_pinned_kv_server: int | None = Field(
+        default=None, description="Chunks the KV server the pod hands P/D KV through pinned "
+        "or extended too; null when the pod has none or it could not be asked.")
 
 
 class MemoryUnpinRequest(Strict):
@@ -652,6 +655,9 @@ class MemoryUnpinRequest(Strict):
 
 class MemoryUnpinResult(BaseModel):
     num_unpinned: int = Field(description="Pins given back (the chunks stay, evictable again).")
+    num_unpinned_kv_server: int | None = Field(
+        default=None, description="Pins the pod's KV server gave back too; null when the pod "
+        "has none or it could not be asked.")
 
 
 class MemoryChunks(BaseModel):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import urllib.parse
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import httpx
@@ -97,6 +97,18 @@ class DeviceTier(Protocol):
     def release(self, chunk_hashes: Sequence[str], evict: bool) -> None: ...
 
     def device_chunks(self) -> list[str]: ...  # the chunks its blocks still hold
+
+
+class KvServerTier(Protocol):
+    """The KV server a pod hands P/D KV through, reached by chunk hash
+    (``engine.vllm.handoff.KvServerVerbs``): each verb answers the server's count, or None
+    when it could not be asked."""
+
+    async def evict(self, chunk_hashes: Sequence[str]) -> int | None: ...
+
+    async def pin(self, chunk_hashes: Sequence[str], ttl_s: float) -> int | None: ...
+
+    async def unpin(self, chunk_hashes: Sequence[str]) -> int | None: ...
 
 
 class PrefetchProgress(Protocol):
@@ -248,14 +260,13 @@ def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
                           announced: Callable[[], Callable[[MemoryPrefetchRequest], bool] | None]
                           = lambda: None,
                           device: Callable[[], DeviceTier | None] = lambda: None,
-                          server_evict: Callable[[list[str]], Awaitable[int | None]] | None
-                          = None) -> FastAPI:
+                          kv_server: KvServerTier | None = None) -> FastAPI:
     """``announced()``: the pod scheduler's taker of announced requests (a prefetch with
     ``expected_in_s``), None while it has none; when it takes one, the read waits for it.
     ``device()``: the engine's own KV pool as a tier (vLLM's prefix cache), which an unpin
     and an evict of every tier reach too; None when the engine has none.
-    ``server_evict``: drops chunks from the KV server the pod hands KV through (P/D), which an
-    evict of every tier reaches too; None when the pod has none."""
+    ``kv_server``: the KV server the pod hands KV through (P/D), which an evict of every tier,
+    a pin and an unpin reach too; None when the pod has none."""
     # every route forwards: an engine process's error comes back as it is (5xx: 503)
     app = FastAPI(title="AgentServing worker memory API", version="v1",
                   responses=error_responses(503))
@@ -304,8 +315,8 @@ def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
         parts = [MemoryEvictResult.model_validate(r)
                  for r in await fanout.call("POST", "/memory/evict", req)]
         missing = set.intersection(*(set(p.missing) for p in parts)) if parts else set()
-        on_server = (await server_evict(req.chunk_hashes)
-                     if server_evict is not None and req.locations is None else None)
+        on_server = (await kv_server.evict(req.chunk_hashes)
+                     if kv_server is not None and req.locations is None else None)
         return MemoryEvictResult(num_evicted=sum(p.num_evicted for p in parts),
                                  num_missing=len(missing),
                                  missing=[h for h in req.chunk_hashes if h in missing],
@@ -315,8 +326,11 @@ def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
     async def pin(req: MemoryPinRequest) -> MemoryPinResult:
         parts = [MemoryPinResult.model_validate(r)
                  for r in await fanout.call("POST", "/memory/pin", req)]
-        return MemoryPinResult(**{f: sum(getattr(p, f) for p in parts)
-                                  for f in MemoryPinResult.model_fields})
+        on_server = (await kv_server.pin(req.chunk_hashes, req.ttl_s)
+                     if kv_server is not None else None)
+        return MemoryPinResult(num_pinned_kv_server=on_server, **{
+            f: sum(getattr(p, f) for p in parts)
+            for f in ("num_pinned", "num_extended", "num_missing", "num_refused")})
 
     @app.post("/memory/unpin", response_model=MemoryUnpinResult, responses=error_responses(413))
     async def unpin(req: MemoryUnpinRequest) -> MemoryUnpinResult:
@@ -324,7 +338,10 @@ def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
             pool.release(req.chunk_hashes, evict=False)
         parts = [MemoryUnpinResult.model_validate(r)
                  for r in await fanout.call("POST", "/memory/unpin", req)]
-        return MemoryUnpinResult(num_unpinned=sum(p.num_unpinned for p in parts))
+        on_server = (await kv_server.unpin(req.chunk_hashes)
+                     if kv_server is not None else None)
+        return MemoryUnpinResult(num_unpinned=sum(p.num_unpinned for p in parts),
+                                 num_unpinned_kv_server=on_server)
 
     @app.get("/memory/chunks", response_model=MemoryChunks)
     async def chunks() -> MemoryChunks:

@@ -47,7 +47,7 @@ def start_kvserver(capacity_bytes: int = 1 << 20, **settings: object) -> KvServe
     another (``lm_port``); stop with ``.http.stop()``."""
     lm_port = free_port()
     cfg = KvServerSettings(port=lm_port, log_level="warning", **settings)  # type: ignore[arg-type]
-    store = BlobStore(capacity_bytes)
+    store = BlobStore(capacity_bytes, cfg.pin_share)
     return KvServer(ThreadedServer(create_app(cfg, store)), lm_port, store)
 
 

@@ -233,6 +233,37 @@ def test_a_closed_pd_session_leaves_both_pods_kv_servers(vllm_fleet: VllmFleet) 
         assert not hashes & {h for v in listing["chunks"].values() for h in v}, pod
 
 
+def pinned_on_server(fleet: VllmFleet, pod: str) -> set[str]:
+    url = fleet.spec(f"kvserver-{pod}").url
+    listing = httpx.get(f"{url}/v1/chunks", params={"limit": 10000}, timeout=10).json()
+    return {c["chunk_hash"] for c in listing["chunks"] if c["pinned"]}
+
+
+def test_a_pinned_pd_session_is_pinned_in_the_kv_server_it_was_handed_through(
+        vllm_fleet: VllmFleet) -> None:
+    """The pods' pin fan-out reaches the KV server the prefill pod wrote the session's KV to:
+    a P/D turn asking for a pin leaves its chunks pinned there (out of the server's LRU for
+    the TTL), and the pod's unpin gives them back."""
+    prompt = prompt_ids(23, 1300)
+    r = httpx.post(vllm_fleet.proxy + "/v1/completions", timeout=bound(120),
+                   headers={"x-session-id": "pd-pinned"},
+                   json={"model": "tiny", "prompt": prompt, "max_tokens": 2, "temperature": 0,
+                         "agent_memory": {"pin_ttl_s": 120}})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-agentserving-pd"] == "disaggregated"
+    hashes = r.json()["kv_transfer_params"]["chunk_hashes"]
+    assert set(hashes) <= server_chunks(vllm_fleet, "prefill-0")
+    # the pin goes out after the turn, through the kvindex to the pods, and on to the server
+    wait_until("the session's chunks pinned in prefill-0's KV server",
+               lambda: set(hashes) <= pinned_on_server(vllm_fleet, "prefill-0"), 30)
+    metrics = httpx.get(vllm_fleet.spec("kvserver-prefill-0").url + "/metrics", timeout=10).text
+    assert 'agentserving_kvserver_chunks_by_pin{pinned="true"}' in metrics
+    out = post(vllm_fleet.memory_url("prefill-0"), "/memory/unpin", {"chunk_hashes": hashes})
+    assert out["num_unpinned_kv_server"] == len(hashes), out
+    assert not set(hashes) & pinned_on_server(vllm_fleet, "prefill-0")
+    post(vllm_fleet.memory_url("decode-0"), "/memory/unpin", {"chunk_hashes": hashes})
+
+
 def _evict(fleet: VllmFleet, hashes: list[str], locations: list[str] | None = None) -> dict:
     body: dict[str, object] = {"chunk_hashes": hashes}
     if locations is not None:

@@ -2,9 +2,10 @@
 on the same event loop, over one ``BlobStore``.
 
 HTTP routes: ``/healthz``, ``/metrics``, ``GET /v1/chunks`` (what is held), ``POST
-/memory/evict`` (the pods' memory-API evict, by chunk hash), ``POST /v1/export`` (the peer
-side of a pull: the blobs of some chunks as a record stream, ``records``) and ``POST
-/v1/pull`` (fetch chunks from another KV server's export, ``pull``).
+/memory/evict``, ``POST /memory/pin`` and ``POST /memory/unpin`` (the pods' memory-API verbs,
+by chunk hash, with the pods' bodies), ``POST /v1/export`` (the peer side of a pull: the blobs
+of some chunks as a record stream, ``records``) and ``POST /v1/pull`` (fetch chunks from
+another KV server's export, ``pull``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ from prometheus_client import CollectorRegistry
 
 from agentserving.core.internal_auth import auth_headers
 from agentserving.core.logging import get_logger
-from agentserving.core.schemas import POD_EVICT_LOCATIONS, ErrorResponse, MemoryEvictRequest
+from agentserving.core.schemas import (
+    POD_EVICT_LOCATIONS,
+    ErrorResponse,
+    MemoryEvictRequest,
+    MemoryPinRequest,
+    MemoryPinResult,
+    MemoryUnpinRequest,
+    MemoryUnpinResult,
+)
 from agentserving.core.service import (
     ApiError,
     error_responses,
@@ -79,7 +88,7 @@ def _check_locations(locations: list[str] | None) -> None:
 
 
 def create_app(settings: KvServerSettings, store: BlobStore | None = None) -> FastAPI:
-    store = BlobStore(settings.capacity_bytes) if store is None else store
+    store = BlobStore(settings.capacity_bytes, settings.pin_share) if store is None else store
     registry = CollectorRegistry()
     metrics = KvServerMetrics(registry, store)
 
@@ -120,10 +129,13 @@ def create_app(settings: KvServerSettings, store: BlobStore | None = None) -> Fa
     async def chunks(offset: int = Query(0, ge=0),
                      limit: int = Query(1000, ge=1, le=MAX_LISTING)) -> ChunkListing:
         total, page = store.listing(offset, limit)
+        held = store.held_by_pin()
         return ChunkListing(
             total_chunks=total, offset=offset, used_bytes=store.used_bytes,
-            capacity_bytes=store.capacity_bytes,
-            chunks=[ChunkInfo(chunk_hash=e.chunk, keys=e.keys, bytes=e.bytes) for e in page])
+            capacity_bytes=store.capacity_bytes, pinned_chunks=held.pinned_chunks,
+            pinned_bytes=held.pinned_bytes,
+            chunks=[ChunkInfo(chunk_hash=e.chunk, keys=e.keys, bytes=e.bytes, pinned=e.pinned)
+                    for e in page])
 
     @app.post("/memory/evict", response_model=KvEvictResult, tags=["chunks"],
               responses=error_responses(413),
@@ -139,6 +151,28 @@ def create_app(settings: KvServerSettings, store: BlobStore | None = None) -> Fa
         return KvEvictResult(num_evicted=len(done.chunks), num_keys=len(done.keys),
                              freed_bytes=done.freed_bytes, num_missing=len(done.missing),
                              missing=done.missing)
+
+    @app.post("/memory/pin", response_model=MemoryPinResult, tags=["chunks"],
+              responses=error_responses(413), response_model_exclude={"num_pinned_kv_server"},
+              summary="Keep these chunks out of the LRU for ttl_s, within the pin share (the "
+                      "pods' memory-API pin, fanned out for the KV they hand through here).")
+    async def pin(req: MemoryPinRequest) -> MemoryPinResult:
+        _check_size(req.chunk_hashes, settings.max_batch_chunks)
+        done = store.pin(req.chunk_hashes, req.ttl_s)
+        for outcome in ("pinned", "extended", "missing"):
+            if n := getattr(done, outcome):
+                metrics.pins.labels(outcome).inc(n)
+        return MemoryPinResult(num_pinned=done.pinned, num_extended=done.extended,
+                               num_missing=done.missing)
+
+    @app.post("/memory/unpin", response_model=MemoryUnpinResult, tags=["chunks"],
+              responses=error_responses(413), response_model_exclude={"num_unpinned_kv_server"},
+              summary="Give these chunks' pins back: they stay, evictable again.")
+    async def unpin(req: MemoryUnpinRequest) -> MemoryUnpinResult:
+        _check_size(req.chunk_hashes, settings.max_batch_chunks)
+        released = store.unpin(req.chunk_hashes)
+        metrics.pins.labels("unpinned").inc(released)
+        return MemoryUnpinResult(num_unpinned=released)
 
     @app.post("/v1/export", tags=["peers"], responses={
         **error_responses(413),

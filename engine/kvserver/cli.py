@@ -16,11 +16,15 @@ setting = settings_option(KvServerSettings)
 @setting("--port", type=click.IntRange(0, 65535),
          help="LMCache protocol port: what LMCACHE_REMOTE_URL=lm://HOST:PORT names.")
 @setting("--api-port", type=click.IntRange(0, 65535),
-         help="HTTP API port: /healthz, /metrics, /v1/chunks, /memory/evict, /v1/export, "
-              "/v1/pull, /docs.")
+         help="HTTP API port: /healthz, /metrics, /v1/chunks, /memory/evict, /memory/pin, "
+              "/memory/unpin, /v1/export, /v1/pull, /docs.")
 @setting("--max-gib", type=click.FloatRange(min=0, min_open=True),
          help="The byte bound, GiB of KV payload: a PUT past it evicts the least recently used "
               "keys; a single value larger than all of it is refused.")
+@setting("--pin-share", type=click.FloatRange(0, 1),
+         help="Share of the bound that pinned chunks (POST /memory/pin, the pods' pin fan-out) "
+              "may hold out of the LRU; pinned bytes past it are evicted as any others, and "
+              "pins never refuse room for a PUT.")
 @setting("--pull-timeout", "pull_timeout_s", type=click.FloatRange(min=0, min_open=True),
          help="Seconds a POST /v1/pull may take when its body names no timeout_s.")
 @setting("--max-batch-chunks", type=click.IntRange(min=1),

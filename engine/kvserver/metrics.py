@@ -26,6 +26,18 @@ class KvServerMetrics:
         )
         for name, doc, read in gauges:
             Gauge(f"{PREFIX}_{name}", doc, registry=registry).set_function(read)
+        by_pin = {"chunks": Gauge(f"{PREFIX}_chunks_by_pin", "Chunk hashes held, by pin state.",
+                                  ["pinned"], registry=registry),
+                  "bytes": Gauge(f"{PREFIX}_bytes_by_pin", "Payload bytes held, by pin state.",
+                                 ["pinned"], registry=registry)}
+        for state in ("true", "false"):
+            for what, gauge in by_pin.items():
+                field = f"{'pinned' if state == 'true' else 'unpinned'}_{what}"
+                gauge.labels(state).set_function(
+                    lambda field=field: getattr(store.held_by_pin(), field))
+        self.pins = Counter(f"{PREFIX}_pins_total", "Pin requests per chunk by outcome "
+                            "(pinned, extended, missing: not held here), and unpins.",
+                            ["outcome"], registry=registry)
         self.commands = Counter(f"{PREFIX}_commands_total",
                                 "LMCache protocol commands answered.", ["command"],
                                 registry=registry)

@@ -60,6 +60,7 @@ class ChunkInfo(BaseModel):
     chunk_hash: str
     keys: list[str]
     bytes: int
+    pinned: bool = Field(description="Pinned now: passed over by the LRU within the pin share.")
 
 
 class ChunkListing(BaseModel):
@@ -68,3 +69,5 @@ class ChunkListing(BaseModel):
     chunks: list[ChunkInfo] = Field(description="Sorted by chunk hash.")
     used_bytes: int
     capacity_bytes: int
+    pinned_chunks: int = Field(description="Chunks pinned now (of all held, not of the page).")
+    pinned_bytes: int

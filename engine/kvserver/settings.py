@@ -13,6 +13,8 @@ class KvServerSettings(BaseModel):
     port: int = Field(default=65432, ge=0, le=65535, description="LMCache protocol port.")
     api_port: int = Field(default=65433, ge=0, le=65535, description="HTTP API port.")
     max_gib: float = Field(default=2.0, gt=0, description="The byte bound, GiB.")
+    pin_share: float = Field(default=0.5, ge=0, le=1, description="Share of the bound pinned "
+                             "chunks may hold out of the LRU.")
     pull_timeout_s: float = Field(default=30.0, gt=0)
     max_batch_chunks: int = Field(default=65536, gt=0)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, gt=0)

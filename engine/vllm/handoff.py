@@ -156,18 +156,42 @@ class HandoffPuller:
         self._client.close()
 
 
-async def evict_on_server(server_api: str, chunk_hashes: Sequence[str],
-                          token: str | None = None, timeout_s: float = 5.0) -> int | None:
-    """Drop chunks from the KV server the pod hands KV through (a close, a context change):
-    the count it dropped, None when it could not be asked (the pod's own tiers were evicted
-    all the same; the server's LRU reclaims the rest)."""
-    try:
-        async with httpx.AsyncClient(timeout=timeout_s, headers=auth_headers(token)) as client:
-            resp = await client.post(f"{server_api.rstrip('/')}/memory/evict",
-                                     json={"chunk_hashes": list(chunk_hashes)})
-            resp.raise_for_status()
-            return int(resp.json().get("num_evicted", 0))
-    except (httpx.HTTPError, ValueError) as exc:
-        log.warning("kv_server_evict_failed", server=server_api, chunks=len(chunk_hashes),
-                    error=repr(exc)[:300])
-        return None
+class KvServerVerbs:
+    """The pod's memory-API verbs that reach the KV server it hands KV through, so the KV a
+    session left there follows its pod's pins and evictions: an evict of every tier (a close,
+    a context change) drops it, a pin keeps it from the server's LRU for the TTL, an unpin
+    gives that back. Each answers the count the server reports, or None when it could not be
+    asked (the pod's own tiers were served all the same; the server's LRU reclaims the
+    rest)."""
+
+    def __init__(self, server_api: str, token: str | None = None,
+                 timeout_s: float = 5.0) -> None:
+        self.server_api = server_api.rstrip("/")
+        self.token = token
+        self.timeout_s = timeout_s
+
+    async def evict(self, chunk_hashes: Sequence[str]) -> int | None:
+        return await self._post("evict", {"chunk_hashes": list(chunk_hashes)}, "num_evicted")
+
+    async def pin(self, chunk_hashes: Sequence[str], ttl_s: float) -> int | None:
+        """Chunks pinned or extended on the server."""
+        answer = await self._post("pin", {"chunk_hashes": list(chunk_hashes), "ttl_s": ttl_s})
+        return None if answer is None else int(answer.get("num_pinned", 0)) + int(
+            answer.get("num_extended", 0))
+
+    async def unpin(self, chunk_hashes: Sequence[str]) -> int | None:
+        return await self._post("unpin", {"chunk_hashes": list(chunk_hashes)}, "num_unpinned")
+
+    async def _post(self, verb: str, body: dict[str, Any], count: str | None = None
+                    ) -> Any:
+        try:
+            async with httpx.AsyncClient(timeout=self.timeout_s,
+                                         headers=auth_headers(self.token)) as client:
+                resp = await client.post(f"{self.server_api}/memory/{verb}", json=body)
+                resp.raise_for_status()
+                answer = resp.json()
+                return answer if count is None else int(answer.get(count, 0))
+        except (httpx.HTTPError, ValueError, AttributeError) as exc:
+            log.warning(f"kv_server_{verb}_failed", server=self.server_api,
+                        chunks=len(body["chunk_hashes"]), error=repr(exc)[:300])
+            return None

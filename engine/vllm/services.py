@@ -45,7 +45,7 @@ from agentserving.engine.memory_api import (
 )
 from agentserving.engine.reporter import Change, KvindexReporter, ResidencyBook
 
-from .handoff import evict_on_server
+from .handoff import KvServerVerbs
 from .hashes import ChunkHashCache
 from .settings import ConnectorSettings
 from .step_times import StepClock, merge_summaries
@@ -308,8 +308,7 @@ class SchedulerServices:
         app = forwarding_memory_app(
             fanout, self.backends, s.internal_token, announced=lambda: self.announced,
             device=lambda: self.device,
-            server_evict=(lambda hashes: evict_on_server(server, hashes, s.internal_token))
-            if server else None)
+            kv_server=KvServerVerbs(server, s.internal_token) if server else None)
         # this process's reuse counters (prompt tokens, device-tier hits: ``reuse``)
         install_metrics_route(app, REGISTRY)
         if self.finished is not None:

@@ -213,3 +213,33 @@ def test_a_bad_or_cut_export_stream_is_a_502_and_stores_only_whole_records(
     assert len(target.store) == 1  # the cut stream's first record, whole
     (key,) = target.store.lru_keys()
     assert target.store.get(key).data == put[key]
+
+
+def test_pinned_chunks_survive_lmcache_puts_and_are_reported_by_pin_state(kvserver_factory,
+                                                                         lm_client_factory):
+    """LMCache's own client fills a server of four chunks' room; two pinned chunks (half the
+    bound, the default share) outlive the puts that evict every other old chunk."""
+    server = kvserver_factory(capacity_bytes=4 * CHUNK_BYTES)
+    client = lm_client_factory(server.lm_port)
+    old = [0x10 + i for i in range(4)]
+    fill(client, old)
+    pinned = [wire_hash(old[0]), wire_hash(old[1])]
+    r = httpx.post(f"{server.url}/memory/pin",
+                   json={"chunk_hashes": [*pinned, "beef"], "ttl_s": 60})
+    assert r.status_code == 200, r.text
+    assert r.json() == {"num_pinned": 2, "num_extended": 0, "num_missing": 1, "num_refused": 0}
+    fill(client, [0x20 + i for i in range(3)])  # three new chunks: room made by the LRU
+    assert [client.exists(client.key(h)) for h in old] == [True, True, False, False]
+    listing = httpx.get(f"{server.url}/v1/chunks").json()
+    assert (listing["pinned_chunks"], listing["pinned_bytes"]) == (2, 2 * CHUNK_BYTES)
+    assert sorted(c["chunk_hash"] for c in listing["chunks"] if c["pinned"]) == sorted(pinned)
+    assert server.metric("agentserving_kvserver_chunks_by_pin", 'pinned="true"') == 2
+    assert server.metric("agentserving_kvserver_bytes_by_pin",
+                         'pinned="false"') == 2 * CHUNK_BYTES
+    assert server.metric("agentserving_kvserver_pins_total", 'outcome="missing"') == 1
+    r = httpx.post(f"{server.url}/memory/unpin", json={"chunk_hashes": pinned[:1]})
+    assert r.json() == {"num_unpinned": 1}
+    fill(client, [0x30])  # the unpinned one is the oldest again: it goes first
+    assert [client.exists(client.key(h)) for h in old[:2]] == [False, True]
+    bad = httpx.post(f"{server.url}/memory/pin", json={"chunk_hashes": ["ab"], "ttl_s": -1})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "ttl_s"

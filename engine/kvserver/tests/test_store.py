@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from agentserving.engine.kvserver.store import Blob, BlobStore
+from agentserving.engine.kvserver.store import Blob, BlobStore, HeldByPin, PinResult
 
 
 def blob(key: str, size: int, chunk: str | None = None) -> Blob:
@@ -102,3 +102,44 @@ def test_concurrent_puts_keep_the_books_straight():
 def test_capacity_must_be_positive():
     with pytest.raises(ValueError, match="capacity_bytes"):
         BlobStore(0)
+
+
+def test_pinned_chunks_survive_the_lru_within_their_share_and_give_way_past_it():
+    now = [0.0]
+    store = BlobStore(1000, pin_share=0.3, clock=lambda: now[0])
+    for key in ("a/0", "b/0", "c/0", "d/0", "e/0"):  # a is the least recently used
+        store.put(blob(key, 200))
+    assert store.pin(["a", "b", "zz"], ttl_s=10) == PinResult(pinned=2, missing=1)
+    assert store.held_by_pin() == HeldByPin(2, 400, 3, 600)
+    # 400 pinned bytes are past the 300 of the share: the oldest pinned (a) goes as any other
+    store.put(blob("f/0", 200))
+    assert not store.contains("a/0") and store.contains("b/0")
+    # b (200) is within the share now: the LRU passes over it, c goes
+    store.put(blob("g/0", 200))
+    assert store.contains("b/0") and not store.contains("c/0")
+    assert store.lru_keys()[0] == "b/0" and store.pinned("b")
+    assert store.pin(["b"], ttl_s=20).extended == 1
+    now[0] = 15.0  # past the first TTL, within the extension
+    store.put(blob("h/0", 200))
+    assert store.contains("b/0") and not store.contains("d/0")
+    now[0] = 20.0  # lapsed: b is the oldest and goes first
+    store.put(blob("i/0", 200))
+    assert not store.contains("b/0") and store.held_by_pin().pinned_chunks == 0
+
+
+def test_pins_never_refuse_room_and_unpin_or_eviction_gives_them_back():
+    store = BlobStore(400, pin_share=1.0)
+    for key in ("a/0", "b/0"):
+        store.put(blob(key, 200))
+    assert store.pin(["a", "b"], ttl_s=60).pinned == 2
+    result = store.put(blob("c/0", 300))  # only pinned blobs left: they go, oldest first
+    assert result.stored and result.evicted_keys == 2 and store.lru_keys() == ["c/0"]
+    assert store.held_by_pin().pinned_chunks == 0  # gone with their chunks
+    store.put(blob("d/0", 100))
+    assert store.pin(["c", "d"], ttl_s=60).pinned == 2
+    assert store.unpin(["c", "zz"]) == 1 and not store.pinned("c") and store.pinned("d")
+    entries = {e.chunk: e.pinned for e in store.listing()[1]}
+    assert entries == {"c": False, "d": True}
+    assert store.evict_chunks(["d"]).chunks == ["d"] and not store.pinned("d")
+    with pytest.raises(ValueError):
+        BlobStore(100, pin_share=1.5)

@@ -1,7 +1,8 @@
 """The vLLM pods' side of point-to-point P/D against real KV servers (plain Python, no vLLM): a
 decode rank reads a prompt's chunks from the prefill pod's server into its own LMCache DRAM tier
 (``PeerPull`` behind ``POST /memory/pull``, over real HTTP), the decode pod's ``HandoffPuller``
-asks for it once per request, and the pods' evict (``evict_on_server``) reaches a server."""
+asks for it once per request, and the pods' evict, pin and unpin (``KvServerVerbs``) reach a
+server."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import asyncio
 
 from fastapi import FastAPI
 
-from agentserving.engine.vllm.handoff import SOURCE_PARAM, HandoffPuller, evict_on_server
+from agentserving.engine.vllm.handoff import SOURCE_PARAM, HandoffPuller, KvServerVerbs
 from agentserving.engine.vllm.hashes import wire_hash
 from agentserving.engine.vllm.peer_pull import PeerPull, pull_router
 from testkit.kvserver import CHUNK_BYTES
@@ -62,5 +63,10 @@ def test_a_decode_rank_reads_a_prompts_chunks_from_the_prefill_pods_server(
         puller.close()
         api.stop()
         peer.close()
-    assert asyncio.run(evict_on_server(prefill.url, hashes[:2])) == 2
+    verbs = KvServerVerbs(prefill.url)
+    assert asyncio.run(verbs.pin(hashes[1:], 60)) == 2 and prefill.store.pinned(hashes[2])
+    assert asyncio.run(verbs.unpin(hashes[1:2])) == 1 and not prefill.store.pinned(hashes[1])
+    assert asyncio.run(verbs.evict(hashes[:2])) == 2
     assert prefill.store.num_chunks == 1 and prefill.store.has_chunk(hashes[2])
+    gone = KvServerVerbs(f"http://127.0.0.1:{free_port()}", timeout_s=1)
+    assert asyncio.run(gone.pin(hashes, 60)) is None  # the pod's own pins are not held up

@@ -5,6 +5,7 @@ conftest.py). Nothing here is mocked."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -367,6 +368,57 @@ def _restored_from_dram(fleet: VllmFleet, pod: str, prompt: list[int]) -> tuple[
     same_output(first, restored, SPLIT_TOL)  # against the recompute: greedy tokens equal
     steps = httpx.get(mem + "/memory/steps", params={"since": since}, timeout=10).json()
     return restored, steps["pod"]
+
+
+def _fallbacks(fleet: VllmFleet, cause: str) -> float:
+    """worker-0's KV fallbacks of ``cause``, counted in its worker process (rank 0)."""
+    worker = fleet.memory_url("worker-0").rsplit(":", 1)
+    text = httpx.get(f"{worker[0]}:{int(worker[1]) + 1}/metrics", timeout=10).text
+    line = f'agentserving_kv_fallbacks_total{{cause="{cause}"}} '
+    return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(line))
+
+
+def _flip_first_byte(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(bytes([data[0] ^ 0xFF]) + data[1:])
+
+
+@pytest.mark.parametrize(("cause", "harm"), [
+    ("disk_missing", Path.unlink),
+    ("disk_truncated", lambda p: os.truncate(p, p.stat().st_size // 2)),
+    ("disk_corrupt", _flip_first_byte),
+])
+def test_a_harmed_disk_chunk_is_recomputed_with_the_same_tokens(vllm_fleet: VllmFleet,
+                                                                 cause: str, harm) -> None:
+    """worker-0's session KV only on its disk tier, and its files harmed under the pod
+    (deleted, truncated, one byte flipped): the next turn is answered, its tokens and logprobs
+    those of the recompute, the fallback counted by cause. Without the checks a truncated or
+    corrupt chunk reaches vLLM's pages as KV (wrong tokens); without the recompute policy a
+    chunk LMCache could not read fails the request."""
+    url = vllm_fleet.url("worker-0")
+    prompt = prompt_ids(31, 1300)
+    first = completion(url, prompt)
+    hashes = first["kv_transfer_params"]["chunk_hashes"]
+    _on_disk(vllm_fleet, hashes)
+    _evict(vllm_fleet, hashes, ["LocalCPUBackend"])
+    files = sorted(p for p in (vllm_fleet.run_dir / "disk" / "worker-0").rglob("*")
+                   if p.is_file())
+    assert len(files) >= len(hashes), files  # the session's chunks (the fleet was clean)
+    for path in files:
+        harm(path)
+    before = _fallbacks(vllm_fleet, cause)
+    reset_prefix_cache(url)
+    again = completion(url, prompt)
+    same_output(first, again)
+    assert _fallbacks(vllm_fleet, cause) >= before + 1
+    log = vllm_fleet.log("worker-0").read_text(errors="replace")
+    assert "Recovered from KV load failure" in log
+    # the harmed chunks left the tier and nothing computed beside them was stored: whatever
+    # the pod serves the prompt from next (what the recompute stored, or a recompute), it
+    # is exact
+    reset_prefix_cache(url)
+    same_output(first, completion(url, prompt))
+    _evict(vllm_fleet, hashes)
 
 
 def test_a_layerwise_restore_equals_a_whole_one_and_waits_per_layer(

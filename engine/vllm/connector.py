@@ -64,8 +64,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from agentserving.core.logging import get_logger
 from agentserving.core.schemas import PodRole, Tier
+from agentserving.engine.kv.layer_load import LoadFailed
 
-from . import paged_cpu, reuse, salting
+from . import paged_cpu, reuse, salting, verified_disk
+from .fallbacks import fell_back
 from .handoff import HandoffPuller, advertised_source, with_source
 from .hashes import (
     ChunkHashCache,
@@ -93,6 +95,7 @@ log = get_logger(__name__)
 # vLLM imports this module in every process that builds a connector
 paged_cpu.install()
 salting.install()
+verified_disk.install()
 
 
 _OBSERVER: Any = None
@@ -152,6 +155,7 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         else:
             self._as_steps = StepClock(on_step=_step_observer())
             self._maybe_start_worker_services()
+            self._watch_load_failures()
 
     # ---------------------------------------------------------------- scheduler side
     def _start_scheduler_services(self, vllm_config: Any) -> None:
@@ -236,6 +240,38 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
                                                            request_configs=configs))
 
     # ---------------------------------------------------------------- worker side
+    def _watch_load_failures(self) -> None:
+        """Learn which requests' loads failed this step (``fallbacks``): LMCache records the
+        blocks of a retrieve that came back short; a failed layer copy is reported here."""
+        self._as_failed_loads: set[str] = set()
+        impl = self._lmcache_engine
+        record = getattr(impl, "record_failed_blocks", None)
+        if record is None:
+            return
+
+        def recorded(request_id: str, *args: Any, **kwargs: Any) -> Any:
+            self._as_failed_loads.add(str(request_id))
+            fell_back("load_incomplete", request=str(request_id))
+            return record(request_id, *args, **kwargs)
+
+        impl.record_failed_blocks = recorded
+
+    def _layer_copy_failed(self, paged: paged_cpu.VLLMCPUPagedConnector, exc: Exception
+                           ) -> None:
+        """A layer-wise copy failed: its blocks go to vLLM as not loaded (recomputed, with the
+        recompute policy), and the step's loading requests store nothing it computed."""
+        invalid = getattr(self._lmcache_engine, "_invalid_block_ids", None)
+        if invalid is None:
+            raise exc
+        if not paged.load_blocks <= invalid:
+            invalid.update(paged.load_blocks)
+            meta = self._get_connector_metadata()
+            loading = [str(r.req_id) for r in getattr(meta, "requests", ())
+                       if getattr(r, "load_spec", None) is not None]
+            self._as_failed_loads.update(loading)
+            fell_back("layer_copy", requests=loading, blocks=len(paged.load_blocks),
+                      error=repr(exc)[:300])
+
     def _maybe_start_worker_services(self) -> None:
         if self._as_worker is not None or not self._as_settings.memory_api:
             return
@@ -303,9 +339,9 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         try:
             idx = self._as_layer_index.get(layer_name)
             return paged.finish() if idx is None else paged.wait_layer(idx)
-        except Exception:
-            log.exception("layerwise_kv_load_failed", layer=layer_name)
-            raise
+        except LoadFailed as exc:  # the forward goes on; vLLM discards its output
+            self._layer_copy_failed(paged, exc)
+            return True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._as_steps is None:
@@ -323,9 +359,8 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
             return
         try:
             paged.finish()
-        except Exception:
-            log.exception("layerwise_kv_load_failed", layer=None)
-            raise
+        except LoadFailed as exc:
+            self._layer_copy_failed(paged, exc)
 
     def wait_for_save(self) -> None:
         if self._as_steps is not None:
@@ -334,6 +369,7 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
             self._as_steps.end()  # the forward is over; the stores are not its time
         else:
             self._finish_layerwise()
+        self._store_nothing_of_failed_loads()
         super().wait_for_save()
         if self._as_settings.pod_role is PodRole.PREFILL:  # the hand-off is done when we answer
             engine = self._lmcache_engine.lmcache_engine
@@ -344,6 +380,18 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
             if not flush_remote_puts(engine.storage_manager, self._as_barrier,
                                      self._as_settings.handoff_timeout_s):
                 log.warning("remote_puts_pending", timeout_s=self._as_settings.handoff_timeout_s)
+
+    def _store_nothing_of_failed_loads(self) -> None:
+        """A request whose load failed this step attended to blocks that were never filled:
+        the KV it computed is not the prompt's and must not reach LMCache under the prompt's
+        keys (vLLM discards the step's output and recomputes from the first failed block)."""
+        failed = getattr(self, "_as_failed_loads", None)
+        if not failed:
+            return
+        for request in getattr(self._get_connector_metadata(), "requests", ()):
+            if str(request.req_id) in failed:
+                request.save_spec = None
+        failed.clear()
 
     def shutdown(self) -> Any:
         try:  # LMCache's memory objects go back before its engine closes

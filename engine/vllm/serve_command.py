@@ -223,8 +223,11 @@ def kv_transfer_config(settings: WorkerSettings) -> dict[str, object]:
                      kv_pull_timeout_s=settings.kv_pull_timeout_s)
     if settings.kvindex_url:
         extra["kvindex_url"] = settings.kvindex_url
+    # a KV load that fails (a tier read, a layer copy: fallbacks) recomputes its blocks;
+    # vLLM's default fails the request
     return {"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE,
-            "kv_role": "kv_both", "kv_connector_extra_config": extra}
+            "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": extra}
 
 
 def build(settings: WorkerSettings, environ: dict[str, str] | None = None) -> ServeCommand:

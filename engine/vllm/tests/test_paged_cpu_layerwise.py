@@ -144,11 +144,13 @@ def test_finish_waits_for_every_layer_and_releases_the_objects(engine) -> None:
 
 
 def test_a_failed_copy_raises_in_the_forward_and_still_releases(engine) -> None:
+    """The connector catches the raise and reports ``load_blocks`` to vLLM as not loaded."""
     eng, paged = engine
     source, tokens, slots = _cache(seed=3), list(range(40, 72)), _slots([0, 1, 2, 3])
     outside = slots + BLOCKS * BLOCK  # slots past the cache: the copy itself fails
     objs, held = _queue_stored(eng, paged, tokens, source, slots, _cache(0.0), outside)
     paged.start_layer_load()
+    assert paged.load_blocks == {int(b) for b in torch.unique(outside // BLOCK).tolist()}
     with pytest.raises(LoadFailed):
         paged.wait_layer(0)
     with pytest.raises(LoadFailed):

@@ -109,6 +109,9 @@ def _drop(backend: Any, key: Any, path: str) -> None:
         pass
 
 
+_WRAPPED = ("write_file", "read_file", "load_bytes_from_disk", "remove")
+
+
 def install() -> None:
     """Wrap ``LocalDiskBackend``'s file reads and writes (once per process)."""
     from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend as Backend
@@ -160,7 +163,18 @@ def install() -> None:
             records.forget(meta.path)
         return remove(self, key, *args, **kwargs)
 
+    Backend._agentserving_originals = {name: getattr(Backend, name) for name in _WRAPPED}
     Backend.write_file, Backend.read_file = write_checked, read_checked
     Backend.load_bytes_from_disk, Backend.remove = load_or_none, remove_and_forget
     Backend._agentserving_verified = True
-    Backend._agentserving_records = records
+
+
+def uninstall() -> None:
+    """LMCache's own methods back (a test process that also runs LMCache unchecked)."""
+    from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend as Backend
+
+    if not getattr(Backend, "_agentserving_verified", False):
+        return
+    for name, method in Backend._agentserving_originals.items():
+        setattr(Backend, name, method)
+    Backend._agentserving_verified = False

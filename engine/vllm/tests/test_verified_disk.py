@@ -17,7 +17,14 @@ from agentserving.engine.vllm.fallbacks import FALLBACKS
 
 from .conftest import CHUNK, random_kv, until
 
-verified_disk.install()
+
+@pytest.fixture(autouse=True, scope="module")
+def checked_disk_reads():
+    """The checks on LMCache's class for this module only: the reference engine's store, in
+    the same test process, keeps LMCache's own reads (and its own checksums)."""
+    verified_disk.install()
+    yield
+    verified_disk.uninstall()
 
 
 def fallbacks(cause: str) -> float:

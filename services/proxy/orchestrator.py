@@ -686,9 +686,8 @@ class Orchestrator:
 
     async def _unless_stalled(self, pod: str, call: Coroutine[Any, Any, T]) -> T:
         """``call``, unless another turn finds ``pod`` stalled first: then ``Stalled`` at once.
-        A blocking answer shows no token before its last, so its own deadline is long (a
-        first token plus one gap per token); the first stream to miss its first token on the
-        same pod moves it sooner."""
+        Every turn waiting on a pod that another turn's probe found stopped moves at once,
+        without waiting out its own deadline and probe."""
         signal = self._stall_signals.setdefault(pod, asyncio.Event())
         task, waiter = asyncio.ensure_future(call), asyncio.ensure_future(signal.wait())
         t0 = time.perf_counter()

@@ -83,6 +83,9 @@ PinTtl = Annotated[float, Field(gt=0, le=MAX_PIN_TTL_S), BeforeValidator(_wire_n
 # The pin a turn asks its vLLM pod for, in vLLM's extension args (``vllm_xargs``): the proxy
 # sends it, the pod's scheduler keeps the turn's blocks that long (engine.vllm.device_kv).
 PIN_TTL_XARG = "agentserving_pin_ttl_s"
+# Where a turn's prompt tokens came from (device, DRAM, disk, KV server, computed) and how long
+# its loads held it, in a vLLM pod's answer's ``kv_transfer_params`` (engine.vllm.prompt_sources).
+PROMPT_SOURCES_PARAM = "prompt_sources"
 # A cache TTL as Anthropic's API and Dynamo's nvext spell it ('30s', '5m', '1h') or seconds.
 TTL_PATTERN = r"^[1-9][0-9]*[smh]$"
 _TTL = re.compile(TTL_PATTERN)

@@ -12,7 +12,8 @@ that implements the ``forced_output_token_ids`` extension):
   as ``x-agentserving-next-tool``, which the proxy's tool-gap predictor uses);
 - the server streams SSE ``data:`` chunks (``choices[0].text``), then a chunk with ``usage``
   (``prompt_tokens``, ``completion_tokens``, ``prompt_tokens_details.cached_tokens``) and
-  ``data: [DONE]``; ``kv_transfer_params.chunk_hashes`` may come on any chunk;
+  ``data: [DONE]``; ``kv_transfer_params.chunk_hashes`` and ``.prompt_sources`` (a vLLM pod
+  with AgentServing's connector: where the prompt's tokens came from) may come on any chunk;
 - ``x-agentserving-*`` response headers (``-prefill-pod``, ``-decode-pod``) say where it ran.
 
 Timing: root sessions arrive at their trace start times (``start_s``, scaled by ``time_scale``)
@@ -41,6 +42,7 @@ import numpy as np
 
 from agentserving.core.hashing import DEFAULT_CHUNK_SIZE
 from agentserving.core.openai_protocol import sse_data
+from agentserving.core.schemas import PROMPT_SOURCES_PARAM
 from agentserving.replay.ideal import ideal_hit
 from agentserving.replay.metrics import summarize
 from agentserving.replay.stats import reference_usage
@@ -105,6 +107,9 @@ class TurnRecord:
     output_digest: str = ""
     n_chunk_hashes: int | None = None
     chunk_hashes_digest: str | None = None
+    # where the prompt's tokens came from and how long its loads took, as the pod that
+    # prefilled it said (kv_transfer_params.prompt_sources; None from a pod that does not)
+    prompt_sources: dict[str, Any] | None = None
 
 
 @dataclass
@@ -378,6 +383,8 @@ class Replayer:
                                 rec.cached_tokens = int(details["cached_tokens"])
                                 rec.cached_reported = True
                         params = _find_kv_params(obj)
+                        if params and isinstance(params.get(PROMPT_SOURCES_PARAM), dict):
+                            rec.prompt_sources = params[PROMPT_SOURCES_PARAM]
                         if params and isinstance(params.get("chunk_hashes"), list):
                             hashes = [str(h) for h in params["chunk_hashes"]]
                             rec.n_chunk_hashes = len(hashes)

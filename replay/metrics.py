@@ -29,6 +29,14 @@ Definitions (all over one replay run):
   completed of their first turn's start to their last turn's end (pauses included).
 - ``forced_mismatches``: completed turns whose output was not the forced one (by the returned
   token ids where the server sent them, else by their count).
+- ``prompt_sources`` over ``sourced_turns``, the completed turns whose pod said where their
+  prompt came from (``kv_transfer_params.prompt_sources``: vLLM pods with AgentServing's
+  connector; not vLLM alone, nor the reference worker): prompt tokens by source (``device``,
+  ``cpu``, ``disk``, ``remote``, ``computed``), summed; ``kv_load_s``, the time their loads
+  held their steps; ``disk_read_critical_s``, the part of it spent reading the disk tier, over
+  ``disk_read_turns``, the turns that read any token from disk when they ran (a turn whose KV
+  was prefetched to DRAM before it ran reads none); ``fell_back_turns``, whose load failed
+  and were recomputed.
 - ``by_source.<source>`` (turns whose session names a ``meta.source``): ``turns``,
   ``prefix_hit_rate``, ``ideal_hit_rate`` (the records' ``ideal_cached_tokens`` over their
   prompt tokens), ``hit_vs_ideal``, ``e2e_p50_s``, ``e2e_p95_s``; where the trace carries
@@ -138,6 +146,27 @@ def summarize(records: Iterable[Mapping[str, Any]], *, sessions_planned: int,
         "makespan_s": makespan,
         "errors": _error_counts(records),
         "by_source": by_source(records),
+        **prompt_sources(ok),
+    }
+
+
+def prompt_sources(ok: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Where the completed turns' prompt tokens came from, as their pods reported it."""
+    sourced = [r["prompt_sources"] for r in ok if isinstance(r.get("prompt_sources"), dict)]
+    tokens: dict[str, int] = {}
+    for src in sourced:
+        for source, n in (src.get("tokens") or {}).items():
+            tokens[source] = tokens.get(source, 0) + int(n)
+    from_disk = [src for src in sourced if int((src.get("tokens") or {}).get("disk", 0)) > 0]
+    return {
+        "sourced_turns": len(sourced),
+        "prompt_sources": tokens if sourced else None,
+        "kv_load_s": sum(float(src.get("load_s") or 0.0) for src in sourced)
+        if sourced else None,
+        "disk_read_turns": len(from_disk),
+        "disk_read_critical_s": sum(float(src.get("disk_read_s") or 0.0) for src in sourced)
+        if sourced else None,
+        "fell_back_turns": sum(1 for src in sourced if src.get("fell_back")),
     }
 
 

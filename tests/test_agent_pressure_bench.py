@@ -14,10 +14,11 @@ SID = "s"
 PAUSES = {(SID, 1): 1.5, (SID, 2): 45.0, (SID, 3): 45.0}  # the pause before each turn
 
 
-def _summary(jct: float, human: float | None, failed: int = 0) -> dict:
+def _summary(jct: float, human: float | None, failed: int = 0, disk_s: float | None = None
+             ) -> dict:
     return {"mean_jct_s": jct, "ttft_p50_after_human_pause_s": human, "e2e_p95_s": jct / 2,
             "branch_start_ttft_p90_s": 1.0, "turns_failed": failed, "forced_mismatches": 0,
-            "req_per_s": 2.0, "hit_vs_ideal": 0.9}
+            "req_per_s": 2.0, "hit_vs_ideal": 0.9, "disk_read_critical_s": disk_s}
 
 
 def _run(root: Path, repeats: list[dict[str, dict]]) -> None:
@@ -37,9 +38,12 @@ def _run(root: Path, repeats: list[dict[str, dict]]) -> None:
 def test_the_bench_reports_medians_with_their_spread_and_judges_targets_on_them(
         tmp_path, monkeypatch):
     _run(tmp_path, [
-        {"agentserving": _summary(10.0, 1.0), "llmd": _summary(20.0, 4.0)},
-        {"agentserving": _summary(30.0, None, failed=1), "llmd": _summary(25.0, 5.0)},
-        {"agentserving": _summary(12.0, 3.0), "llmd": _summary(21.0, 3.0)}])
+        {"agentserving": _summary(10.0, 1.0, disk_s=0.5), "llmd": _summary(20.0, 4.0),
+         "agentserving-noprefetch": _summary(11.0, 2.0, disk_s=4.0)},
+        {"agentserving": _summary(30.0, None, failed=1, disk_s=1.5), "llmd": _summary(25.0, 5.0),
+         "agentserving-noprefetch": _summary(11.0, 2.0, disk_s=5.0)},
+        {"agentserving": _summary(12.0, 3.0, disk_s=0.9), "llmd": _summary(21.0, 3.0),
+         "agentserving-noprefetch": _summary(11.0, 2.0, disk_s=6.0)}])
     monkeypatch.setattr(bench, "trace_pauses", lambda: PAUSES)
     out = bench.result(tmp_path, "agentserving compare ...", 12.5)
     cand, llmd = out["configs"]["agentserving"], out["configs"]["llmd"]
@@ -50,8 +54,12 @@ def test_the_bench_reports_medians_with_their_spread_and_judges_targets_on_them(
     # a repeat without the figure is left out of its median, not counted as zero
     assert cand["median"]["ttft_p50_after_human_pause_s"] == 2.0
     assert cand["median"]["failed_turns"] == 0 and cand["max"]["failed_turns"] == 1
-    assert cand["median"]["disk_read_critical_s"] is None and "disk_read_critical_s" in out[
-        "not_measured"]
+    # disk reads on the critical path: 0.9 s against 5.0 s, at most x0.2
+    assert cand["median"]["disk_read_critical_s"] == 0.9
+    assert llmd["median"]["disk_read_critical_s"] is None  # its pods said nothing of it
+    disk = [t for t in out["targets"] if t["figure"] == "disk_read_critical_s"]
+    assert disk[0]["against"] == "agentserving-noprefetch"
+    assert disk[0]["ratio"] == pytest.approx(0.18) and disk[0]["met"]
     targets = {(t["figure"], t["against"]): t for t in out["targets"]}
     jct = targets[("mean_jct_s", "llmd")]
     assert jct["ratio"] == pytest.approx(12.0 / 21.0, abs=1e-3) and jct["met"]

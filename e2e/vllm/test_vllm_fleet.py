@@ -283,6 +283,17 @@ def _on_disk(fleet: VllmFleet, hashes: list[str]) -> None:
                lambda: set(hashes) <= _chunks(fleet).get("disk", set()), 10)
 
 
+def sources(answer: dict) -> dict:
+    """Where the answer's prompt came from, as its pod reported it (``prompt_sources``)."""
+    return answer["kv_transfer_params"]["prompt_sources"]
+
+
+def tokens_from(answer: dict, **nonzero: int) -> None:
+    """The answer's prompt tokens by source are ``nonzero``, every other source 0."""
+    want = {"device": 0, "cpu": 0, "disk": 0, "remote": 0, "computed": 0, **nonzero}
+    assert sources(answer)["tokens"] == want, sources(answer)
+
+
 def test_restore_from_every_tier_equals_recompute(vllm_fleet: VllmFleet) -> None:
     url = vllm_fleet.url("worker-0")
     prompt = prompt_ids(21, 2600)
@@ -290,12 +301,20 @@ def test_restore_from_every_tier_equals_recompute(vllm_fleet: VllmFleet) -> None
     hashes = first["kv_transfer_params"]["chunk_hashes"]
     assert hashes == cli_chunk_hashes(prompt, vllm_fleet.none_hash)
     n = len(hashes) * CHUNK
+    tokens_from(first, computed=len(prompt))
     # restored from DRAM (vLLM's own cache reset): the reference for every restore below
     reset_prefix_cache(url)
     before = vllm_metrics(url)
     from_dram = completion(url, prompt)
     assert delta(before, vllm_metrics(url), EXTERNAL) == n
     same_output(first, from_dram, SPLIT_TOL)
+    # each turn says where its prompt came from, as its worker measured the load
+    tokens_from(from_dram, cpu=n, computed=len(prompt) - n)
+    assert sources(from_dram)["load_s"] > 0 and sources(from_dram)["disk_read_s"] == 0
+    # a request that loads and finishes in one step (a P/D prefill) still gets its load's
+    # figures: they reach vLLM's scheduler before it frees the request (load_log)
+    reset_prefix_cache(url)
+    tokens_from(completion(url, prompt, max_tokens=1), cpu=n, computed=len(prompt) - n)
 
     # evicted from every tier and from vLLM's own prefix cache: recomputed, identical
     _on_disk(vllm_fleet, hashes)
@@ -310,6 +329,7 @@ def test_restore_from_every_tier_equals_recompute(vllm_fleet: VllmFleet) -> None
     assert delta(before, after, EXTERNAL) == 0
     assert delta(before, after, COMPUTED) == len(prompt)
     same_output(first, recomputed)
+    tokens_from(recomputed, computed=len(prompt))
 
     # evicted from DRAM only: the KV comes back from disk, identical
     _on_disk(vllm_fleet, hashes)
@@ -322,6 +342,8 @@ def test_restore_from_every_tier_equals_recompute(vllm_fleet: VllmFleet) -> None
     after = vllm_metrics(url)
     assert delta(before, after, EXTERNAL) == n
     same_output(from_dram, from_disk)
+    tokens_from(from_disk, disk=n, computed=len(prompt) - n)
+    assert 0 < sources(from_disk)["disk_read_s"] <= sources(from_disk)["load_s"]
     # worker-0's disk tier reads past the page cache (--disk-io direct), every chunk aligned
     log = vllm_fleet.log("worker-0").read_text()
     assert "Using O_DIRECT for disk I/O: True" in log and "Cannot use O_DIRECT" not in log
@@ -410,6 +432,7 @@ def test_a_harmed_disk_chunk_is_recomputed_with_the_same_tokens(vllm_fleet: Vllm
     reset_prefix_cache(url)
     again = completion(url, prompt)
     same_output(first, again)
+    assert sources(again)["fell_back"] is True  # and the turn says so
     # the read failed (its cause), so LMCache's retrieve came back short (load_incomplete):
     # the connector saw which request, and kept what that step computed out of LMCache
     for c, n in before.items():
@@ -647,7 +670,9 @@ def test_a_forced_output_comes_back_token_for_token_and_serves_the_next_turn(
 
 
 def test_a_forced_output_streams_unchanged_through_pd(vllm_fleet: VllmFleet) -> None:
-    """Through the proxy, the prefill pod forces the first token and the decode pod the rest."""
+    """Through the proxy, the prefill pod forces the first token and the decode pod the rest;
+    the stream's end says where the prompt came from: the prefill pod, which computed it (the
+    decode pod's own figures, the hand-off it pulled, are not the turn's)."""
     forced = _forced(73, 24)
     with httpx.stream("POST", vllm_fleet.proxy + "/v1/completions", timeout=bound(120),
                       headers={"x-session-id": "forced-pd"},
@@ -657,8 +682,14 @@ def test_a_forced_output_streams_unchanged_through_pd(vllm_fleet: VllmFleet) -> 
         assert r.status_code == 200
         assert r.headers["x-agentserving-pd"] == "disaggregated"
         ids: list[int] = []
+        params: list[dict] = []
         for line in r.iter_lines():
             if line.startswith("data: {"):
-                for choice in json.loads(line[6:]).get("choices") or []:
+                event = json.loads(line[6:])
+                params += [event["kv_transfer_params"]] if "kv_transfer_params" in event else []
+                for choice in event.get("choices") or []:
                     ids += choice.get("token_ids") or []
     assert ids == forced
+    turn = [kv["prompt_sources"] for kv in params]
+    assert turn and all(src == turn[0] for src in turn), turn  # the finishing and usage events
+    assert turn[0]["tokens"]["computed"] == 2600, turn[0]

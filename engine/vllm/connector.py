@@ -20,7 +20,10 @@ adds, as LMCache-Ascend does on NPUs (seed 000):
   storage manager in this process (``storage.LMCacheStorageBackend``), started once LMCache's
   engine exists (after ``register_kv_caches``).
 - both: prompt-token reuse by tier and tenant (``reuse``): prompt tokens and vLLM's own
-  prefix-cache hits (device) in the scheduler, LMCache's cpu/disk/remote loads in rank 0.
+  prefix-cache hits (device) in the scheduler, LMCache's cpu/disk/remote loads in rank 0; and
+  per turn: rank 0's loads of the step go to the scheduler as worker metadata (``load_log``)
+  and each answer's ``kv_transfer_params.prompt_sources`` says where its prompt came from
+  (``prompt_sources``).
 - worker role, ``layerwise_load`` (default on): LMCache's retrieve in ``start_load_kv`` only
   queues the copy into vLLM's pages (``paged_cpu``); it runs layer by layer on a thread, and
   ``wait_for_layer_load(layer)``, which vLLM calls before each layer's attention, waits for that
@@ -63,19 +66,20 @@ from lmcache.integration.vllm.lmcache_connector_v1 import LMCacheConnectorV1Dyna
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from agentserving.core.logging import get_logger
+from agentserving.core.schemas import PROMPT_SOURCES_PARAM as SOURCES_KEY
 from agentserving.core.schemas import PodRole, Tier
 from agentserving.engine.kv.layer_load import LoadFailed
 
-from . import paged_cpu, reuse, salting, verified_disk
+from . import load_log, paged_cpu, reuse, salting, verified_disk
 from .fallbacks import fell_back
 from .handoff import HandoffPuller, advertised_source, with_source
 from .hashes import (
     ChunkHashCache,
+    FinishedParams,
     RecordingTokenDatabase,
     external_request_id,
     finished_hashes,
     install_recorder,
-    merge_chunk_hashes,
     prompt_tokens,
 )
 from .peer_pull import PeerPull, pull_router
@@ -96,6 +100,8 @@ log = get_logger(__name__)
 paged_cpu.install()
 salting.install()
 verified_disk.install()
+load_log.install_disk_clock()
+load_log.install_early_ingest()
 
 
 _OBSERVER: Any = None
@@ -117,7 +123,8 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         self._as_settings = parse_settings(ktc.kv_connector_extra_config, os.environ)
         self._as_role = role
         self._as_hashes = ChunkHashCache()
-        self._as_finished = ChunkHashCache(4096)  # wire hashes of finished requests
+        # what finished requests' kv_transfer_params add (chunk hashes, prompt sources)
+        self._as_finished = FinishedParams(4096)
         self._as_recorder: RecordingTokenDatabase | None = None
         self._as_scheduler: SchedulerServices | None = None
         self._as_worker: WorkerServices | None = None
@@ -127,6 +134,7 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         # prompt tokens and device-tier hits by tenant, counted here (scheduler role); the
         # LMCache tiers' by the worker role's rank 0 (_maybe_start_worker_services)
         self._as_reuse: reuse.SchedulerReuse | None = None
+        self._as_loads = load_log.LoadLog()  # worker role, rank 0: the step's loads
         # the worker's steps: KV wait on the critical path vs forward time (step_times)
         self._as_steps: StepClock | None = None
         # point-to-point P/D (handoff): this pod's own KV server as peers reach it, the
@@ -191,6 +199,17 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
         with self._as_recorder.recording(request.request_id):
             return super().get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def agentserving_take_loads(self, meta: load_log.LoadsMeta) -> None:
+        """A step's load records from the worker, before vLLM frees the requests that finished
+        in that step (``load_log.install_early_ingest``)."""
+        if getattr(self, "_as_reuse", None) is not None:
+            self._as_reuse.loaded(meta)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if (meta := load_log.loads_of(connector_output)) is not None:  # not taken early
+            self.agentserving_take_loads(meta)
+        super().update_connector_output(connector_output)
+
     def _count_first_look(self, request: Any, num_computed_tokens: int) -> None:
         """Prompt tokens and vLLM's own prefix-cache hit (the device tier), once a request."""
         assert self._as_reuse is not None
@@ -205,18 +224,20 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
 
     def request_finished(self, request: Any,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        sources = None
         if getattr(self, "_as_reuse", None) is not None:
-            self._as_reuse.forget(str(request.request_id))
+            sources = self._as_reuse.finish(str(request.request_id))
         if getattr(self, "_as_puller", None) is not None:
             self._as_puller.forget(str(request.request_id))
         delay_free, params = super().request_finished(request, block_ids)
-        if not self._as_settings.chunk_hashes:
-            return delay_free, params
-        cached = self._as_hashes.pop(request.request_id)
-        hashes = finished_hashes(cached, self._recompute(request))
-        if hashes:
-            self._as_finished.put(external_request_id(request.request_id), hashes)
-        params = merge_chunk_hashes(params, hashes)
+        added: dict[str, Any] = {SOURCES_KEY: sources} if sources is not None else {}
+        if self._as_settings.chunk_hashes:
+            cached = self._as_hashes.pop(request.request_id)
+            if hashes := finished_hashes(cached, self._recompute(request)):
+                added["chunk_hashes"] = hashes
+        if added:  # a stream's last event gets them from here (stream_hashes)
+            self._as_finished.put(external_request_id(request.request_id), added)
+            params = {**(params or {}), **added}
         if (source := getattr(self, "_as_source", None)) is not None:  # a decode pod's pull
             params = with_source(params, source)
         return delay_free, params
@@ -251,6 +272,7 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
 
         def recorded(request_id: str, *args: Any, **kwargs: Any) -> Any:
             self._as_failed_loads.add(str(request_id))
+            self._as_loads.failed(str(request_id))
             fell_back("load_incomplete", request=str(request_id))
             return record(request_id, *args, **kwargs)
 
@@ -269,6 +291,8 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
             loading = [str(r.req_id) for r in getattr(meta, "requests", ())
                        if getattr(r, "load_spec", None) is not None]
             self._as_failed_loads.update(loading)
+            for request_id in loading:
+                self._as_loads.failed(request_id)
             fell_back("layer_copy", requests=loading, blocks=len(paged.load_blocks),
                       error=repr(exc)[:300])
 
@@ -280,7 +304,8 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
             return  # LMCache builds it at register_kv_caches
         if int(engine.metadata.worker_id) == 0:  # TP ranks load the same tokens: count once
             reuse.count_retrieves(engine,
-                                  reuse.process_metrics(self._as_settings.metrics_max_tenants))
+                                  reuse.process_metrics(self._as_settings.metrics_max_tenants),
+                                  self._as_loads)
         backend = LMCacheStorageBackend(
             engine.storage_manager, engine.token_database, engine.metadata,
             cpu_bytes=capacity_bytes(engine.config).get(Tier.CPU, 0),
@@ -380,6 +405,11 @@ class AgentServingConnectorV1(LMCacheConnectorV1Dynamic):
             if not flush_remote_puts(engine.storage_manager, self._as_barrier,
                                      self._as_settings.handoff_timeout_s):
                 log.warning("remote_puts_pending", timeout_s=self._as_settings.handoff_timeout_s)
+
+    def build_connector_worker_meta(self) -> Any:
+        """The step's loads per request, for the scheduler's ``prompt_sources``."""
+        own = super().build_connector_worker_meta()
+        return own if own is not None else self._as_loads.take()
 
     def _store_nothing_of_failed_loads(self) -> None:
         """A request whose load failed this step attended to blocks that were never filled:

@@ -55,8 +55,11 @@ class ChunkHashCache:
         self.misses = 0
 
     def put(self, request_id: str, hashes: Sequence[Any]) -> None:
+        self._store(request_id, list(hashes))
+
+    def _store(self, request_id: str, value: Any) -> None:
         with self._lock:
-            self._items[request_id] = list(hashes)
+            self._items[request_id] = value
             self._items.move_to_end(request_id)
             while len(self._items) > self.max_requests:
                 self._items.popitem(last=False)
@@ -73,6 +76,14 @@ class ChunkHashCache:
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)
+
+
+class FinishedParams(ChunkHashCache):
+    """request id -> what a finished request's ``kv_transfer_params`` gained here (chunk
+    hashes, prompt sources), kept for its stream's last event (``stream_hashes``)."""
+
+    def put(self, request_id: str, params: dict[str, Any]) -> None:  # type: ignore[override]
+        self._store(request_id, params)
 
 
 class RecordingTokenDatabase:
@@ -141,14 +152,6 @@ def finished_hashes(cached: list[int] | None,
             return None
         cached = list(recompute())
     return [wire_hash(h) for h in cached]
-
-
-def merge_chunk_hashes(params: dict[str, Any] | None,
-                       hashes: list[str] | None) -> dict[str, Any] | None:
-    """LMCache's ``kv_transfer_params`` with ``chunk_hashes`` added (never an empty list)."""
-    if not hashes:
-        return params
-    return {**(params or {}), "chunk_hashes": hashes}
 
 
 def prompt_tokens(request: Any) -> list[int]:

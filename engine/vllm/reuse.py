@@ -19,8 +19,13 @@ vLLM's own ``vllm:prompt_tokens_by_source_total{source}`` (``local_cache_hit`` =
 ``external_kv_transfer`` = all of LMCache) stays on vLLM's API port; it has no tenant and no
 DRAM/disk split, which is what these add. Not counted: a layer-wise retrieve
 (``use_layerwise``, off in AgentServing's pods: it bypasses ``retrieve``). LMCache loads whole
-chunks, so a chunk that vLLM's prefix cache held in part is counted whole in its LMCache tier
-as well (less than a chunk per request).
+chunks; the tokens of a chunk that vLLM's prefix cache already held (``vllm_cached_tokens``)
+are counted once, as device.
+
+The same two halves give each turn its own figures (``prompt_sources.turn_sources``): rank 0's
+retrieves are recorded per request in a ``load_log.LoadLog`` as well, and
+``SchedulerReuse`` keeps each request's prompt and device hit until it finishes, when the
+records its worker sent (``loaded``) complete them (``finish``).
 
 The tenant comes from ``request_configs``: ``salting.TENANT_KEY`` (the API server's middleware
 copies ``x-agentserving-tenant`` there), else a digest of the tenant's salt.
@@ -29,11 +34,14 @@ copies ``x-agentserving-tenant`` there), else a digest of the tenant's salt.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from agentserving.engine.metrics import DEFAULT_MAX_TENANTS, ReuseMetrics
 
+from .load_log import DISK_CLOCK, LoadLog, LoadRecord, LoadsMeta
+from .prompt_sources import turn_sources
 from .salting import TENANT_KEY, salt_of
 
 BACKEND_TIERS = {"LocalCPUBackend": "cpu", "LocalDiskBackend": "disk"}
@@ -64,20 +72,23 @@ def tier_of(backend: str) -> str:
 
 
 def tokens_by_tier(block_mapping: Mapping[str, Sequence[tuple[Any, int, int]]],
-                   retrieved: Sequence[bool] | Any) -> dict[str, int]:
+                   retrieved: Sequence[bool] | Any, skip: int = 0) -> dict[str, int]:
     """Tokens per tier that a retrieve returned: ``block_mapping`` is LMCache's backend ->
-    [(key, start, end)], ``retrieved`` its returned mask (true where a token was loaded)."""
+    [(key, start, end)], ``retrieved`` its returned mask (true where a token was loaded); the
+    first ``skip`` tokens (vLLM's own prefix-cache hit) are not counted."""
     out: dict[str, int] = {}
     for backend, blocks in block_mapping.items():
-        n = sum(int(sum(bool(x) for x in retrieved[start:end])) for _, start, end in blocks)
+        n = sum(int(sum(bool(x) for x in retrieved[max(start, skip):end]))
+                for _, start, end in blocks)
         if n:
             tier = tier_of(backend)
             out[tier] = out.get(tier, 0) + n
     return out
 
 
-def count_retrieves(engine: Any, metrics: ReuseMetrics) -> None:
-    """Count every ``engine.retrieve`` (an ``LMCacheEngine``) by tier and tenant (once)."""
+def count_retrieves(engine: Any, metrics: ReuseMetrics, loads: LoadLog | None = None) -> None:
+    """Count every ``engine.retrieve`` (an ``LMCacheEngine``) by tier and tenant (once), and
+    record it per request in ``loads`` (tokens by tier, its time and disk-read time)."""
     if getattr(engine, "_agentserving_reuse", False):
         return
     retrieve = engine.retrieve
@@ -90,10 +101,18 @@ def count_retrieves(engine: Any, metrics: ReuseMetrics) -> None:
             mapping = engine.storage_manager.get_block_mapping(chunks) if chunks else {}
         except Exception:  # noqa: BLE001 - the load goes on uncounted
             mapping, configs = {}, None
-        ret = retrieve(tokens, mask, **kwargs)
-        if mapping:
-            by_tier = tokens_by_tier(mapping, ret.tolist() if hasattr(ret, "tolist") else ret)
+        DISK_CLOCK.start()
+        t0 = time.perf_counter()
+        try:
+            ret = retrieve(tokens, mask, **kwargs)
+        finally:
+            load_s, disk_s = time.perf_counter() - t0, DISK_CLOCK.stop()
+        by_tier = tokens_by_tier(mapping, ret.tolist() if hasattr(ret, "tolist") else ret,
+                                 int(kwargs.get("vllm_cached_tokens") or 0)) if mapping else {}
+        if by_tier:
             metrics.observe(tenant_of(metrics, configs), 0, by_tier)
+        if loads is not None and kwargs.get("req_id") is not None:
+            loads.record(str(kwargs["req_id"]), by_tier, load_s, disk_s)
         return ret
 
     engine.retrieve = counted
@@ -101,25 +120,42 @@ def count_retrieves(engine: Any, metrics: ReuseMetrics) -> None:
 
 
 class SchedulerReuse:
-    """The scheduler process's half: prompt tokens and device-tier hits, once per request."""
+    """The scheduler process's half: prompt tokens and device-tier hits, once per request, kept
+    with the worker's load records until the request finishes (its ``prompt_sources``)."""
 
     def __init__(self, metrics: ReuseMetrics, bound: int = 65536) -> None:
         self.metrics = metrics
         self.bound = bound
-        self._seen: set[str] = set()
+        self._looked: dict[str, tuple[int, int]] = {}  # request -> (prompt, device tokens)
+        self._loads: dict[str, LoadRecord] = {}
 
     def first_look(self, request_id: str, prompt_tokens: int, device_tokens: int,
                    request_configs: Any) -> bool:
         """A request's first scheduling attempt is counted; later ones (the connector asked
         again while the request waited) are not. Returns whether this one was counted."""
-        if request_id in self._seen:
+        if request_id in self._looked:
             return False
-        if len(self._seen) >= self.bound:  # finished requests are forgotten; this is a guard
-            self._seen.clear()
-        self._seen.add(request_id)
+        if len(self._looked) >= self.bound:  # finished requests are forgotten; this is a guard
+            self._looked.clear()
+            self._loads.clear()
+        self._looked[request_id] = (int(prompt_tokens), int(device_tokens))
         self.metrics.observe(tenant_of(self.metrics, request_configs), prompt_tokens,
                              {"device": device_tokens})
         return True
 
-    def forget(self, request_id: str) -> None:
-        self._seen.discard(request_id)
+    def loaded(self, meta: LoadsMeta) -> None:
+        """A step's load records, from the worker (``load_log``)."""
+        for request_id, rec in meta.loads.items():
+            if request_id in self._looked:
+                old = self._loads.get(request_id)
+                self._loads[request_id] = old.merge(rec) if old else rec
+
+    def finish(self, request_id: str) -> dict[str, Any] | None:
+        """The finished request's ``prompt_sources`` (None if it was never looked up here);
+        forgotten after."""
+        looked = self._looked.pop(request_id, None)
+        rec = self._loads.pop(request_id, None) or LoadRecord()
+        if looked is None:
+            return None
+        return turn_sources(looked[0], looked[1], rec.tokens, rec.load_s, rec.disk_read_s,
+                            rec.failed)

@@ -46,7 +46,7 @@ from agentserving.engine.memory_api import (
 from agentserving.engine.reporter import Change, KvindexReporter, ResidencyBook
 
 from .handoff import KvServerVerbs
-from .hashes import ChunkHashCache
+from .hashes import FinishedParams
 from .settings import ConnectorSettings
 from .step_times import StepClock, merge_summaries
 
@@ -227,20 +227,22 @@ class ResidencyPoller:
         return n
 
 
-def add_finished_hashes_route(app: Any, finished: ChunkHashCache) -> None:
-    """``GET /memory/requests/{request_id}/chunk_hashes``: a finished request's chunk hashes,
-    taken once. vLLM's API server streams no ``kv_transfer_params``; its middleware
-    (``stream_hashes``) asks here for what this process computed at ``request_finished``."""
+def add_finished_params_route(app: Any, finished: FinishedParams) -> None:
+    """``GET /memory/requests/{request_id}/kv_transfer_params``: what a finished request's
+    ``kv_transfer_params`` gained in this process at ``request_finished`` (chunk hashes, prompt
+    sources), taken once. vLLM's API server streams no ``kv_transfer_params``; its middleware
+    (``stream_hashes``) asks here for the stream's last event."""
     from agentserving.core.service import ApiError
 
-    @app.get("/memory/requests/{request_id}/chunk_hashes", tags=["memory"],
-             summary="A finished request's chunk hashes (taken once; 404 when unknown).")
-    async def finished_hashes(request_id: str) -> dict[str, Any]:
-        hashes = finished.pop(request_id)
-        if hashes is None:
-            raise ApiError(404, f"request_id: no finished request {request_id!r} with chunk "
-                           "hashes", param="request_id", type="not_found_error")
-        return {"request_id": request_id, "chunk_hashes": hashes}
+    @app.get("/memory/requests/{request_id}/kv_transfer_params", tags=["memory"],
+             summary="What a finished request's kv_transfer_params gained: chunk hashes and "
+             "prompt sources (taken once; 404 when unknown).")
+    async def finished_params(request_id: str) -> dict[str, Any]:
+        params = finished.pop(request_id)
+        if params is None:
+            raise ApiError(404, f"request_id: no finished request {request_id!r} here",
+                           param="request_id", type="not_found_error")
+        return {"request_id": request_id, "kv_transfer_params": params}
 
 
 def _ignore(changes: list[Change]) -> None:
@@ -270,7 +272,7 @@ class SchedulerServices:
 
     def __init__(self, settings: ConnectorSettings, world_size: int, backends: Sequence[str],
                  registration: Callable[[], PodRegistration], chunk_bytes: int = 0,
-                 finished: ChunkHashCache | None = None) -> None:
+                 finished: FinishedParams | None = None) -> None:
         self.finished = finished
         self.settings = settings
         self.world_size = world_size
@@ -312,7 +314,7 @@ class SchedulerServices:
         # this process's reuse counters (prompt tokens, device-tier hits: ``reuse``)
         install_metrics_route(app, REGISTRY)
         if self.finished is not None:
-            add_finished_hashes_route(app, self.finished)
+            add_finished_params_route(app, self.finished)
         add_scheduler_stats_route(app, lambda: self.scheduler_stats)
         add_steps_route(app, fanout)
         if s.kv_transfer_p2p:

@@ -1,16 +1,18 @@
-"""``kv_transfer_params.chunk_hashes`` on vLLM's streamed responses: an ASGI middleware.
+"""``kv_transfer_params`` (chunk hashes, prompt sources) on vLLM's streamed responses: an
+ASGI middleware.
 
 vLLM returns the connector's ``kv_transfer_params`` on blocking responses only; its SSE stream
 never carries them, so a streaming client (and the proxy's KV-aware routing) would learn no
-chunk hashes. Loaded into vLLM's API server with ``--middleware
-agentserving.engine.vllm.stream_hashes.ChunkHashesMiddleware``, this rewrites the stream's
-events, as the reference engine emits them: the event whose choice finishes and the closing
-usage event get ``"kv_transfer_params": {"chunk_hashes": [...]}``.
+chunk hashes, and no turn where its prompt came from. Loaded into vLLM's API server with
+``--middleware agentserving.engine.vllm.stream_hashes.ChunkHashesMiddleware``, this rewrites
+the stream's events, as the reference engine emits them: the event whose choice finishes and
+the closing usage event get ``"kv_transfer_params": {"chunk_hashes": [...], "prompt_sources":
+{...}}``.
 
-The hashes come from vLLM's scheduler process, where the connector computed them at
+They come from vLLM's scheduler process, where the connector computed them at
 ``request_finished`` — before the engine sent the request's last output, so they are there by
 the time its final event streams. The middleware asks that process's memory API
-(``GET /memory/requests/{id}/chunk_hashes`` on ``AGENTSERVING_VLLM_MEMORY_URL``) once per
+(``GET /memory/requests/{id}/kv_transfer_params`` on ``AGENTSERVING_VLLM_MEMORY_URL``) once per
 stream. A failed lookup leaves the stream as vLLM wrote it (the proxy then routes that session
 without KV awareness for a turn); it never breaks or delays the stream beyond the lookup's
 timeout.
@@ -102,7 +104,7 @@ class ChunkHashesMiddleware:
                 or scope.get("path") not in STREAM_PATHS or not self.memory_url):
             await self.app(scope, receive, send)
             return
-        state: dict[str, Any] = {"stream": False, "hashes": None, "asked": False}
+        state: dict[str, Any] = {"stream": False, "params": None, "asked": False}
         rewriter = SseRewriter(lambda event: self._edit(event, state))
 
         async def send_rewritten(message: Message) -> None:
@@ -124,12 +126,12 @@ class ChunkHashesMiddleware:
             return event
         if not state["asked"]:
             state["asked"] = True
-            state["hashes"] = await self._lookup(str(event.get("id", "")))
-        if state["hashes"]:
-            event["kv_transfer_params"] = {"chunk_hashes": state["hashes"]}
+            state["params"] = await self._lookup(str(event.get("id", "")))
+        if state["params"]:
+            event["kv_transfer_params"] = dict(state["params"])
         return event
 
-    async def _lookup(self, response_id: str) -> list[str] | None:
+    async def _lookup(self, response_id: str) -> dict[str, Any] | None:
         if not response_id:
             return None
         if self._client is None:
@@ -138,10 +140,11 @@ class ChunkHashesMiddleware:
         for rid in candidate_ids(response_id):
             try:
                 r = await self._client.get(
-                    f"{self.memory_url}/memory/requests/{rid}/chunk_hashes")
+                    f"{self.memory_url}/memory/requests/{rid}/kv_transfer_params")
             except httpx.HTTPError as exc:
-                log.warning("stream_chunk_hashes_lookup_failed", error=repr(exc))
+                log.warning("stream_kv_params_lookup_failed", error=repr(exc))
                 return None
             if r.status_code == 200:
-                return list(r.json().get("chunk_hashes") or [])
+                params = r.json().get("kv_transfer_params")
+                return params if isinstance(params, dict) else None
         return None

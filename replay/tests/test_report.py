@@ -207,6 +207,30 @@ def test_pressure_figures_human_pauses_branch_starts_and_session_completion():
     assert summarize([], sessions_planned=1, turns_planned=1)["mean_jct_s"] is None
 
 
+def test_prompt_sources_sum_over_the_turns_whose_pods_reported_them():
+    def rec(ok, sources):
+        return {"session_id": "s", "turn": 0, "ok": ok, "last_turn": True, "start_s": 0.0,
+                "end_s": 1.0, "prompt_tokens": 100, "prompt_sources": sources}
+
+    def src(cpu, disk, load_s, disk_s, fell_back=False):
+        return {"tokens": {"device": 10, "cpu": cpu, "disk": disk, "remote": 0,
+                           "computed": 90 - cpu - disk},
+                "load_s": load_s, "disk_read_s": disk_s, "fell_back": fell_back}
+
+    recs = [rec(True, src(60, 0, 0.1, 0.0)), rec(True, src(20, 40, 0.5, 0.4)),
+            rec(True, src(0, 30, 0.3, 0.25, fell_back=True)), rec(True, None),
+            rec(False, src(0, 90, 9.0, 9.0))]  # a failed turn is not counted
+    s = summarize(recs, sessions_planned=1, turns_planned=5)
+    assert s["sourced_turns"] == 3 and s["fell_back_turns"] == 1
+    assert s["prompt_sources"] == {"device": 30, "cpu": 80, "disk": 70, "remote": 0,
+                                   "computed": 120}
+    assert s["disk_read_turns"] == 2
+    assert s["disk_read_critical_s"] == pytest.approx(0.65)
+    assert s["kv_load_s"] == pytest.approx(0.9)
+    none = summarize([rec(True, None)], sessions_planned=1, turns_planned=1)
+    assert none["sourced_turns"] == 0 and none["disk_read_critical_s"] is None
+
+
 def test_short_turns_are_the_same_turns_in_every_configuration():
     def rec(i, prompt, ideal, ttft):
         return {"session_id": f"s{i}", "turn": 1, "ok": True, "last_turn": True,

@@ -47,6 +47,9 @@ from agentserving.core.schemas import (
     PrefetchRequest,
     SessionContext,
 )
+from agentserving.core.schemas import (
+    PROMPT_SOURCES_PARAM as SOURCES_KEY,
+)
 from agentserving.core.service import ApiError
 from agentserving.proxy import memory_hooks
 from agentserving.proxy.admission import AdmissionGate, Ticket
@@ -74,13 +77,13 @@ from agentserving.proxy.tool_gaps import ToolGapPredictor, pin_ttl_for_gap, pref
 from agentserving.proxy.upstream import (
     UPSTREAM_ERRORS,
     InterTokenStall,
+    PrefillReport,
     Stalled,
     StreamReply,
     TurnOutcome,
     UpstreamFailed,
     open_stream,
     open_watched_stream,
-    patch_cached_tokens,
     post_json,
     post_watched,
     relay_sse,
@@ -440,13 +443,13 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ blocking
     async def _first_reply(self, turn: Turn, state: SessionState, attempts: list[Attempt], fn
-                           ) -> tuple[Candidate, Candidate | None, Any, int | None]:
+                           ) -> tuple[Candidate, Candidate | None, Any, PrefillReport | None]:
         """The first attempt whose pods answer, with ``fn`` (``post_json`` or ``open_stream``)
-        for the pod that answers the caller: (prefill pod, decode pod or None, its reply, the
-        prompt tokens the prefill pod found cached or None). A pod that fails is not asked
-        again this turn; when all have failed, a 502 naming the last error. A pod running the
-        turn whole counts its prompt as queued until the reply (a stream: its first token,
-        ``Turn.prompt_computed``)."""
+        for the pod that answers the caller: (prefill pod, decode pod or None, its reply, what
+        the prefill pod reported of the prompt, or None when one pod ran the turn whole). A pod
+        that fails is not asked again this turn; when all have failed, a 502 naming the last
+        error. A pod running the turn whole counts its prompt as queued until the reply (a
+        stream: its first token, ``Turn.prompt_computed``)."""
         last_error = "no attempt made"
         failed: set[str] = set()
         for i, (prefill, decode) in enumerate(attempts):
@@ -472,13 +475,13 @@ class Orchestrator:
                     return prefill, None, resp, None
                 with self.pool.reserved(decode.name), self.pool.queue_prompt(
                         prefill.name, self._prompt_to_compute(turn, state, prefill)):
-                    params, prefill_cached = await self._prefill_for_decode(turn, prefill)
+                    params, report = await self._prefill_for_decode(turn, prefill)
                 if turn.admission is not None:  # its prompt is computed: the place is free
                     turn.admission.release()
                 # released and re-acquired by _call with no await between: never uncounted
                 return prefill, decode, await self._call(
                     decode, "decode", fn, self._decode_body(turn.body, params), turn), \
-                    prefill_cached
+                    report
             except UpstreamFailed as exc:
                 last_error = str(exc)
                 failed.add(exc.pod)
@@ -491,16 +494,16 @@ class Orchestrator:
 
     async def _run_blocking(self, turn: Turn, state: SessionState, attempts: list[Attempt]
                             ) -> JSONResponse:
-        prefill, decode, resp, prefill_cached = await self._first_reply(turn, state, attempts,
-                                                                        post_json)
+        prefill, decode, resp, report = await self._first_reply(turn, state, attempts,
+                                                                post_json)
         payload = resp.json() if resp.headers.get("content-type", "").startswith(
             "application/json") else None
         if resp.is_success and isinstance(payload, dict):
             outcome = TurnOutcome()
             outcome.absorb(payload)
-            if decode is not None:
-                patch_cached_tokens(payload, prefill_cached)
-                outcome.cached_tokens = prefill_cached
+            if report is not None:
+                report.patch(payload)
+                outcome.cached_tokens = report.cached_tokens
             self._finish(turn, state, prefill, outcome, decode)
             self.metrics.ttft.observe(time.perf_counter() - turn.started)
             return JSONResponse(payload, status_code=resp.status_code, headers=turn.headers)
@@ -512,8 +515,8 @@ class Orchestrator:
     # ------------------------------------------------------------------ streaming
     async def _run_streaming(self, turn: Turn, state: SessionState, attempts: list[Attempt]
                              ) -> JSONResponse | StreamingResponse:
-        prefill, decode, resp, cached_override = await self._first_reply(turn, state, attempts,
-                                                                         open_stream)
+        prefill, decode, resp, report = await self._first_reply(turn, state, attempts,
+                                                                open_stream)
         if not resp.is_success:  # the worker rejected the request: pass its verdict on
             turn.prompt_computed()
             content = await resp.aread()
@@ -523,12 +526,12 @@ class Orchestrator:
                                 headers=turn.headers)
         self.pool.acquire((decode or prefill).name)
         return StreamingResponse(
-            self._stream_body(turn, state, prefill, decode, resp, cached_override),
+            self._stream_body(turn, state, prefill, decode, resp, report),
             media_type="text/event-stream", headers=turn.headers)
 
     async def _stream_body(self, turn: Turn, state: SessionState, prefill: Candidate,
                            decode: Candidate | None, resp: StreamReply,
-                           cached_override: int | None) -> AsyncIterator[bytes]:
+                           report: PrefillReport | None) -> AsyncIterator[bytes]:
         serving = decode or prefill
         outcome = TurnOutcome()
         first = True
@@ -537,7 +540,7 @@ class Orchestrator:
         # decode pod and context already known, or that turn is routed as a first turn.
         tail: list[bytes] = []
         try:
-            async for chunk in relay_sse(resp, outcome, cached_override):
+            async for chunk in relay_sse(resp, outcome, report):
                 if first:
                     self.metrics.ttft.observe(time.perf_counter() - turn.started)
                     turn.prompt_computed()
@@ -546,8 +549,8 @@ class Orchestrator:
                     tail.append(chunk)
                 else:
                     yield chunk
-            if cached_override is not None:
-                outcome.cached_tokens = cached_override
+            if report is not None:
+                outcome.cached_tokens = report.cached_tokens
             self._finish(turn, state, prefill, outcome, decode)
             for chunk in tail:
                 yield chunk
@@ -597,7 +600,7 @@ class Orchestrator:
         return "local" if self._hosts([pod], decode) else "prefill"
 
     async def _prefill_for_decode(self, turn: Turn, prefill: Candidate
-                                  ) -> tuple[dict[str, Any], int | None]:
+                                  ) -> tuple[dict[str, Any], PrefillReport]:
         body = dict(turn.body)  # shallow: only top-level keys change; the prompt is shared
         body.update(stream=False, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         body.pop("stream_options", None)
@@ -615,7 +618,8 @@ class Orchestrator:
                                  "object")
         outcome = TurnOutcome()
         outcome.absorb(payload)
-        return params, outcome.cached_tokens
+        params.pop(SOURCES_KEY, None)  # the prefill pod's figures, for the caller alone
+        return params, PrefillReport(outcome.cached_tokens, outcome.prompt_sources)
 
     @staticmethod
     def _decode_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from agentserving.core.schemas import PROMPT_SOURCES_PARAM as SOURCES_KEY
 from agentserving.proxy.jsonio import dumps, loads
 
 _JSON = {"content-type": "application/json"}
@@ -285,6 +286,7 @@ class TurnOutcome:
     chunk_hashes: list[str] | None = None
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    prompt_sources: dict[str, Any] | None = None  # the pod's (engine.vllm.prompt_sources)
     finish_reason: str | None = None
     tool_names: list[str] = field(default_factory=list)
     completion_tokens: int | None = None
@@ -293,6 +295,8 @@ class TurnOutcome:
         params = payload.get("kv_transfer_params")
         if isinstance(params, dict) and isinstance(params.get("chunk_hashes"), list):
             self.chunk_hashes = params["chunk_hashes"]
+        if isinstance(params, dict) and isinstance(params.get(SOURCES_KEY), dict):
+            self.prompt_sources = params[SOURCES_KEY]
         usage = payload.get("usage")
         if isinstance(usage, dict):
             self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
@@ -310,19 +314,34 @@ class TurnOutcome:
                     self.tool_names.append(name)
 
 
-def patch_cached_tokens(payload: dict[str, Any], cached_tokens: int | None) -> bool:
-    """Report the prefill pod's cache hit in the caller's usage (the decode pod pulled it all)."""
-    usage = payload.get("usage")
-    if cached_tokens is None or not isinstance(usage, dict):
-        return False
-    details = usage.get("prompt_tokens_details") or {}
-    details["cached_tokens"] = cached_tokens
-    usage["prompt_tokens_details"] = details
-    return True
+@dataclass(frozen=True)
+class PrefillReport:
+    """What a P/D turn's caller hears of its prompt: it was read and computed on the prefill
+    pod, so its cache hit and prompt sources are that pod's (the decode pod pulled it all)."""
+
+    cached_tokens: int | None = None
+    prompt_sources: dict[str, Any] | None = None
+
+    def patch(self, payload: dict[str, Any]) -> bool:
+        """Put the prefill pod's figures in an answer's usage and ``kv_transfer_params``,
+        where the decode pod reported its own; True when anything changed."""
+        changed = False
+        usage = payload.get("usage")
+        if self.cached_tokens is not None and isinstance(usage, dict):
+            details = usage.get("prompt_tokens_details") or {}
+            details["cached_tokens"] = self.cached_tokens
+            usage["prompt_tokens_details"] = details
+            changed = True
+        params = payload.get("kv_transfer_params")
+        if self.prompt_sources is not None and isinstance(params, dict) \
+                and SOURCES_KEY in params:
+            params[SOURCES_KEY] = self.prompt_sources
+            changed = True
+        return changed
 
 
 async def relay_sse(resp: StreamReply, outcome: TurnOutcome,
-                    cached_override: int | None) -> AsyncIterator[bytes]:
+                    prefill: PrefillReport | None) -> AsyncIterator[bytes]:
     """Pass SSE lines through, reading (and, for P/D, patching) the events that matter."""
     async for line in resp.aiter_lines():
         if line.startswith("data:") and line[5:].strip() not in ("", "[DONE]"):
@@ -332,6 +351,6 @@ async def relay_sse(resp: StreamReply, outcome: TurnOutcome,
                 payload = None
             if isinstance(payload, dict):
                 outcome.absorb(payload)
-                if patch_cached_tokens(payload, cached_override):
+                if prefill is not None and prefill.patch(payload):
                     line = "data: " + dumps(payload).decode()
         yield (line + "\n").encode()

@@ -85,7 +85,10 @@ def test_chunk_hashes_cached_at_lookup_returned_on_finish(report):
     assert len(own) == 3  # 53 tokens, chunk 16: full chunks only
     assert report["matched"] == [None, False]  # async lookup in flight: vLLM asks again later
     assert report["cached_after_lookup"] == 1
-    assert report["lookup_finished"] == {"delay_free": False, "params": {"chunk_hashes": own}}
+    assert report["lookup_finished"] == {"delay_free": False, "params": {
+        "chunk_hashes": own, "prompt_sources": {
+            "tokens": {"device": 0, "cpu": 0, "disk": 0, "remote": 0, "computed": 53},
+            "load_s": 0.0, "disk_read_s": 0.0, "fell_back": False}}}
     assert report["cache_hits"] == 1
 
 
@@ -93,7 +96,7 @@ def test_recomputed_only_when_lookup_was_skipped(report):
     own = report["lmcache_hashes"]
     assert report["recompute_finished"]["params"] == {"chunk_hashes": own}
     assert report["cache_misses"] == 1
-    assert report["abort_finished"] == {"chunk_hashes": own[:2]}  # 40-token prompt
+    assert report["abort_finished"]["chunk_hashes"] == own[:2]  # 40-token prompt
     assert report["cache_left"] == 0  # popped on finish, aborted or not: nothing leaks
 
 
@@ -132,3 +135,20 @@ def test_reuse_metrics_in_the_scheduler_and_rank_0(report):
     # rank 0: the 2 chunks it loaded, from LMCache's DRAM
     assert metric_sum(worker, "agentserving_worker_cached_tokens_total", tier="cpu",
                       tenant="none") == 32
+
+
+def test_prompt_sources_from_the_workers_load_records(report):
+    # rank 0 records each retrieve per request: tokens by tier, its time, the disk part
+    dram = report["worker"]["dram_meta"]["req-dram"]
+    assert dram["tokens"] == {"cpu": 32} and dram["load_s"] > 0
+    assert dram["disk_read_s"] == 0 and dram["failed"] is False
+    assert report["worker"]["meta_after_take"] is None  # a step's records are taken once
+    disk = report["worker"]["disk_meta"]["req-disk"]
+    # vLLM held the first 19 tokens: the load counts the 13 it still gave, and the rest
+    assert disk["tokens"] == {"disk": 32 - 19}
+    assert 0 < disk["disk_read_s"] <= disk["load_s"]
+    # the scheduler sums a request's records (late and early paths) into its prompt sources;
+    # a record of a request it never looked up is dropped
+    assert report["device_finished"]["prompt_sources"] == {
+        "tokens": {"device": 32, "cpu": 16, "disk": 5, "remote": 0, "computed": 0},
+        "load_s": 0.05, "disk_read_s": 0.025, "fell_back": False}

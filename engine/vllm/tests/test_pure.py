@@ -12,7 +12,6 @@ from agentserving.engine.vllm.hashes import (
     ChunkHashCache,
     finished_hashes,
     install_recorder,
-    merge_chunk_hashes,
     prompt_tokens,
     wire_hash,
 )
@@ -78,10 +77,6 @@ def test_finished_hashes_prefers_cache_and_recomputes_only_on_miss():
     assert finished_hashes([1, 2], recompute) == ["1", "2"] and not calls
     assert finished_hashes(None, recompute) == ["5", "-5"] and calls == [1]
     assert finished_hashes(None, None) is None
-    assert merge_chunk_hashes(None, ["a"]) == {"chunk_hashes": ["a"]}
-    assert merge_chunk_hashes({"first_tok": 3}, ["a"]) == {"first_tok": 3, "chunk_hashes": ["a"]}
-    assert merge_chunk_hashes({"x": 1}, []) == {"x": 1}
-    assert merge_chunk_hashes(None, None) is None
 
 
 class _Req:

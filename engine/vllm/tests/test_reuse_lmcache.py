@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from agentserving.core.schemas import TENANT_HEADER, Tier
 from agentserving.engine.metrics import ReuseMetrics, tenant_name
 from agentserving.engine.vllm import reuse, salting
+from agentserving.engine.vllm.load_log import LoadLog, LoadRecord, LoadsMeta
 from agentserving.engine.vllm.request_body import header
 from agentserving.engine.vllm.services import SchedulerServices
 from agentserving.engine.vllm.settings import ConnectorSettings, parse_settings
@@ -67,12 +68,34 @@ def test_lmcache_loads_are_counted_by_tier_and_tenant(engines) -> None:
     assert metric_sum(text, CACHED) == 8 * CHUNK and metric_sum(text, PROMPT) == 0
 
 
+def test_each_retrieve_is_recorded_for_its_request(engines) -> None:
+    engine = engines()
+    loads = LoadLog()
+    reuse.count_retrieves(engine, ReuseMetrics(CollectorRegistry()), loads)
+    tokens = list(range(2 * CHUNK))
+    engine.store(torch.tensor(tokens), kv=random_kv(len(tokens), 1))
+    out = torch.zeros_like(random_kv(len(tokens), 2))
+    engine.retrieve(torch.tensor(tokens), out=out, req_id="a", vllm_cached_tokens=CHUNK + 1)
+    engine.retrieve(torch.tensor(tokens[:CHUNK]), out=out, req_id="b")
+    loads.failed("b")
+    meta = loads.take()
+    assert meta is not None and loads.take() is None
+    assert meta.loads["a"].tokens == {"cpu": CHUNK - 1} and meta.loads["a"].load_s > 0
+    assert meta.loads["b"].tokens == {"cpu": CHUNK} and meta.loads["b"].failed
+    # TP ranks' metadata aggregate by request
+    both = meta.aggregate(LoadsMeta({"a": LoadRecord({"disk": 3}, 1.0, 1.0)}))
+    assert both.loads["a"].tokens == {"cpu": CHUNK - 1, "disk": 3}
+
+
 def test_tokens_by_tier_caps_to_what_was_retrieved() -> None:
     mapping = {"LocalCPUBackend": [("k0", 0, 4), ("k1", 4, 8)],
                "LocalDiskBackend": [("k2", 8, 12)], "RemoteBackend": [("k3", 12, 16)]}
     assert reuse.tokens_by_tier(mapping, [True] * 16) == {"cpu": 8, "disk": 4, "remote": 4}
     # the last block failed to load: LMCache cut the mask there
     assert reuse.tokens_by_tier(mapping, [True] * 10 + [False] * 6) == {"cpu": 8, "disk": 2}
+    # vLLM's prefix cache held the first 6 tokens: counted as device, not again here
+    assert reuse.tokens_by_tier(mapping, [True] * 16, skip=6) == {"cpu": 2, "disk": 4,
+                                                                   "remote": 4}
 
 
 def test_scheduler_counts_prompt_and_device_tokens_once_per_request() -> None:
@@ -81,7 +104,15 @@ def test_scheduler_counts_prompt_and_device_tokens_once_per_request() -> None:
     assert sched.first_look("r1", 100, 64, A)
     assert not sched.first_look("r1", 100, 64, A)  # asked again while waiting
     assert sched.first_look("r2", 50, 0, {salting.SALT_KEY: "salt-of-b"})
-    sched.forget("r1")
+    # r1's worker records arrive (two steps' worth) and finish gives its prompt sources
+    sched.loaded(LoadsMeta({"r1": LoadRecord({"cpu": 16}, 0.5, 0.0)}))
+    sched.loaded(LoadsMeta({"r1": LoadRecord({"disk": 16}, 0.25, 0.2, failed=True),
+                            "never-looked-up": LoadRecord({"cpu": 16})}))
+    assert sched.finish("r1") == {
+        "tokens": {"device": 64, "cpu": 16, "disk": 16, "remote": 0, "computed": 4},
+        "load_s": 0.75, "disk_read_s": 0.2, "fell_back": True}
+    assert sched.finish("r1") is None and sched.finish("never-looked-up") is None
+    assert sched.finish("r2")["tokens"]["computed"] == 50
     text = generate_latest(registry).decode()
     assert metric_sum(text, PROMPT, tenant="tenant-a") == 100
     assert metric_sum(text, CACHED, tier="device", tenant="tenant-a") == 64

@@ -207,18 +207,20 @@ def _sse(*events: dict[str, Any]) -> bytes:
         b"data: [DONE]\n\n"
 
 
-def test_stream_rewrite_adds_hashes_to_the_finishing_and_usage_events() -> None:
+def test_stream_rewrite_adds_kv_params_to_the_finishing_and_usage_events() -> None:
     asked: list[str] = []
+    params = {"chunk_hashes": ["1f", "2e"],
+              "prompt_sources": {"tokens": {"device": 0, "cpu": 2, "computed": 1}}}
 
     async def run() -> bytes:
         mw = stream_hashes.ChunkHashesMiddleware(app=None, memory_url="http://unused")  # type: ignore[arg-type]
 
-        async def lookup(rid: str) -> list[str]:
+        async def lookup(rid: str) -> dict[str, Any]:
             asked.append(rid)
-            return ["1f", "2e"]
+            return params
 
         mw._lookup = lookup  # type: ignore[method-assign]
-        state: dict[str, Any] = {"stream": True, "hashes": None, "asked": False}
+        state: dict[str, Any] = {"stream": True, "params": None, "asked": False}
         rw = stream_hashes.SseRewriter(lambda e: mw._edit(e, state))
         body = _sse({"id": "c1", "choices": [{"text": "a", "finish_reason": None}]},
                     {"id": "c1", "choices": [{"text": "b", "finish_reason": "length"}]},
@@ -230,8 +232,8 @@ def test_stream_rewrite_adds_hashes_to_the_finishing_and_usage_events() -> None:
     events = [json.loads(line[6:]) for line in out.split(b"\n\n")
               if line.startswith(b"data: {")]
     assert "kv_transfer_params" not in events[0]
-    assert events[1]["kv_transfer_params"] == {"chunk_hashes": ["1f", "2e"]}
-    assert events[2]["kv_transfer_params"] == {"chunk_hashes": ["1f", "2e"]}
+    assert events[1]["kv_transfer_params"] == params
+    assert events[2]["kv_transfer_params"] == params
     assert asked == ["c1"]  # one lookup per stream
     assert out.endswith(b"data: [DONE]\n\n")
 

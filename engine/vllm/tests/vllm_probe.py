@@ -119,8 +119,19 @@ def main() -> None:
         r4 = request("req-device", tokens)
         conn.get_num_new_matched_tokens(r4, 32)
         conn.get_num_new_matched_tokens(r4, 32)  # asked again while waiting: counted once
+        # the worker's load record reaches the scheduler as vLLM's worker metadata: through
+        # vLLM's own update_connector_output (late) and the early path, both summed
+        from vllm.v1.outputs import KVConnectorOutput
+
+        from agentserving.engine.vllm.load_log import LoadRecord, LoadsMeta
+
+        conn.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=LoadsMeta(
+            {"req-device": LoadRecord({"cpu": 16}, 0.02, 0.0)})))
+        conn.agentserving_take_loads(LoadsMeta(
+            {"req-device": LoadRecord({"disk": 5}, 0.03, 0.025),
+             "req-unknown": LoadRecord({"cpu": 99}, 1.0, 0.0)}))
         r4.status = RequestStatus.FINISHED_ABORTED
-        conn.request_finished(r4, [])
+        report["device_finished"] = conn.request_finished(r4, [])[1]
 
         # the scheduler's services: forwarding memory API up, the pod registered
         import httpx
@@ -164,6 +175,7 @@ def worker_side(port_start: int, work: Path) -> dict:
     """The worker role's glue (``_maybe_start_worker_services`` / ``shutdown``) over a real
     LMCache engine: vLLM's worker-side ``LMCacheConnectorV1Impl`` needs CUDA to build one, so
     the connector is given LMCache's engine the way the impl would hold it."""
+    import dataclasses
     import importlib.util
     from types import SimpleNamespace
 
@@ -171,6 +183,7 @@ def worker_side(port_start: int, work: Path) -> dict:
     import torch
 
     from agentserving.engine.vllm.connector import AgentServingConnectorV1
+    from agentserving.engine.vllm.load_log import LoadLog
     from agentserving.engine.vllm.settings import parse_settings
     from agentserving.engine.vllm.step_times import StepClock
 
@@ -186,6 +199,7 @@ def worker_side(port_start: int, work: Path) -> dict:
                                         "memory_host": "127.0.0.1"}, {})
     conn._as_worker = conn._as_scheduler = None
     conn._as_steps = StepClock()  # the worker role's step clock, served by the rank's API
+    conn._as_loads = LoadLog()
     conn._lmcache_engine = SimpleNamespace(lmcache_engine=None, shutdown=lambda: None)
     out: dict = {}
     conn._maybe_start_worker_services()  # no engine yet (before register_kv_caches): nothing
@@ -205,17 +219,31 @@ def worker_side(port_start: int, work: Path) -> dict:
     out["expected"] = [f"{h:x}" for _, _, h in
                        engine.token_database.process_tokens(tokens, make_key=False)]
     # rank 0 counts LMCache's loads by tier: a retrieve as vLLM's load makes one
-    engine.retrieve(torch.tensor(tokens), out=torch.zeros_like(helpers.random_kv(len(tokens), 4)))
+    # and per request, for the scheduler (vLLM's worker metadata of the step)
+    engine.retrieve(torch.tensor(tokens), out=torch.zeros_like(helpers.random_kv(len(tokens), 4)),
+                    req_id="req-dram")
     out["worker_metrics"] = httpx.get(f"{url}/metrics", timeout=5).text
+    meta = conn.build_connector_worker_meta()
+    out["dram_meta"] = {rid: dataclasses.asdict(rec) for rid, rec in meta.loads.items()}
+    out["meta_after_take"] = conn.build_connector_worker_meta()
     # one step that loaded KV, timed at the connector's calls, as the rank's API serves it
     conn._as_steps.begin(loads=1)
     with conn._as_steps.timed():
         time.sleep(0.01)
     conn._as_steps.end()
     out["steps"] = httpx.get(f"{url}/memory/steps", timeout=5).json()
+    deadline = time.monotonic() + 30  # LMCache writes its disk tier behind the store
+    while len(httpx.get(f"{url}/memory/chunks", timeout=5).json()["chunks"].get("disk", [])) \
+            < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
     r = httpx.post(f"{url}/memory/evict", json={"chunk_hashes": out["expected"],
                                                 "locations": ["LocalCPUBackend"]}, timeout=5)
     out["evicted"] = r.json()["num_evicted"]
+    # read back from disk alone: its time is the load's disk-read time
+    engine.retrieve(torch.tensor(tokens), out=torch.zeros_like(helpers.random_kv(len(tokens), 4)),
+                    req_id="req-disk", vllm_cached_tokens=helpers.CHUNK + 3)
+    meta = conn.build_connector_worker_meta()
+    out["disk_meta"] = {rid: dataclasses.asdict(rec) for rid, rec in meta.loads.items()}
     conn.shutdown()
     try:
         httpx.get(f"{url}/healthz", timeout=2)

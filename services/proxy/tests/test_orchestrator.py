@@ -109,6 +109,59 @@ def test_stream_lines_survive_any_chunking_and_crlf():
                                  "data: [DONE]", "", "tail"]
 
 
+def test_a_pd_turn_reports_its_prefill_pods_cache_hit_and_prompt_sources():
+    """The decode pod pulled the whole prompt; the caller hears what the prefill pod read
+    from its tiers and computed, streamed or not, and nothing where the pod said nothing."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from agentserving.proxy.upstream import PrefillReport, TurnOutcome, open_stream, relay_sse
+
+    prefill = {"tokens": {"device": 0, "cpu": 256, "disk": 512, "remote": 0, "computed": 40},
+               "load_s": 0.2, "disk_read_s": 0.15, "fell_back": False}
+    own = {"tokens": {"device": 0, "cpu": 0, "disk": 0, "remote": 768, "computed": 40}}
+    report = PrefillReport(768, prefill)
+    events = [{"choices": [{"delta": {"content": "a"}, "finish_reason": None}]},
+              {"choices": [{"delta": {}, "finish_reason": "stop"}],
+               "kv_transfer_params": {"chunk_hashes": ["ab"], "prompt_sources": own}},
+              {"choices": [], "usage": {"prompt_tokens": 808, "completion_tokens": 1,
+                                        "prompt_tokens_details": {"cached_tokens": 768}},
+               "kv_transfer_params": {"chunk_hashes": ["ab"], "prompt_sources": own}}]
+    body = b"".join(b"data: " + dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+
+    async def sse(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(body)
+        await resp.write_eof()
+        return resp
+
+    async def go() -> tuple[list[dict], TurnOutcome]:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", sse)
+        outcome = TurnOutcome()
+        async with TestServer(app) as server, aiohttp.ClientSession() as http:
+            reply = await open_stream(http, "d0", str(server.make_url("/v1/chat/completions")),
+                                      {"messages": []})
+            out = [loads(chunk[6:]) async for chunk in relay_sse(reply, outcome, report)
+                   if chunk.startswith(b"data: {")]
+            await reply.aclose()
+        return out, outcome
+
+    out, outcome = asyncio.run(go())
+    assert "kv_transfer_params" not in out[0] and "usage" not in out[0]
+    assert out[1]["kv_transfer_params"] == {"chunk_hashes": ["ab"], "prompt_sources": prefill}
+    assert out[2]["kv_transfer_params"]["prompt_sources"] == prefill
+    assert out[2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 768
+    assert outcome.prompt_sources == own  # what the decode pod itself said, read before
+    # a blocking answer; a pod that reports no sources (no connector) gets none added
+    blocking = {"usage": {"prompt_tokens": 808}, "kv_transfer_params": {"chunk_hashes": []}}
+    assert report.patch(blocking)
+    assert blocking["usage"]["prompt_tokens_details"] == {"cached_tokens": 768}
+    assert "prompt_sources" not in blocking["kv_transfer_params"]
+    assert not PrefillReport(None, prefill).patch({"choices": []})
+
+
 def test_a_dead_upstream_is_a_retryable_failure():
     from agentserving.proxy.upstream import UpstreamFailed, post_json
     from testkit.servers import free_port

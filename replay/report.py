@@ -431,10 +431,36 @@ def print_report(report: Mapping[str, Any], title: str) -> str:
             for name, f in (report.get("tool_gap_prefetch") or {}).items()]
     _print_section(console, gaps, "where the pods found the KV of the sessions announced "
                    "during a tool call:")
+    sources = prompt_source_lines(report)
+    _print_section(console, sources, "where the turns' prompts came from, as their pods "
+                   "measured it (prompt_sources):")
     return (text + "\n".join(lines) + f"\ntargets met: {met} of {len(lines)}\n"
             + "".join(f"N+1 window {ln}\n" for ln in shadow)
             + "".join(f"steps left to vLLM {ln}\n" for ln in left)
-            + "".join(f"tool-gap prefetch {ln}\n" for ln in gaps))
+            + "".join(f"tool-gap prefetch {ln}\n" for ln in gaps)
+            + "".join(f"prompt sources {ln}\n" for ln in sources))
+
+
+def prompt_source_lines(report: Mapping[str, Any]) -> list[str]:
+    """A line per configuration whose pods reported where each turn's prompt came from: the
+    share of prompt tokens by source, and the time loads held the turns (recompute is the
+    ``computed`` share; the disk part of the loads is what a prefetch takes off the critical
+    path)."""
+    out = []
+    for name, m in report["configs"].items():
+        tokens = m.get("prompt_sources") or {}
+        total = sum(tokens.values())
+        if not m.get("sourced_turns") or not total:
+            continue
+        shares = ", ".join(f"{source} {100 * n / total:.1f}%" for source, n in tokens.items()
+                           if n)
+        out.append(f"{name}: {shares} of {total:,} tokens over {m['sourced_turns']} turns; "
+                   f"loads {m.get('kv_load_s') or 0.0:.2f} s, of which disk reads "
+                   f"{m.get('disk_read_critical_s') or 0.0:.2f} s on "
+                   f"{m.get('disk_read_turns') or 0} turns"
+                   + (f"; {m['fell_back_turns']} recomputed after a failed load"
+                      if m.get("fell_back_turns") else ""))
+    return out
 
 
 def _print_section(console: Any, lines: list[str], heading: str) -> None:

@@ -367,6 +367,20 @@ def test_where_the_announced_sessions_kv_was_found_is_reported():
     assert "tool-gap prefetch agentserving: 25.0% of 40 chunks on disk (dram 30, disk 10" in text
 
 
+def test_the_report_says_where_each_configurations_prompts_came_from():
+    from agentserving.replay.report import prompt_source_lines
+
+    sourced = {"sourced_turns": 4, "prompt_sources": {"device": 100, "cpu": 500, "disk": 300,
+                                                      "remote": 0, "computed": 100},
+               "kv_load_s": 2.5, "disk_read_critical_s": 1.25, "disk_read_turns": 2,
+               "fell_back_turns": 1}
+    report = {"configs": {"agentserving": sourced, "vllm-rr": {"sourced_turns": 0}}}
+    assert prompt_source_lines(report) == [
+        "agentserving: device 10.0%, cpu 50.0%, disk 30.0%, computed 10.0% of 1,000 tokens "
+        "over 4 turns; loads 2.50 s, of which disk reads 1.25 s on 2 turns; 1 recomputed "
+        "after a failed load"]
+
+
 def test_the_console_report_of_a_published_run_fits_120_columns():
     # a real main-job report, every configuration in it: each table keeps one line per row in
     # a 120-column terminal (descriptions go below the table, not in a column of it)

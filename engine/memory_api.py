@@ -260,9 +260,13 @@ def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
                           announced: Callable[[], Callable[[MemoryPrefetchRequest], bool] | None]
                           = lambda: None,
                           device: Callable[[], DeviceTier | None] = lambda: None,
-                          kv_server: KvServerTier | None = None) -> FastAPI:
+                          kv_server: KvServerTier | None = None,
+                          residency: Callable[[Sequence[str]], list[Tier | None]] | None = None
+                          ) -> FastAPI:
     """``announced()``: the pod scheduler's taker of announced requests (a prefetch with
-    ``expected_in_s``), None while it has none; when it takes one, the read waits for it.
+    ``expected_in_s``), None while it has none; when it takes one, the read waits for it, and
+    the answer says where ``residency`` (the pod's book of its ranks' chunks, a poll behind)
+    puts the chunks now: the session's KV at the moment its turn was announced.
     ``device()``: the engine's own KV pool as a tier (vLLM's prefix cache), which an unpin
     and an evict of every tier reach too; None when the engine has none.
     ``kv_server``: the KV server the pod hands KV through (P/D), which an evict of every tier,
@@ -280,8 +284,11 @@ def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
         req = req.model_copy(update={"lookup_id": req.lookup_id or f"prefetch-{uuid.uuid4().hex}"})
         take = announced() if req.expected_in_s is not None else None
         if take is not None and take(req):
-            return MemoryPrefetchResult(status="prefetch_scheduled", lookup_id=req.lookup_id,
-                                        num_chunks=len(req.chunk_hashes))
+            tiers = residency(req.chunk_hashes) if residency is not None else []
+            return MemoryPrefetchResult(
+                status="prefetch_scheduled", lookup_id=req.lookup_id,
+                num_chunks=len(req.chunk_hashes), num_in_cpu=tiers.count(Tier.CPU),
+                num_to_load=tiers.count(Tier.DISK), num_missing=tiers.count(None))
         parts = [MemoryPrefetchResult.model_validate(r)
                  for r in await fanout.call("POST", "/memory/prefetch", req)]
         missing = set.intersection(*(set(p.missing) for p in parts)) if parts else set()

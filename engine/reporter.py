@@ -78,6 +78,11 @@ class ResidencyBook:
     def holds(self, tier: Tier, chunk: str) -> bool:
         return chunk in self._holders.get(tier, {})
 
+    def tiers(self, chunk_hashes: Sequence[str]) -> list[Tier | None]:
+        """Each chunk's fastest LMCache tier here (DRAM before disk), None when absent."""
+        return [Tier.CPU if self.holds(Tier.CPU, h) else Tier.DISK
+                if self.holds(Tier.DISK, h) else None for h in chunk_hashes]
+
     def best_engine(self, chunk_hashes: Sequence[str], engines: Sequence[int]) -> dict[int, int]:
         """Per engine: how many leading chunks of ``chunk_hashes`` it holds in some tier."""
         out = {}

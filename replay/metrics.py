@@ -33,10 +33,15 @@ Definitions (all over one replay run):
   prompt came from (``kv_transfer_params.prompt_sources``: vLLM pods with AgentServing's
   connector; not vLLM alone, nor the reference worker): prompt tokens by source (``device``,
   ``cpu``, ``disk``, ``remote``, ``computed``), summed; ``kv_load_s``, the time their loads
-  held their steps; ``disk_read_critical_s``, the part of it spent reading the disk tier, over
-  ``disk_read_turns``, the turns that read any token from disk when they ran (a turn whose KV
-  was prefetched to DRAM before it ran reads none); ``fell_back_turns``, whose load failed
-  and were recomputed.
+  held their steps, and ``disk_read_s``, the part of it spent reading the disk tier;
+  ``fell_back_turns``, whose load failed and were recomputed.
+- ``disk_read_critical_s`` over ``disk_read_turns``: the disk reads on the critical path of
+  the turns after a tool call whose KV was on disk before they ran: at their announce (the
+  proxy's ``x-agentserving-kv-at-announce`` header: some chunk on disk), or, for a turn not
+  announced, when it ran (it read from disk). A prefetch that moved the KV to DRAM after the
+  announce leaves the turn nothing to read. ``announced_turns`` and
+  ``announced_on_disk_turns``: the turns announced during their tool call, and those whose
+  KV was on disk then.
 - ``by_source.<source>`` (turns whose session names a ``meta.source``): ``turns``,
   ``prefix_hit_rate``, ``ideal_hit_rate`` (the records' ``ideal_cached_tokens`` over their
   prompt tokens), ``hit_vs_ideal``, ``e2e_p50_s``, ``e2e_p95_s``; where the trace carries
@@ -151,23 +156,57 @@ def summarize(records: Iterable[Mapping[str, Any]], *, sessions_planned: int,
 
 
 def prompt_sources(ok: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Where the completed turns' prompt tokens came from, as their pods reported it."""
-    sourced = [r["prompt_sources"] for r in ok if isinstance(r.get("prompt_sources"), dict)]
+    """Where the completed turns' prompt tokens came from, as their pods reported it, and the
+    disk reads on the critical path of the turns a prefetch is for."""
+    sourced = [r for r in ok if isinstance(r.get("prompt_sources"), dict)]
     tokens: dict[str, int] = {}
-    for src in sourced:
-        for source, n in (src.get("tokens") or {}).items():
+    for r in sourced:
+        for source, n in (r["prompt_sources"].get("tokens") or {}).items():
             tokens[source] = tokens.get(source, 0) + int(n)
-    from_disk = [src for src in sourced if int((src.get("tokens") or {}).get("disk", 0)) > 0]
+    announced = [r for r in ok if at_announce(r) is not None]
+    on_disk = [r for r in sourced if kv_was_on_disk(r)]
+
+    def total(recs: Sequence[Mapping[str, Any]], key: str) -> float | None:
+        return sum(float(r["prompt_sources"].get(key) or 0.0) for r in recs) \
+            if sourced else None
+
     return {
         "sourced_turns": len(sourced),
         "prompt_sources": tokens if sourced else None,
-        "kv_load_s": sum(float(src.get("load_s") or 0.0) for src in sourced)
-        if sourced else None,
-        "disk_read_turns": len(from_disk),
-        "disk_read_critical_s": sum(float(src.get("disk_read_s") or 0.0) for src in sourced)
-        if sourced else None,
-        "fell_back_turns": sum(1 for src in sourced if src.get("fell_back")),
+        "kv_load_s": total(sourced, "load_s"),
+        "disk_read_s": total(sourced, "disk_read_s"),
+        "fell_back_turns": sum(1 for r in sourced if r["prompt_sources"].get("fell_back")),
+        "announced_turns": len(announced),
+        "announced_on_disk_turns": sum(1 for r in announced if at_announce(r).get("disk")),
+        "disk_read_turns": len(on_disk),
+        "disk_read_critical_s": total(on_disk, "disk_read_s"),
     }
+
+
+def at_announce(record: Mapping[str, Any]) -> dict[str, int] | None:
+    """Where the pods found the turn's KV when it was announced (the proxy's header), None
+    when it was not announced."""
+    raw = (record.get("routing") or {}).get("x-agentserving-kv-at-announce")
+    if raw is None:
+        return None
+    out = {}
+    for part in raw.split(","):
+        key, sep, n = part.partition("=")
+        if sep and n.isdigit():
+            out[key.strip()] = int(n)
+    return out
+
+
+def kv_was_on_disk(record: Mapping[str, Any]) -> bool:
+    """A turn after a tool call whose KV was on disk before it ran: at its announce, or, not
+    announced, when it ran."""
+    if float(record.get("gap_before_s") or 0.0) <= 0:
+        return False
+    announced = at_announce(record)
+    if announced is not None:
+        return announced.get("disk", 0) > 0
+    tokens = (record.get("prompt_sources") or {}).get("tokens") or {}
+    return int(tokens.get("disk", 0)) > 0
 
 
 def mean_completion(records: list[Mapping[str, Any]]) -> float | None:

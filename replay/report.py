@@ -454,10 +454,13 @@ def prompt_source_lines(report: Mapping[str, Any]) -> list[str]:
             continue
         shares = ", ".join(f"{source} {100 * n / total:.1f}%" for source, n in tokens.items()
                            if n)
+        announced = (f"; {m.get('announced_on_disk_turns') or 0} of {m['announced_turns']} "
+                     "announced turns had KV on disk then") if m.get("announced_turns") else ""
         out.append(f"{name}: {shares} of {total:,} tokens over {m['sourced_turns']} turns; "
                    f"loads {m.get('kv_load_s') or 0.0:.2f} s, of which disk reads "
-                   f"{m.get('disk_read_critical_s') or 0.0:.2f} s on "
-                   f"{m.get('disk_read_turns') or 0} turns"
+                   f"{m.get('disk_read_s') or 0.0:.2f} s; after a tool call with the KV on "
+                   f"disk, disk reads {m.get('disk_read_critical_s') or 0.0:.2f} s on "
+                   f"{m.get('disk_read_turns') or 0} turns" + announced
                    + (f"; {m['fell_back_turns']} recomputed after a failed load"
                       if m.get("fell_back_turns") else ""))
     return out

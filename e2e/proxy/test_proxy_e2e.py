@@ -242,13 +242,15 @@ def test_tool_gap_prefetch_is_warm_on_arrival(fleet):
         evicted_in_time = time.monotonic() - started < 1.3
         # the default prediction is 2 s; the prefetch fires 0.5 s before and reads them back
         time.sleep(max(0.0, 2.2 - (time.monotonic() - started)))
-        resp, _ = turn(c, session, prompt + list(range(100, 104)) + prompt_for(12, 50))
+        resp, announced = turn(c, session, prompt + list(range(100, 104)) + prompt_for(12, 50))
         assert resp.usage.prompt_tokens_details.cached_tokens >= 512
         if evicted_in_time:
             break
     else:
         pytest.fail("the host never evicted within 1.3 s of a turn")
     assert metric(fleet.proxy_kv, chunks_found, found="disk") - on_disk_before == 2
+    # the turn says where its KV was when it was announced: on disk, both chunks
+    assert announced["x-agentserving-kv-at-announce"] == "disk=2"
     wait_for(lambda: all_in_tier(fleet, chunks, pod, "cpu"), what="back in DRAM")
     assert metric(fleet.proxy_kv, "proxy_tool_gap_prefetch_total", outcome="warm") == attempt + 1
     assert metric(fleet.proxy_kv, "proxy_tool_gap_prediction_error_seconds_count") == attempt + 1
@@ -258,7 +260,8 @@ def test_tool_gap_prefetch_is_warm_on_arrival(fleet):
     c = client(off)
     turn(c, "tools-off", prompt, headers={"x-agentserving-next-tool": "bash"})
     time.sleep(2.2)
-    turn(c, "tools-off", prompt + list(range(100, 104)) + prompt_for(12, 50))
+    _, unannounced = turn(c, "tools-off", prompt + list(range(100, 104)) + prompt_for(12, 50))
+    assert "x-agentserving-kv-at-announce" not in unannounced
     metrics = httpx.get(off.url + "/metrics").text
     assert 'proxy_tool_gap_prefetch_total{outcome="warm"}' not in metrics
     assert 'proxy_memory_hook_calls_total{ok="true",op="tool_prefetch"}' not in metrics

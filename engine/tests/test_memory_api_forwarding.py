@@ -15,6 +15,7 @@ from agentserving.core.schemas import (
     MemoryPrefetchRequest,
     MemoryPrefetchResult,
     MemoryPrefetchStatus,
+    Tier,
 )
 from agentserving.engine.memory_api import EngineFanout, forwarding_memory_app
 from testkit.servers import ThreadedServer
@@ -56,7 +57,8 @@ def test_an_announced_prefetch_waits_for_the_scheduler_that_takes_it():
     server = ThreadedServer(engine)
     try:
         app = forwarding_memory_app(EngineFanout([server.url], timeout_s=5), ["LocalCPUBackend"],
-                                    announced=lambda: taker[0])
+                                    announced=lambda: taker[0],
+                                    residency=lambda hashes: [Tier.DISK for _ in hashes])
         announced = {"chunk_hashes": ["ab"], "lookup_id": "tool-gap:s", "expected_in_s": 2.0}
         with TestClient(app) as client:
             r = client.post("/memory/prefetch", json=announced)
@@ -65,6 +67,8 @@ def test_an_announced_prefetch_waits_for_the_scheduler_that_takes_it():
             r = client.post("/memory/prefetch", json=announced)
             assert r.status_code == 200 and r.json()["status"] == "prefetch_scheduled"
             assert len(seen) == 1 and taken[0].expected_in_s == 2.0
+            # where the pod's book puts the chunks at the announce: the KV to move
+            assert (r.json()["num_to_load"], r.json()["num_in_cpu"]) == (1, 0)
             r = client.post("/memory/prefetch", json={"chunk_hashes": ["ab"]})
             assert r.json()["status"] == "prefetch_started" and len(seen) == 2
             r = client.post("/memory/prefetch", json={**announced, "expected_in_s": -1})

@@ -85,9 +85,7 @@ class SchedulerKvHooks:
                 self._hashes.pop(rid, None)
 
     def tiers(self, hashes: Sequence[str]) -> list[Tier | None]:
-        book = self.services.book
-        return [Tier.CPU if book.holds(Tier.CPU, h) else Tier.DISK if book.holds(Tier.DISK, h)
-                else None for h in hashes]
+        return self.services.book.tiers(hashes)
 
     # ------------------------------------------------------------------ acting
     def prefetch(self, lookup_id: str, hashes: Sequence[str]) -> None:

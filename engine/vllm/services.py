@@ -310,7 +310,8 @@ class SchedulerServices:
         app = forwarding_memory_app(
             fanout, self.backends, s.internal_token, announced=lambda: self.announced,
             device=lambda: self.device,
-            kv_server=KvServerVerbs(server, s.internal_token) if server else None)
+            kv_server=KvServerVerbs(server, s.internal_token) if server else None,
+            residency=self.book.tiers)
         # this process's reuse counters (prompt tokens, device-tier hits: ``reuse``)
         install_metrics_route(app, REGISTRY)
         if self.finished is not None:

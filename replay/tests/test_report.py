@@ -208,25 +208,36 @@ def test_pressure_figures_human_pauses_branch_starts_and_session_completion():
 
 
 def test_prompt_sources_sum_over_the_turns_whose_pods_reported_them():
-    def rec(ok, sources):
-        return {"session_id": "s", "turn": 0, "ok": ok, "last_turn": True, "start_s": 0.0,
-                "end_s": 1.0, "prompt_tokens": 100, "prompt_sources": sources}
+    def rec(ok, sources, gap=0.0, announce=None):
+        return {"session_id": "s", "turn": 1, "ok": ok, "last_turn": True, "start_s": 0.0,
+                "end_s": 1.0, "prompt_tokens": 100, "prompt_sources": sources,
+                "gap_before_s": gap,
+                "routing": {} if announce is None else
+                {"x-agentserving-kv-at-announce": announce}}
 
     def src(cpu, disk, load_s, disk_s, fell_back=False):
         return {"tokens": {"device": 10, "cpu": cpu, "disk": disk, "remote": 0,
                            "computed": 90 - cpu - disk},
                 "load_s": load_s, "disk_read_s": disk_s, "fell_back": fell_back}
 
-    recs = [rec(True, src(60, 0, 0.1, 0.0)), rec(True, src(20, 40, 0.5, 0.4)),
-            rec(True, src(0, 30, 0.3, 0.25, fell_back=True)), rec(True, None),
-            rec(False, src(0, 90, 9.0, 9.0))]  # a failed turn is not counted
-    s = summarize(recs, sessions_planned=1, turns_planned=5)
-    assert s["sourced_turns"] == 3 and s["fell_back_turns"] == 1
-    assert s["prompt_sources"] == {"device": 30, "cpu": 80, "disk": 70, "remote": 0,
-                                   "computed": 120}
+    recs = [rec(True, src(60, 0, 0.1, 0.0)),
+            # after a human pause (no tool call): read from disk, not a turn a prefetch is for
+            rec(True, src(20, 40, 0.5, 0.4)),
+            # after a tool call, not announced: read from disk when it ran
+            rec(True, src(0, 30, 0.3, 0.25, fell_back=True), gap=1.0),
+            # announced with its KV on disk, prefetched: read from DRAM
+            rec(True, src(80, 0, 0.05, 0.0), gap=2.0, announce="dram=2,disk=5"),
+            # announced in DRAM, evicted to disk after: not a turn whose KV was on disk
+            rec(True, src(0, 40, 0.3, 0.2), gap=2.0, announce="dram=7"),
+            rec(True, None), rec(False, src(0, 90, 9.0, 9.0), gap=1.0)]  # failed: not counted
+    s = summarize(recs, sessions_planned=1, turns_planned=7)
+    assert s["sourced_turns"] == 5 and s["fell_back_turns"] == 1
+    assert s["prompt_sources"] == {"device": 50, "cpu": 160, "disk": 110, "remote": 0,
+                                   "computed": 180}
+    assert s["kv_load_s"] == pytest.approx(1.25) and s["disk_read_s"] == pytest.approx(0.85)
+    assert s["announced_turns"] == 2 and s["announced_on_disk_turns"] == 1
     assert s["disk_read_turns"] == 2
-    assert s["disk_read_critical_s"] == pytest.approx(0.65)
-    assert s["kv_load_s"] == pytest.approx(0.9)
+    assert s["disk_read_critical_s"] == pytest.approx(0.25)
     none = summarize([rec(True, None)], sessions_planned=1, turns_planned=1)
     assert none["sourced_turns"] == 0 and none["disk_read_critical_s"] is None
 
@@ -372,13 +383,15 @@ def test_the_report_says_where_each_configurations_prompts_came_from():
 
     sourced = {"sourced_turns": 4, "prompt_sources": {"device": 100, "cpu": 500, "disk": 300,
                                                       "remote": 0, "computed": 100},
-               "kv_load_s": 2.5, "disk_read_critical_s": 1.25, "disk_read_turns": 2,
-               "fell_back_turns": 1}
+               "kv_load_s": 2.5, "disk_read_s": 1.5, "disk_read_critical_s": 1.25,
+               "disk_read_turns": 2, "fell_back_turns": 1, "announced_turns": 3,
+               "announced_on_disk_turns": 2}
     report = {"configs": {"agentserving": sourced, "vllm-rr": {"sourced_turns": 0}}}
     assert prompt_source_lines(report) == [
         "agentserving: device 10.0%, cpu 50.0%, disk 30.0%, computed 10.0% of 1,000 tokens "
-        "over 4 turns; loads 2.50 s, of which disk reads 1.25 s on 2 turns; 1 recomputed "
-        "after a failed load"]
+        "over 4 turns; loads 2.50 s, of which disk reads 1.50 s; after a tool call with the KV "
+        "on disk, disk reads 1.25 s on 2 turns; 2 of 3 announced turns had KV on disk then; "
+        "1 recomputed after a failed load"]
 
 
 def test_the_console_report_of_a_published_run_fits_120_columns():

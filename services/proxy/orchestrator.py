@@ -73,7 +73,12 @@ from agentserving.proxy.routing import Candidate, LeastLoaded, RouteInput, Routi
 from agentserving.proxy.sessions import SessionState, SessionTable, session_key
 from agentserving.proxy.settings import ProxySettings
 from agentserving.proxy.stalls import StallDeadlines, policy_from
-from agentserving.proxy.tool_gaps import ToolGapPredictor, pin_ttl_for_gap, prefetch_found
+from agentserving.proxy.tool_gaps import (
+    ToolGapPredictor,
+    at_announce_header,
+    pin_ttl_for_gap,
+    prefetch_found,
+)
 from agentserving.proxy.upstream import (
     UPSTREAM_ERRORS,
     InterTokenStall,
@@ -102,6 +107,9 @@ H_PD = "x-agentserving-pd"  # "disaggregated", or "local": prefilled on the deco
 # the pods a turn was moved off before it was answered (comma-separated, in order): a caller
 # (or a fault bench) can tell a turn saved by a retry from one that never met a failure
 H_RETRIED = "x-agentserving-retried"
+# where the pods found the session's KV when this turn was announced, during the tool call
+# before it ("dram=12,disk=30"); absent when it was not announced
+H_AT_ANNOUNCE = "x-agentserving-kv-at-announce"
 H_ADMISSION = "x-agentserving-admission"  # --admit-per-pod: how the turn was let in, and its wait
 
 
@@ -823,7 +831,8 @@ class Orchestrator:
                     lookup_id=f"tool-gap:{turn.session_id}",
                     expected_in_s=round(max(0.0, gap_s - delay), 3)))
                 self._record_hook("tool_prefetch", True)
-                for found, n in prefetch_found(answer.results).items():
+                state.kv_at_announce = prefetch_found(answer.results)
+                for found, n in state.kv_at_announce.items():
                     self.metrics.tool_gap_chunks.labels(found).inc(n)
             except (ServiceUnavailable, RequestRejected):
                 self._record_hook("tool_prefetch", False)
@@ -838,11 +847,15 @@ class Orchestrator:
                                if self._prefetch_tasks.get(key) is t else None)
 
     def _on_arrival(self, turn: Turn, state: SessionState) -> None:
-        """Score the tool-gap prediction of the previous turn against this arrival."""
+        """Score the tool-gap prediction of the previous turn against this arrival, and say
+        where the announce found the session's KV."""
         if turn.session_key is not None:
             task = self._prefetch_tasks.pop(turn.session_key, None)
             if task is not None and not task.done():
                 task.cancel()
+        if state.kv_at_announce is not None:
+            turn.headers[H_AT_ANNOUNCE] = at_announce_header(state.kv_at_announce)
+            state.kv_at_announce = None
         if state.last_turn_end is None or state.pending_tool is None and \
                 state.predicted_gap_s is None:
             return

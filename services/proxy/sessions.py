@@ -30,6 +30,8 @@ class SessionState:
     pending_tool: str | None = None  # the tool the previous turn called
     predicted_gap_s: float | None = None
     prefetch_fired_at: float | None = None
+    # where the pods found the session's KV when its next turn was announced (prefetch_found)
+    kv_at_announce: dict[str, int] | None = None
 
     def held(self, chunk_size: int) -> HeldContext | None:
         """What the session's previous turn left on its own pod (None: nothing known)."""

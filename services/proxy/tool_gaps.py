@@ -66,14 +66,24 @@ def pin_ttl_for_gap(predicted_gap_s: float, floor_s: float, cap_s: float,
 def prefetch_found(results: Mapping[str, Any]) -> dict[str, int]:
     """Where the pods found a tool-gap prefetch's chunks, from the kvindex's fan-out answer
     (pod -> its memory API's reply): a session whose chunks were on disk is the one the
-    prefetch is for; all in DRAM, it had nothing to move."""
+    prefetch is for; all in DRAM, it had nothing to move. A pod whose scheduler took the
+    announce for later says where its book puts the chunks now; one that says nothing of
+    them counts as ``scheduled``."""
     found = {"dram": 0, "disk": 0, "missing": 0, "scheduled": 0}
     for result in results.values():
         reply = getattr(result, "response", None) or {}
-        if reply.get("status") == "prefetch_scheduled":
+        placed = sum(int(reply.get(k) or 0) for k in ("num_in_cpu", "num_to_load",
+                                                       "num_missing"))
+        if reply.get("status") == "prefetch_scheduled" and not placed:
             found["scheduled"] += int(reply.get("num_chunks") or 0)
             continue
         found["dram"] += int(reply.get("num_in_cpu") or 0)
         found["disk"] += int(reply.get("num_to_load") or 0)
         found["missing"] += int(reply.get("num_missing") or 0)
     return found
+
+
+def at_announce_header(found: Mapping[str, int]) -> str:
+    """``x-agentserving-kv-at-announce``: where the session's KV was when its turn was
+    announced (``prefetch_found``'s counts, those that are not 0)."""
+    return ",".join(f"{k}={n}" for k, n in found.items() if n) or "none"

@@ -21,7 +21,7 @@ from agentserving.proxy.routing import (
     affinity_order,
     make_policy,
 )
-from agentserving.proxy.tool_gaps import ToolGapPredictor, prefetch_found
+from agentserving.proxy.tool_gaps import ToolGapPredictor, at_announce_header, prefetch_found
 
 PODS = [Candidate("p0", "http://a"), Candidate("p1", "http://b"), Candidate("p2", "http://c")]
 
@@ -156,6 +156,14 @@ def test_prefetch_found_sums_the_pods_replies_by_tier():
     }
     assert prefetch_found(results) == {"dram": 1, "disk": 3, "missing": 1, "scheduled": 4}
     assert prefetch_found({}) == {"dram": 0, "disk": 0, "missing": 0, "scheduled": 0}
+    # a pod whose scheduler took the announce says where its chunks are now
+    results["prefill-0"] = PodCallResult(ok=True, num_chunks=4, response={
+        "status": "prefetch_scheduled", "num_chunks": 4, "num_in_cpu": 1, "num_to_load": 2,
+        "num_missing": 1})
+    found = prefetch_found(results)
+    assert found == {"dram": 2, "disk": 5, "missing": 2, "scheduled": 0}
+    assert at_announce_header(found) == "dram=2,disk=5,missing=2"
+    assert at_announce_header(prefetch_found({})) == "none"
 
 
 def test_api_keys(tmp_path):

@@ -103,6 +103,7 @@ SOAK_VLLM = "soak-vllm.json"
 SOAK_VLLM_COMMAND = ("python -m bench soak --engine vllm --duration-s 1800 --sample-s 15 "
                      "--change-feed-max 1000")
 FAULTS, FAULTS_COMMAND = "faults.json", "python -m bench faults"
+FAULTS_VLLM, FAULTS_VLLM_COMMAND = "faults-vllm.json", "python -m bench faults --engine vllm"
 PREFILL_SCHED, PREFILL_SCHED_COMMAND = "prefill-sched.json", "python -m bench prefill_sched"
 KERNELS, KERNELS_COMMAND = "kernels.json", "python -m bench kernels"
 REFERENCE_RUNS = ("reference-quick-run/run1.json", "reference-quick-run/run2.json")
@@ -112,6 +113,9 @@ AGENT_PRESSURE = "agent-pressure.json"
 AGENT_PRESSURE_COMMAND = ("python -m bench agent_pressure --from-run RUN --rename "
                           "agentserving=agentserving-toolpin "
                           "--rename agentserving-nopin=agentserving")
+AGENT_PRESSURE_PREFETCH = "agent-pressure-prefetch.json"
+AGENT_PRESSURE_PREFETCH_COMMAND = ("python -m bench agent_pressure --configs "
+                                   "agentserving,agentserving-noprefetch")
 SIM_VALIDATION = "sim/validation-and-seed.json"
 SIM_VALIDATION_COMMAND = ("python -m bench sim --parts 1,2 --real sim/validation/run3-report.json "
                           "... --real sim/validation/run10-report.json")
@@ -479,15 +483,18 @@ def _prefix_stability_table(doc: Doc) -> str:
                    f"{c['whole_prompts_s']:.1f} s, `PromptCounter` {c['counter_s']:.2f} s. ")
 
 
-def _agent_pressure_table(doc: Doc) -> str:
+def _agent_pressure_table(doc: Doc, name: str = AGENT_PRESSURE,
+                          command: str = AGENT_PRESSURE_COMMAND) -> str:
     """The pressure workload's figures per configuration: median [min-max] of the repeats,
     then each target judged on the medians."""
-    r = _load(doc.root, AGENT_PRESSURE)
+    r = _load(doc.root, name)
     figures = (("mean_jct_s", "mean session time"),
                ("ttft_p50_after_human_pause_s", "TTFT P50 after a human pause"),
                ("e2e_p95_s", "E2E P95"), ("branch_start_ttft_p90_s", "branch-start TTFT P90"),
                ("req_per_s", "req/s"), ("hit_vs_ideal", "hit / ideal"),
                ("failed_turns", "failed turns"), ("forced_mismatches", "forced mismatches"))
+    if any(c["median"].get("disk_read_critical_s") is not None for c in r["configs"].values()):
+        figures += (("disk_read_critical_s", "disk reads on the critical path"),)
 
     def cell(c: dict, key: str) -> str:
         med, lo, hi = (c[k].get(key) for k in ("median", "min", "max"))
@@ -505,7 +512,7 @@ def _agent_pressure_table(doc: Doc) -> str:
         f"{t['figure']} {t['config']} / {t['against']} ×{t['ratio']:.2f} (≤ ×{t['at_most']:.2f}: "
         f"{_yes(t['met'])})" for t in r["targets"] if t["ratio"] is not None)
     renamed = "; ".join(f"`{ran}` reported as `{name}`" for ran, name in r["renamed"].items())
-    return _finish(doc, lines, AGENT_PRESSURE_COMMAND, (AGENT_PRESSURE,),
+    return _finish(doc, lines, command, (name,),
                    f"Medians of {r['repeats']} interleaved repeats, [min–max] beside them. "
                    f"Targets on the medians: {verdicts}. Compare: `{r['compare_command']}` "
                    f"({r['seconds']:.0f} s in all)" + (f", its configurations {renamed} (the "
@@ -639,8 +646,8 @@ def _soak_table(doc: Doc, name: str = SOAK, command: str = SOAK_COMMAND) -> str:
                    f"{_yes(r['target']['met'])}. ")
 
 
-def _faults_table(doc: Doc) -> str:
-    r = _load(doc.root, FAULTS)
+def _faults_table(doc: Doc, name: str = FAULTS, command: str = FAULTS_COMMAND) -> str:
+    r = _load(doc.root, name)
     lines = ["| fault | turns failed (for good) | retried by the proxy unseen | failed after "
              "tokens (retriable) | silent cuts | wrong outputs | first good turn after | fleet "
              "healthy after |", "| --- " * 8 + "|"]
@@ -648,7 +655,7 @@ def _faults_table(doc: Doc) -> str:
     def sec(v: float | None) -> str:
         return "–" if v is None else f"{v:.2f} s"
 
-    for f in r["faults"]:
+    for f in r["faults"].values():
         if f.get("skipped"):
             lines.append(f"| {f['fault']} | skipped: {f['skipped']} | | | | | | |")
             continue
@@ -659,7 +666,7 @@ def _faults_table(doc: Doc) -> str:
                      f"{f['wrong_outputs']} | {sec(f['recovery_s'])} | {sec(f['healthy_s'])} |")
     w = r["config"]["workload"]
     met = ", ".join(f"{k.replace('_', ' ')}: {_yes(v['met'])}" for k, v in r["targets"].items())
-    return _finish(doc, lines, FAULTS_COMMAND, (FAULTS,),
+    return _finish(doc, lines, command, (name,),
                    f"{w['sessions']} sessions x {w['turns']} turns per fleet; fault-free runs "
                    f"agree token for token: {_yes(r['reference_reproducible'])}; "
                    f"targets: {met}; {r['duration_s']:.0f} s in all. ")
@@ -923,6 +930,8 @@ TABLES: dict[str, Callable[[Doc], str]] = {
     "disk-tier": _disk_tier_table,
     "prefix-stability": _prefix_stability_table,
     "agent-pressure": _agent_pressure_table,
+    "agent-pressure-prefetch": lambda d: _agent_pressure_table(
+        d, AGENT_PRESSURE_PREFETCH, AGENT_PRESSURE_PREFETCH_COMMAND),
     "announced-turns": _announced_table,
     "tool-gap-disk": _tool_gap_disk_table,
     "kv-lifecycle": _kv_lifecycle_table,
@@ -935,6 +944,7 @@ TABLES: dict[str, Callable[[Doc], str]] = {
     "soak": _soak_table,
     "soak-vllm": lambda d: _soak_table(d, SOAK_VLLM, SOAK_VLLM_COMMAND),
     "faults": _faults_table,
+    "faults-vllm": lambda d: _faults_table(d, FAULTS_VLLM, FAULTS_VLLM_COMMAND),
     "prefill-sched": _prefill_sched_table,
     "prefill-sched-shadow": _prefill_shadow_table,
     "kernels": _kernels_table,

@@ -69,6 +69,7 @@ class Fault:
     trigger: str
     heal_after_s: float = 2.0  # restart / SIGCONT / free the disk this long after injecting
     needs_root: bool = False
+    engines: tuple[str, ...] = ("reference", "vllm")  # the fleets that have what it breaks
 
 
 FAULTS: dict[str, Fault] = {f.name: f for f in [
@@ -87,6 +88,10 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
     Fault("corrupt-disk", "bytes of every stored KV chunk file overwritten (and the chunks "
           "dropped from DRAM, so the next turns read the disk)", "after_turns",
           heal_after_s=0.0),
+    Fault("kill-kvserver", "kill -9 of the prefill pod's KV server during a P/D hand-off "
+          "(restarted 2 s later)", "prefill_busy", engines=("vllm",)),
+    Fault("stop-kvserver", "SIGSTOP of the prefill pod's KV server during a P/D hand-off "
+          "(SIGCONT 4 s later)", "prefill_busy", heal_after_s=4.0, engines=("vllm",)),
 ]}
 
 QUICK_FAULTS = ("kill-proxy",)  # the smoke test: one fleet more than the fault-free one
@@ -234,6 +239,11 @@ def summarize_fault(name: str, results: list[TurnResult],
         "injected": injected_at is not None,
         "turns": len(results),
         "outcomes": outcomes,
+        # the names: turns the fault touched, turns the client never got answered,
+        # turns answered after a retry (the proxy's or the client's)
+        "turns_affected": len(results) - outcomes["ok"],
+        "failed_turns": outcomes["failed"],
+        "retried_ok": outcomes["recovered"] + outcomes["retried_transparently"],
         "turns_failed": outcomes["recovered"] + outcomes["failed"],
         "turns_failed_for_good": outcomes["failed"],
         "turns_retried_transparently": outcomes["retried_transparently"],

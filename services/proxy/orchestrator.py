@@ -557,7 +557,7 @@ class Orchestrator:
                     tail.append(chunk)
                 else:
                     yield chunk
-            if report is not None:
+            if report is not None and report.cached_tokens is not None:
                 outcome.cached_tokens = report.cached_tokens
             self._finish(turn, state, prefill, outcome, decode)
             for chunk in tail:

@@ -24,7 +24,9 @@ ADDED = {"index_chunk_ops", "forward_s", "forward_s_by_role", "decode_ttft_s",
 ADDED_SUMMARY = {"by_source", "short_turns", "ttft_p50_short_s", "ttft_p85_short_s",
                  "after_gap_turns", "ttft_p50_after_gap_s", "after_human_pause_turns",
                  "ttft_p50_after_human_pause_s", "branch_starts", "branch_start_ttft_p90_s",
-                 "mean_jct_s"}  # the replay summary's, likewise
+                 "mean_jct_s", "sourced_turns", "prompt_sources", "kv_load_s", "disk_read_s",
+                 "fell_back_turns", "announced_turns", "announced_on_disk_turns",
+                 "disk_read_turns", "disk_read_critical_s"}  # the replay summary's, likewise
 
 # sha256 of `fingerprint` for generate_preset("agent", sessions=150), taken with the simulator
 # as it was before model_construct / netted flushes / the short shadow look-ahead / shallow

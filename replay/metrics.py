@@ -186,15 +186,10 @@ def prompt_sources(ok: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 def at_announce(record: Mapping[str, Any]) -> dict[str, int] | None:
     """Where the pods found the turn's KV when it was announced (the proxy's header), None
     when it was not announced."""
-    raw = (record.get("routing") or {}).get("x-agentserving-kv-at-announce")
-    if raw is None:
-        return None
-    out = {}
-    for part in raw.split(","):
-        key, sep, n = part.partition("=")
-        if sep and n.isdigit():
-            out[key.strip()] = int(n)
-    return out
+    from agentserving.proxy.tool_gaps import H_AT_ANNOUNCE, parse_at_announce
+
+    raw = (record.get("routing") or {}).get(H_AT_ANNOUNCE)
+    return None if raw is None else parse_at_announce(raw)
 
 
 def kv_was_on_disk(record: Mapping[str, Any]) -> bool:

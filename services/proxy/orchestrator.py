@@ -74,6 +74,7 @@ from agentserving.proxy.sessions import SessionState, SessionTable, session_key
 from agentserving.proxy.settings import ProxySettings
 from agentserving.proxy.stalls import StallDeadlines, policy_from
 from agentserving.proxy.tool_gaps import (
+    H_AT_ANNOUNCE,
     ToolGapPredictor,
     at_announce_header,
     pin_ttl_for_gap,
@@ -107,9 +108,6 @@ H_PD = "x-agentserving-pd"  # "disaggregated", or "local": prefilled on the deco
 # the pods a turn was moved off before it was answered (comma-separated, in order): a caller
 # (or a fault bench) can tell a turn saved by a retry from one that never met a failure
 H_RETRIED = "x-agentserving-retried"
-# where the pods found the session's KV when this turn was announced, during the tool call
-# before it ("dram=12,disk=30"); absent when it was not announced
-H_AT_ANNOUNCE = "x-agentserving-kv-at-announce"
 H_ADMISSION = "x-agentserving-admission"  # --admit-per-pod: how the turn was let in, and its wait
 
 

@@ -83,6 +83,21 @@ def prefetch_found(results: Mapping[str, Any]) -> dict[str, int]:
     return found
 
 
+# where the pods found the session's KV when this turn was announced, during the tool call
+# before it ("dram=12,disk=30"); absent when it was not announced
+H_AT_ANNOUNCE = "x-agentserving-kv-at-announce"
+
+
+def parse_at_announce(value: str) -> dict[str, int]:
+    """``at_announce_header``'s counts back ("none": {})."""
+    out = {}
+    for part in value.split(","):
+        key, sep, n = part.partition("=")
+        if sep and n.isdigit():
+            out[key.strip()] = int(n)
+    return out
+
+
 def at_announce_header(found: Mapping[str, int]) -> str:
     """``x-agentserving-kv-at-announce``: where the session's KV was when its turn was
     announced (``prefetch_found``'s counts, those that are not 0)."""

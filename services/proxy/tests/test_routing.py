@@ -21,7 +21,12 @@ from agentserving.proxy.routing import (
     affinity_order,
     make_policy,
 )
-from agentserving.proxy.tool_gaps import ToolGapPredictor, at_announce_header, prefetch_found
+from agentserving.proxy.tool_gaps import (
+    ToolGapPredictor,
+    at_announce_header,
+    parse_at_announce,
+    prefetch_found,
+)
 
 PODS = [Candidate("p0", "http://a"), Candidate("p1", "http://b"), Candidate("p2", "http://c")]
 
@@ -163,6 +168,8 @@ def test_prefetch_found_sums_the_pods_replies_by_tier():
     found = prefetch_found(results)
     assert found == {"dram": 2, "disk": 5, "missing": 2, "scheduled": 0}
     assert at_announce_header(found) == "dram=2,disk=5,missing=2"
+    assert parse_at_announce(at_announce_header(found)) == {"dram": 2, "disk": 5, "missing": 2}
+    assert parse_at_announce("none") == {}
     assert at_announce_header(prefetch_found({})) == "none"
 
 

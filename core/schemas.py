@@ -380,6 +380,13 @@ ExpectedTokens = Annotated[
     Annotated[int, Field(ge=1, le=1 << 20), BeforeValidator(_wire_int)] | None, Field(
         description="With expected_in_s: the prompt tokens the expected request will compute "
         "past these chunks (default: the pod's estimate).")]
+# An announced turn's hold: the KV its pod holds now is kept there until the turn arrives.
+HoldS = Annotated[
+    Annotated[float, Field(gt=0, le=MAX_PIN_TTL_S), BeforeValidator(_wire_number)] | None,
+    Field(description="Pin these chunks in the pod's tiers for this many seconds from now, "
+          "those read from disk once they are in DRAM: the KV of an announced turn, held "
+          "until it arrives. A pin like any other (it extends, never shortens, one already "
+          "there; it counts against the pod's pin share) that lapses by itself.")]
 
 
 class PrefetchRequest(Strict):
@@ -388,6 +395,7 @@ class PrefetchRequest(Strict):
     lookup_id: str | None = None
     expected_in_s: ExpectedInS = None
     expected_tokens: ExpectedTokens = None
+    hold_s: HoldS = None
 
 
 class EvictRequest(Strict):
@@ -464,6 +472,7 @@ class MemoryPrefetchRequest(Strict):
     lookup_id: str | None = None
     expected_in_s: ExpectedInS = None
     expected_tokens: ExpectedTokens = None
+    hold_s: HoldS = None
 
 
 class MemoryPrefetchResponse(BaseModel):
@@ -613,6 +622,9 @@ class MemoryPrefetchResult(MemoryPrefetchResponse):
     num_in_cpu: int = Field(default=0, description="Chunks already in DRAM.")
     num_missing: int = Field(default=0, description="Chunks no tier holds (not an error).")
     missing: list[str] = Field(default_factory=list)
+    num_held: int = Field(default=0, description="With hold_s: chunks the hold pinned, or "
+                          "whose pin it extended, now (those still to be read are pinned once "
+                          "they are in DRAM).")
 
 
 class MemoryPrefetchStatus(BaseModel):

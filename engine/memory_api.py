@@ -2,10 +2,12 @@
 
 - Engine process ``k`` (port ``memory_port_start + 1 + k``) acts on its own LMCache tiers:
   ``POST /memory/prefetch`` (asynchronous disk -> DRAM; answers ``prefetch_started`` at
-  once), ``POST /memory/evict`` (named locations, or every tier), ``POST /memory/pin`` and
-  ``POST /memory/unpin`` (TTL pins LMCache's own eviction honours, ``engine.kv.pins``), plus
-  ``GET /memory/prefetch/{lookup_id}`` (progress) and ``GET /memory/chunks`` (residency). The
-  same server carries the P/D hand-off endpoint (``/v1/kv/{transfer_id}``).
+  once; with ``hold_s``, the chunks are pinned where they are and, once read, in DRAM: an
+  announced turn's KV held until it arrives, ``Hold``), ``POST /memory/evict`` (named
+  locations, or every tier), ``POST /memory/pin`` and ``POST /memory/unpin`` (TTL pins
+  LMCache's own eviction honours, ``engine.kv.pins``), plus ``GET /memory/prefetch/{lookup_id}``
+  (progress) and ``GET /memory/chunks`` (residency). The same server carries the P/D hand-off
+  endpoint (``/v1/kv/{transfer_id}``).
 - The API process (port ``memory_port_start``) holds no KV: it forwards each call to every
   engine process in parallel and merges the answers (seed 000 §4.2, scheduler -> workers).
 
@@ -23,6 +25,8 @@ either serves ``forwarding_memory_app``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 import urllib.parse
 import uuid
 from collections.abc import Callable, Sequence
@@ -33,6 +37,7 @@ from fastapi import APIRouter, FastAPI
 from prometheus_client import REGISTRY
 
 from agentserving.core.internal_auth import auth_headers
+from agentserving.core.logging import get_logger
 from agentserving.core.schemas import (
     TIER_BACKENDS,
     MemoryChunks,
@@ -56,6 +61,8 @@ from agentserving.core.service import (
     install_metrics_route,
 )
 from agentserving.engine.kv.pins import ChunkPins
+
+log = get_logger(__name__)
 
 KNOWN_LOCATIONS = {*TIER_BACKENDS.values(), *(t.value for t in TIER_BACKENDS)}
 
@@ -140,6 +147,8 @@ class MemoryBackend(Protocol):
 
     def prefetch_status(self, lookup_id: str) -> PrefetchProgress | None: ...
 
+    def after_prefetches(self, fn: Callable[[], None]) -> bool: ...  # fn once the loads end
+
     def resolve_locations(self, locations: Sequence[str] | None) -> list[str]: ...
 
     def evict(self, wire_hashes: Sequence[str],
@@ -171,10 +180,14 @@ def engine_memory_app(store: MemoryBackend, extra_routers: Sequence[APIRouter] =
               responses=error_responses(413))
     def prefetch(req: MemoryPrefetchRequest) -> MemoryPrefetchResult:
         missing = [h for h in req.chunk_hashes if _tier_of(store, h) is None]
+        held = hold(store, req.chunk_hashes, req.hold_s) if req.hold_s is not None else None
         st = store.prefetch(req.chunk_hashes, req.lookup_id)
+        if held is not None and st.to_load:
+            store.after_prefetches(held.again)
         return MemoryPrefetchResult(lookup_id=st.lookup_id, num_chunks=len(req.chunk_hashes),
                                     num_to_load=st.to_load, num_in_cpu=st.in_cpu,
-                                    num_missing=st.missing, missing=missing)
+                                    num_missing=st.missing, missing=missing,
+                                    num_held=held.chunks if held is not None else 0)
 
     @app.get("/memory/prefetch/{lookup_id}", response_model=MemoryPrefetchStatus)
     def prefetch_status(lookup_id: str) -> MemoryPrefetchStatus:
@@ -214,6 +227,31 @@ def engine_memory_app(store: MemoryBackend, extra_routers: Sequence[APIRouter] =
     for router in extra_routers:
         app.include_router(router)
     return app
+
+
+@dataclasses.dataclass
+class Hold:
+    """An announced turn's KV held on this engine process (``MemoryPrefetchRequest.hold_s``):
+    pinned where it is now, and ``again()`` once the prefetch has read the disk-only chunks
+    into DRAM, so their DRAM copies are held for what is left of it. Pins, not a tier of their
+    own: LMCache's eviction already skips a pinned object, and a hold that outlives its turn
+    lapses by itself like any pin."""
+
+    pins: ChunkPins
+    chunk_hashes: Sequence[str]
+    until: float
+    chunks: int  # pinned or extended at the announce
+
+    def again(self) -> None:
+        left = self.until - time.monotonic()
+        if left > 0:
+            self.pins.pin(self.chunk_hashes, left)
+
+
+def hold(store: MemoryBackend, chunk_hashes: Sequence[str], ttl_s: float) -> Hold:
+    out = store.pins.pin(chunk_hashes, ttl_s)
+    return Hold(store.pins, list(chunk_hashes), time.monotonic() + ttl_s,
+                out.pinned + out.extended)
 
 
 def _tier_of(store: MemoryBackend, wire: str) -> Tier | None:
@@ -284,11 +322,15 @@ def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
         req = req.model_copy(update={"lookup_id": req.lookup_id or f"prefetch-{uuid.uuid4().hex}"})
         take = announced() if req.expected_in_s is not None else None
         if take is not None and take(req):
+            # the scheduler reads later (its own prefetch carries what is left of the hold);
+            # what the ranks hold now is held from now
             tiers = residency(req.chunk_hashes) if residency is not None else []
+            held = await _hold_now(req) if req.hold_s is not None else 0
             return MemoryPrefetchResult(
                 status="prefetch_scheduled", lookup_id=req.lookup_id,
                 num_chunks=len(req.chunk_hashes), num_in_cpu=tiers.count(Tier.CPU),
-                num_to_load=tiers.count(Tier.DISK), num_missing=tiers.count(None))
+                num_to_load=tiers.count(Tier.DISK), num_missing=tiers.count(None),
+                num_held=held)
         parts = [MemoryPrefetchResult.model_validate(r)
                  for r in await fanout.call("POST", "/memory/prefetch", req)]
         missing = set.intersection(*(set(p.missing) for p in parts)) if parts else set()
@@ -296,7 +338,21 @@ def forwarding_memory_app(fanout: EngineFanout, backends: Sequence[str],
             lookup_id=req.lookup_id, num_chunks=len(req.chunk_hashes),
             num_to_load=sum(p.num_to_load for p in parts),
             num_in_cpu=sum(p.num_in_cpu for p in parts), num_missing=len(missing),
-            missing=[h for h in req.chunk_hashes if h in missing])
+            missing=[h for h in req.chunk_hashes if h in missing],
+            num_held=sum(p.num_held for p in parts))
+
+    async def _hold_now(req: MemoryPrefetchRequest) -> int:
+        """An announce's hold on the ranks' tiers; 0 when a rank could not be asked (the
+        announce stands: the turn is read for as if nothing had been held)."""
+        assert req.hold_s is not None
+        try:
+            parts = [MemoryPinResult.model_validate(r) for r in await fanout.call(
+                "POST", "/memory/pin",
+                MemoryPinRequest(chunk_hashes=req.chunk_hashes, ttl_s=req.hold_s))]
+        except ApiError as exc:
+            log.warning("announce_hold_failed", lookup_id=req.lookup_id, error=exc.message)
+            return 0
+        return sum(p.num_pinned + p.num_extended for p in parts)
 
     @app.get("/memory/prefetch/{lookup_id}", response_model=MemoryPrefetchStatus)
     async def prefetch_status(lookup_id: str) -> MemoryPrefetchStatus:

@@ -25,6 +25,9 @@ On vLLM (the default engine, what users deploy):
   disk -> DRAM prefetch);
 - ``agentserving-fcfs``: the same without the scheduler (vLLM's own FCFS on the prefill pod);
 - ``agentserving-noprefetch``: the same scheduler without the ShadowScheduler's prefetch;
+- ``agentserving-nohold`` (not run by default): the same announcing each turn during its tool
+  call without holding the session's KV on its pod until the turn is due (the proxy's
+  ``--announce-hold 0``);
 - ``agentserving-nolayerwise``: the same with every vLLM pod's KV reload from LMCache's tiers
   copied whole before the forward pass (``--no-kv-layerwise-load``), not layer by layer behind
   it;
@@ -192,6 +195,10 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 "its tool call (a session's KV on disk is read when its turn is scheduled)",
                 routing="kv-aware", disaggregated=True, prefill_policy=VLLM_PREFILL_POLICY,
                 proxy_args=("--no-tool-prefetch",)),
+    BenchConfig("agentserving-nohold", ("vllm",), "agentserving announcing a turn during "
+                "its tool call without holding the session's KV on its pod until the turn is "
+                "due (--announce-hold 0)", routing="kv-aware", disaggregated=True,
+                proxy_args=("--announce-hold", "0")),
     BenchConfig("agentserving-nolayerwise", ("vllm",), "agentserving without the layer-wise "
                 "KV load: a reload from LMCache's tiers is copied into vLLM's pages whole, "
                 "before the forward pass, not layer by layer behind it", routing="kv-aware",

@@ -249,8 +249,9 @@ def test_tool_gap_prefetch_is_warm_on_arrival(fleet):
     else:
         pytest.fail("the host never evicted within 1.3 s of a turn")
     assert metric(fleet.proxy_kv, chunks_found, found="disk") - on_disk_before == 2
-    # the turn says where its KV was when it was announced: on disk, both chunks
-    assert announced["x-agentserving-kv-at-announce"] == "disk=2"
+    # the turn says where its KV was when it was announced: on disk, both chunks, which the
+    # pod held (--announce-hold) from then until the turn was due
+    assert announced["x-agentserving-kv-at-announce"] == "disk=2,held=2"
     wait_for(lambda: all_in_tier(fleet, chunks, pod, "cpu"), what="back in DRAM")
     assert metric(fleet.proxy_kv, "proxy_tool_gap_prefetch_total", outcome="warm") == attempt + 1
     assert metric(fleet.proxy_kv, "proxy_tool_gap_prediction_error_seconds_count") == attempt + 1

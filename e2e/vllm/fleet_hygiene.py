@@ -34,7 +34,7 @@ def metric_sum(text: str, name: str) -> float:
                for s in family.samples if s.name == name)
 
 
-def _engine_url(memory_url: str) -> str:
+def engine_rank_url(memory_url: str) -> str:
     """A vLLM pod's first engine rank's memory API (its LMCache tiers and their pins)."""
     parts = urlsplit(memory_url)
     return f"{parts.scheme}://{parts.hostname}:{(parts.port or 0) + 1}"
@@ -83,7 +83,7 @@ class FleetView:
                                 "agentserving_vllm_device_pinned_blocks")
             if device:
                 left.append(f"{pod}: {device:.0f} device blocks pinned")
-            lmcache = metric_sum(client.get(_engine_url(memory) + "/metrics").text,
+            lmcache = metric_sum(client.get(engine_rank_url(memory) + "/metrics").text,
                                  "agentserving_kv_pinned_chunks")
             if lmcache:
                 left.append(f"{pod}: {lmcache:.0f} LMCache chunks pinned")

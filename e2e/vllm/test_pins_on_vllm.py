@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from .conftest import VllmFleet, post, vllm_metrics, wait_until
+from .fleet_hygiene import engine_rank_url, metric_sum
 from .test_vllm_fleet import completion, delta, prompt_ids
 
 # the first test of the package also waits for the shared fleet to start
@@ -114,3 +115,36 @@ def test_a_pinned_turn_keeps_its_device_blocks_through_a_flood(vllm_fleet: VllmF
     before = vllm_metrics(url)
     completion(url, kept + tail)
     assert delta(before, vllm_metrics(url), LOCAL) == 0
+
+
+def _rank_pinned(fleet: VllmFleet) -> float:
+    """The chunks worker-0's first engine rank holds pinned in its LMCache tiers."""
+    text = httpx.get(engine_rank_url(fleet.memory_url(POD)) + "/metrics", timeout=10).text
+    return metric_sum(text, "agentserving_kv_pinned_chunks")
+
+
+def test_an_announce_hold_pins_the_turns_kv_and_its_dram_copies_once_read(
+        vllm_fleet: VllmFleet) -> None:
+    # a turn announced with a hold (the proxy's --announce-hold), its context partly on disk
+    # only: the pod pins every chunk at once and, once the announce's read has brought the
+    # disk-only ones into DRAM, their DRAM copies too: losing the disk copies leaves all five
+    # held. (A hold on the disk copies alone would be forgotten with them.)
+    mem = vllm_fleet.memory_url(POD)
+    done = completion(vllm_fleet.url(POD), prompt_ids(720, PROMPT))
+    chunks = done["kv_transfer_params"]["chunk_hashes"][:5]
+
+    def where(tier: str) -> set[str]:
+        return set(httpx.get(mem + "/memory/chunks", timeout=10).json()["chunks"].get(tier, []))
+
+    wait_until("the context on disk", lambda: set(chunks) <= where("disk"))
+    post(mem, "/memory/evict", {"chunk_hashes": chunks[:2], "locations": ["cpu"]})
+    assert not set(chunks[:2]) & where("cpu")
+    held = post(mem, "/memory/prefetch", {"chunk_hashes": chunks, "lookup_id": "tool-gap:hold",
+                                          "expected_in_s": 0.5, "hold_s": 120})
+    assert held["num_held"] == 5, held
+    wait_until("the announce's read in DRAM", lambda: set(chunks) <= where("cpu"))
+    wait_until("the DRAM copies held too", lambda: (
+        post(mem, "/memory/evict", {"chunk_hashes": chunks, "locations": ["disk"]})
+        and _rank_pinned(vllm_fleet) == 5 and not set(chunks) & where("disk")))
+    assert post(mem, "/memory/unpin", {"chunk_hashes": chunks})["num_unpinned"] == 5
+    assert _rank_pinned(vllm_fleet) == 0

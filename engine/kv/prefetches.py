@@ -93,6 +93,15 @@ class PrefetchRegistry:
         with self._lock:
             return self._statuses.get(lookup_id)
 
+    def after_loads(self, fn: Callable[[], None]) -> bool:
+        """``fn()`` once every load queued so far has ended (the loads run one at a time, in
+        order, so it queues behind them); False (never run) once the registry is closed."""
+        try:
+            self._pool.submit(fn)
+        except RuntimeError:  # shut down: nothing more runs
+            return False
+        return True
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 

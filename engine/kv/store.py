@@ -50,7 +50,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -514,6 +514,9 @@ class KVStore:
 
     def prefetch_status(self, lookup_id: str) -> PrefetchStatus | None:
         return self._prefetches.get(lookup_id)
+
+    def after_prefetches(self, fn: Callable[[], None]) -> bool:
+        return self._prefetches.after_loads(fn)
 
     def _mark_inflight(self, keys: list[Any]) -> None:
         with self._inflight_lock:

@@ -90,3 +90,40 @@ def test_pins_are_bounded_by_the_share_of_dram_and_an_evict_takes_a_pinned_chunk
     assert evicted == first[:1] and not parts.store.pins.pinned(first[0])
     assert first[0] not in _in(parts, Tier.CPU) | _in(parts, Tier.DISK)
     assert len(parts.store.pins) == bound - 1
+
+
+def _prefetch(client, chunks: list[str], lookup_id: str, **extra) -> dict:
+    r = client.post("/memory/prefetch", json={"chunk_hashes": chunks, "lookup_id": lookup_id,
+                                             **extra})
+    assert r.status_code == 200, r.text
+    deadline = time.monotonic() + 10
+    while client.get(f"/memory/prefetch/{lookup_id}").json()["state"] == "running":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    return r.json()
+
+
+def test_an_announce_hold_keeps_the_turns_kv_in_dram_read_or_already_there(small, tiny):
+    # an announced turn's context, half in DRAM and half on disk only: the memory API's
+    # prefetch with hold_s pins what DRAM holds at once and the rest once it is read in, so a
+    # flood of other sessions' KV before the turn arrives leaves all of it in DRAM; the same
+    # prefetch without a hold is flushed like any other chunk
+    from fastapi.testclient import TestClient
+
+    from agentserving.engine.memory_api import engine_memory_app
+
+    runner = ModelRunner(tiny)
+    held, plain = _store(small, runner, 7), _store(small, runner, 8)
+    for chunks in (held, plain):  # the first chunk left DRAM: on disk only
+        assert small.store.evict(chunks[:1], ["LocalCPUBackend"])[0] == chunks[:1]
+    with TestClient(engine_memory_app(small.store)) as client:
+        out = _prefetch(client, held, "tool-gap:held", expected_in_s=1.0, hold_s=600)
+        assert (out["num_to_load"], out["num_in_cpu"], out["num_held"]) == (1, CHUNKS - 1,
+                                                                           CHUNKS)
+        assert _prefetch(client, plain, "tool-gap:plain")["num_held"] == 0
+        assert set(held) | set(plain) <= _in(small, Tier.CPU)  # both read in
+        _flood(small, runner, 400)
+        assert set(held) <= _in(small, Tier.CPU)
+        assert not set(plain) & _in(small, Tier.CPU)
+        r = client.post("/memory/prefetch", json={"chunk_hashes": held, "hold_s": 0})
+        assert r.status_code == 400 and "hold_s" in r.text

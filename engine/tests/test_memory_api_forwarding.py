@@ -12,6 +12,8 @@ from fastapi.testclient import TestClient
 
 from agentserving.core.schemas import (
     MemoryChunks,
+    MemoryPinRequest,
+    MemoryPinResult,
     MemoryPrefetchRequest,
     MemoryPrefetchResult,
     MemoryPrefetchStatus,
@@ -52,6 +54,13 @@ def test_an_announced_prefetch_waits_for_the_scheduler_that_takes_it():
         seen.append(req.model_dump(exclude_none=True))
         return MemoryPrefetchResult(lookup_id=req.lookup_id, num_chunks=len(req.chunk_hashes))
 
+    pins: list[dict] = []
+
+    @engine.post("/memory/pin")
+    def pin(req: MemoryPinRequest) -> MemoryPinResult:
+        pins.append(req.model_dump())
+        return MemoryPinResult(num_pinned=len(req.chunk_hashes))
+
     taken: list[MemoryPrefetchRequest] = []
     taker: list = [None]
     server = ThreadedServer(engine)
@@ -69,6 +78,13 @@ def test_an_announced_prefetch_waits_for_the_scheduler_that_takes_it():
             assert len(seen) == 1 and taken[0].expected_in_s == 2.0
             # where the pod's book puts the chunks at the announce: the KV to move
             assert (r.json()["num_to_load"], r.json()["num_in_cpu"]) == (1, 0)
+            assert pins == [] and r.json()["num_held"] == 0  # no hold asked for
+            # with a hold, what the ranks hold now is pinned at once, the scheduler's read
+            # later carrying the rest of it
+            r = client.post("/memory/prefetch", json={**announced, "hold_s": 12.5})
+            assert r.json()["status"] == "prefetch_scheduled" and r.json()["num_held"] == 1
+            assert pins == [{"chunk_hashes": ["ab"], "ttl_s": 12.5}]
+            assert taken[-1].hold_s == 12.5 and len(seen) == 1
             r = client.post("/memory/prefetch", json={"chunk_hashes": ["ab"]})
             assert r.json()["status"] == "prefetch_started" and len(seen) == 2
             r = client.post("/memory/prefetch", json={**announced, "expected_in_s": -1})

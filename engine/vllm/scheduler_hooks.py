@@ -11,8 +11,9 @@ scheduler process (``AgentServingConnectorV1.agentserving_hooks``):
   token database (the tenant's salt included), kept per request until it is dropped;
 - ``tiers(hashes)``: each chunk's tier on this pod (DRAM before disk, None when absent), from the
   residency book the scheduler services keep by polling the ranks' ``/memory/chunks``;
-- ``prefetch(lookup_id, hashes)``: ``POST /memory/prefetch`` to every rank, started on the
-  services' loop and not awaited (the scheduler never waits for I/O);
+- ``prefetch(lookup_id, hashes, hold_s)``: ``POST /memory/prefetch`` to every rank, started on
+  the services' loop and not awaited (the scheduler never waits for I/O); ``hold_s``: what is
+  left of the announce's hold, for the chunks read;
 - ``measure(prefetches)``: at a prefetched request's admission, a fresh poll of the ranks and
   each prefetch's status: how many of its chunks are in DRAM now, how many it had loaded;
 - ``take_device(device)``: vLLM's prefix cache as a tier (``device_kv``): the pod's unpin and
@@ -88,8 +89,10 @@ class SchedulerKvHooks:
         return self.services.book.tiers(hashes)
 
     # ------------------------------------------------------------------ acting
-    def prefetch(self, lookup_id: str, hashes: Sequence[str]) -> None:
-        body = MemoryPrefetchRequest(chunk_hashes=list(hashes), lookup_id=lookup_id)
+    def prefetch(self, lookup_id: str, hashes: Sequence[str], hold_s: float | None = None
+                 ) -> None:
+        body = MemoryPrefetchRequest(chunk_hashes=list(hashes), lookup_id=lookup_id,
+                                     hold_s=hold_s)
         self.prefetches_started += 1
         future = asyncio.run_coroutine_threadsafe(
             self.services.fanout.call("POST", "/memory/prefetch", body), self.services.loop)

@@ -22,7 +22,7 @@ written by LMCache's own worker and are served by LMCache as it would serve them
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from agentserving.core.hashing import is_chunk_hash
@@ -159,6 +159,9 @@ class LMCacheStorageBackend:
 
     def prefetch_status(self, lookup_id: str) -> PrefetchStatus | None:
         return self._prefetches.get(lookup_id)
+
+    def after_prefetches(self, fn: Callable[[], None]) -> bool:
+        return self._prefetches.after_loads(fn)
 
     def _prefetch_run(self, status: PrefetchStatus, keys: list[Any]) -> None:
         disk, cpu = self.disk, self.cpu

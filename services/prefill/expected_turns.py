@@ -44,6 +44,7 @@ class AnnouncedTurn:
     new_tokens: int           # tokens it is expected to compute (its append)
     fired: bool = False       # its prefetch started (by the window or as ``due``)
     read: tuple[str, ...] = ()  # the disk-only chunks its prefetch asked for
+    hold_until: float | None = None  # its KV is held (pinned) until then, on the caller's clock
 
 
 @dataclasses.dataclass
@@ -72,15 +73,17 @@ class ExpectedTurns:
         self._by_last: dict[str, str] = {}   # last prefix chunk -> key
         self.score = AnnouncedScore()
 
-    def announce(self, key: str, eta: float, hashes: Sequence[str], new_tokens: int) -> None:
-        """A re-announcement under the same key replaces the earlier one."""
+    def announce(self, key: str, eta: float, hashes: Sequence[str], new_tokens: int,
+                 hold_until: float | None = None) -> None:
+        """A re-announcement under the same key replaces the earlier one. ``hold_until``: the
+        announcer holds the turn's KV until then, and its read is to be held as long."""
         if not hashes:
             return
         self._drop(key)
         while len(self.turns) >= self.keep:
             self._drop(next(iter(self.turns)))
         turn = AnnouncedTurn(key, eta, tuple(hashes), len(hashes) * self.chunk_tokens,
-                             max(1, new_tokens))
+                             max(1, new_tokens), hold_until=hold_until)
         self.turns[key] = turn
         for h in turn.hashes[-2:]:
             self._by_last[h] = key

@@ -281,9 +281,10 @@ class ShadowGlue:
         if not req.chunk_hashes or req.expected_in_s is None:
             return False
         new_tokens = req.expected_tokens or self.default_new_tokens
+        now = time.monotonic()
         with self._lock:
-            self.announced.announce(key, time.monotonic() + req.expected_in_s,
-                                    req.chunk_hashes, new_tokens)
+            self.announced.announce(key, now + req.expected_in_s, req.chunk_hashes, new_tokens,
+                                    hold_until=now + req.hold_s if req.hold_s else None)
         if self.hooks is not None:
             lead = self._idle_lead_s(new_tokens)
             self.hooks.call_later(req.expected_in_s - lead, lambda: self._idle_due(lead))
@@ -307,11 +308,14 @@ class ShadowGlue:
             self._fire_announced(key, "idle", disk)
 
     def _fire_announced(self, key: str, by: str, hashes: tuple[str, ...]) -> None:
+        """The turn's read; held, when its announce held its KV, for what is left of that."""
         with self._lock:
-            if self.announced.fire(key, by, hashes) is None:
-                return
+            turn = self.announced.fire(key, by, hashes)
+        if turn is None:
+            return
         if hashes and self.hooks is not None:
-            self.hooks.prefetch(key, hashes)
+            left = turn.hold_until - time.monotonic() if turn.hold_until is not None else 0.0
+            self.hooks.prefetch(key, hashes, hold_s=round(left, 3) if left > 0 else None)
         self.prefetch.chunks += len(hashes)
 
     def arriving(self, request_id: str, hashes: Sequence[str]) -> None:

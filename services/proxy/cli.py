@@ -140,6 +140,12 @@ setting = settings_option(ProxySettings)
               "turn to its pod, which then moves its KV to DRAM: at once, or, where the pod's "
               "scheduler predicts admissions (a ShadowScheduler), when it predicts the turn for "
               "its next step.")
+@setting("--announce-hold", "announce_hold_s", type=click.FloatRange(min=0, max=3600),
+         help="Seconds past a tool call's predicted return that its pod holds the session's KV "
+              "from the announce on (--tool-prefetch): a pin on what DRAM and disk hold at the "
+              "announce and on what the announce reads into DRAM, so the turns the pod serves "
+              "meanwhile do not evict it before the turn arrives. A pin like any other: within "
+              "the pod's pin share, lapsing by itself. 0: announce without holding.")
 @setting("--tool-pin/--no-tool-pin",
          help="Pin a session's KV in every tier that honours pins after a turn that ends in a "
               "tool call (the caller names it in x-agentserving-next-tool, or the answer calls "

@@ -66,7 +66,8 @@ class ProxyMetrics:
             "proxy_tool_gap_prefetch_chunks_total",
             "Chunks of the sessions announced during a tool call, by where their pod found "
             "them: dram (nothing to move), disk (read into DRAM before the turn), missing "
-            "(recomputed), scheduled (left to the pod's scheduler for when the turn is due).",
+            "(recomputed), scheduled (left to the pod's scheduler for when the turn is due); and "
+            "held: those of them the pod pinned until the turn is due (--announce-hold).",
             ["found"], registry=registry)
         self.sessions = Gauge("proxy_sessions", "Sessions remembered.", registry=registry)
         self.stalls = Counter("proxy_stalls_total",

@@ -811,7 +811,8 @@ class Orchestrator:
         """Announce the session's next turn to its pod shortly before the tool's predicted
         return (``expected_in_s``): a pod whose scheduler predicts admissions moves the
         session's chunks to DRAM when the turn is predicted for its next step, any other pod
-        at once."""
+        at once; either holds them there (``hold_s``, --announce-hold) until the turn is due,
+        as the pod's other turns would otherwise evict them before it arrives."""
         assert turn.session_key is not None
         state.predicted_gap_s = gap_s = self.tool_gaps.predict(state.pending_tool)
         delay = self.tool_gaps.prefetch_delay(state.pending_tool, self.settings.prefetch_lead_s)
@@ -824,10 +825,12 @@ class Orchestrator:
             state.prefetch_fired_at = time.monotonic()
             try:
                 assert self.kvindex is not None
+                expected_in_s = round(max(0.0, gap_s - delay), 3)
+                hold_s = self.settings.announce_hold_s
                 answer = await self.kvindex.prefetch(PrefetchRequest(
                     chunk_hashes=chunks, pod=state.last_pod,
-                    lookup_id=f"tool-gap:{turn.session_id}",
-                    expected_in_s=round(max(0.0, gap_s - delay), 3)))
+                    lookup_id=f"tool-gap:{turn.session_id}", expected_in_s=expected_in_s,
+                    hold_s=round(expected_in_s + hold_s, 3) if hold_s > 0 else None))
                 self._record_hook("tool_prefetch", True)
                 state.kv_at_announce = prefetch_found(answer.results)
                 for found, n in state.kv_at_announce.items():

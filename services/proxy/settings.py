@@ -105,6 +105,10 @@ class ProxySettings(BaseModel):
     tool_prefetch: bool = Field(
         default=True, description="Announce each session's next turn to its pod while a tool "
         "runs, so its KV is back in DRAM when the turn arrives.")
+    announce_hold_s: float = Field(
+        default=10.0, ge=0, le=3600.0, description="An announced turn's KV is held (pinned) "
+        "on its pod from the announce until this many seconds past the turn's predicted "
+        "arrival; 0: not held.")
     # Off by default: on the agent-pressure workload (python -m bench agent_pressure, two
     # repeats of three, docs/benchmarks.md) sessions pinned through their agentic pauses
     # finished later than unpinned ones (mean session time x1.06 / x1.15): with every pod

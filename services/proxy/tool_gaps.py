@@ -68,10 +68,12 @@ def prefetch_found(results: Mapping[str, Any]) -> dict[str, int]:
     (pod -> its memory API's reply): a session whose chunks were on disk is the one the
     prefetch is for; all in DRAM, it had nothing to move. A pod whose scheduler took the
     announce for later says where its book puts the chunks now; one that says nothing of
-    them counts as ``scheduled``."""
-    found = {"dram": 0, "disk": 0, "missing": 0, "scheduled": 0}
+    them counts as ``scheduled``. ``held``: of those chunks, the ones the pods pinned until
+    the turn is due (the announce's ``hold_s``), counted besides where they were."""
+    found = {"dram": 0, "disk": 0, "missing": 0, "scheduled": 0, "held": 0}
     for result in results.values():
         reply = getattr(result, "response", None) or {}
+        found["held"] += int(reply.get("num_held") or 0)
         placed = sum(int(reply.get(k) or 0) for k in ("num_in_cpu", "num_to_load",
                                                        "num_missing"))
         if reply.get("status") == "prefetch_scheduled" and not placed:

@@ -54,7 +54,8 @@ async def prefetch(req: PrefetchRequest, st: KvindexState = Depends(state)) -> F
     _check_pod(req.pod, pods)
     holders = await guarded(st, st.index.holders(req.chunk_hashes))
     per_pod, missing = plan(req.chunk_hashes, holders, only_pod=req.pod)
-    announced = req.model_dump(include={"expected_in_s", "expected_tokens"}, exclude_none=True)
+    announced = req.model_dump(include={"expected_in_s", "expected_tokens", "hold_s"},
+                               exclude_none=True)
     bodies = {pod: {"chunk_hashes": chunks, "lookup_id": req.lookup_id, **announced}
               for pod, chunks in per_pod.items()}
     results = await _call_pods(st, pods, "prefetch", bodies)

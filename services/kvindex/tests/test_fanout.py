@@ -54,10 +54,10 @@ def test_fanout_reaches_holders_and_reports_failures(peers):
         # an announced turn's prefetch reaches the pods with its expected arrival and size
         client.post("/v1/prefetch", json={"chunk_hashes": CHAIN[:2], "lookup_id": "tool-gap:s",
                                           "pod": "fast", "expected_in_s": 1.5,
-                                          "expected_tokens": 300})
+                                          "expected_tokens": 300, "hold_s": 9.5})
         assert fast.calls[-1] == ("prefetch", {"chunk_hashes": CHAIN[:2], "lookup_id":
                                                "tool-gap:s", "expected_in_s": 1.5,
-                                               "expected_tokens": 300})
+                                               "expected_tokens": 300, "hold_s": 9.5})
 
         # the index never claims what a pod has not confirmed: a prefetch changes nothing
         assert client.get(f"/v1/chunks/{CHAIN[3]}").json()["locations"] == [

@@ -98,6 +98,7 @@ class FakeHooks:
         self.forgotten: set[str] = set()
         self.take = None
         self.later: list = []
+        self.holds: dict[str, float | None] = {}
 
     def chunk_hashes(self, request):
         return self.chunks.get(request.request_id, [])
@@ -105,8 +106,9 @@ class FakeHooks:
     def tiers(self, hashes):
         return [self.where.get(h) for h in hashes]
 
-    def prefetch(self, lookup_id, hashes):
+    def prefetch(self, lookup_id, hashes, hold_s=None):
         self.prefetched.append((lookup_id, tuple(hashes)))
+        self.holds[lookup_id] = hold_s
         for h in hashes:
             self.where[h] = Tier.CPU
 
@@ -193,9 +195,11 @@ def test_a_prefetch_lost_before_admission_counts_against_consumption(monkeypatch
     assert glue.prefetch.as_dict()["survival"] == 0.5
 
 
-def _announce(hooks: FakeHooks, key: str, chunks: list[str], in_s: float) -> bool:
+def _announce(hooks: FakeHooks, key: str, chunks: list[str], in_s: float,
+              hold_s: float | None = None) -> bool:
     return hooks.take(MemoryPrefetchRequest(chunk_hashes=chunks, lookup_id=key,
-                                            expected_in_s=in_s, expected_tokens=100))
+                                            expected_in_s=in_s, expected_tokens=100,
+                                            hold_s=hold_s))
 
 
 def test_an_announced_turn_is_prefetched_when_the_shadow_predicts_its_admission(monkeypatch):
@@ -220,6 +224,7 @@ def test_an_announced_turn_is_prefetched_when_the_shadow_predicts_its_admission(
         if hooks.prefetched:
             break
     assert hooks.prefetched == [("tool-gap:s", tuple(context))]
+    assert hooks.holds["tool-gap:s"] is None  # announced without a hold
     assert predicted[-1] is not None and predicted[-1].offset == 1
     sched.waiting.append(FakeRequest("x", 1.0, 9 * CHUNK))
     for _ in range(20):
@@ -251,10 +256,12 @@ def test_an_idle_pod_reads_for_an_announced_turn_one_step_ahead(monkeypatch):
     glue._last_step_at = None
     fire()
     assert hooks.prefetched == []  # 5 s away: not due yet
-    _announce(hooks, "tool-gap:t", context, in_s=0.0)
+    _announce(hooks, "tool-gap:t", context, in_s=0.0, hold_s=10.0)
     hooks.later[-1][1]()
     assert ("tool-gap:t", ("d0",)) in hooks.prefetched  # its disk-only chunk
     assert glue.announced.score.fired_idle == 2  # "busy" became due too, once idle
+    # the announce held the turn's KV for 10 s: its read is held for what is left of that
+    assert 9.0 < hooks.holds["tool-gap:t"] <= 10.0
 
 
 def test_the_book_matches_arrivals_and_expires_turns_that_never_came():

@@ -159,16 +159,19 @@ def test_prefetch_found_sums_the_pods_replies_by_tier():
             "status": "prefetch_scheduled", "num_chunks": 4}),
         "decode-1": PodCallResult(ok=False, num_chunks=2, error="pod gone"),
     }
-    assert prefetch_found(results) == {"dram": 1, "disk": 3, "missing": 1, "scheduled": 4}
-    assert prefetch_found({}) == {"dram": 0, "disk": 0, "missing": 0, "scheduled": 0}
+    assert prefetch_found(results) == {"dram": 1, "disk": 3, "missing": 1, "scheduled": 4,
+                                       "held": 0}
+    assert prefetch_found({}) == {"dram": 0, "disk": 0, "missing": 0, "scheduled": 0,
+                                  "held": 0}
     # a pod whose scheduler took the announce says where its chunks are now
     results["prefill-0"] = PodCallResult(ok=True, num_chunks=4, response={
         "status": "prefetch_scheduled", "num_chunks": 4, "num_in_cpu": 1, "num_to_load": 2,
-        "num_missing": 1})
+        "num_missing": 1, "num_held": 3})
     found = prefetch_found(results)
-    assert found == {"dram": 2, "disk": 5, "missing": 2, "scheduled": 0}
-    assert at_announce_header(found) == "dram=2,disk=5,missing=2"
-    assert parse_at_announce(at_announce_header(found)) == {"dram": 2, "disk": 5, "missing": 2}
+    assert found == {"dram": 2, "disk": 5, "missing": 2, "scheduled": 0, "held": 3}
+    assert at_announce_header(found) == "dram=2,disk=5,missing=2,held=3"
+    assert parse_at_announce(at_announce_header(found)) == {"dram": 2, "disk": 5, "missing": 2,
+                                                            "held": 3}
     assert parse_at_announce("none") == {}
     assert at_announce_header(prefetch_found({})) == "none"
 

@@ -208,3 +208,13 @@ def evict_dram(memory_url: str, hashes: list[str]) -> int:
         "chunk_hashes": hashes, "locations": ["LocalCPUBackend"]})
     resp.raise_for_status()
     return int(resp.json().get("num_evicted", 0))
+
+
+def arm_failpoint(memory_url: str, name: str, times: int) -> None:
+    """Arm a failpoint (``engine.failpoints``) on a pod's first engine process for its next
+    ``times`` hits; 0 disarms it. The pod must have started with ``AGENTSERVING_FAILPOINTS=1``."""
+    from agentserving.engine.memory_api import engine_process_url
+
+    resp = httpx.post(engine_process_url(memory_url) + "/memory/failpoints", timeout=10,
+                      json={"name": name, "times": times})
+    resp.raise_for_status()

@@ -92,6 +92,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
           "(restarted 2 s later)", "prefill_busy", engines=("vllm",)),
     Fault("stop-kvserver", "SIGSTOP of the prefill pod's KV server during a P/D hand-off "
           "(SIGCONT 4 s later)", "prefill_busy", heal_after_s=4.0, engines=("vllm",)),
+    Fault("layer-copy", "every layer-wise KV copy into a vLLM pod's pages fails for 6 s (the "
+          "failpoint layer_copy; the pods' own prefix caches emptied, so the next turns restore "
+          "from LMCache)", "after_turns", heal_after_s=6.0, engines=("vllm",)),
 ]}
 
 QUICK_FAULTS = ("kill-proxy",)  # the smoke test: one fleet more than the fault-free one

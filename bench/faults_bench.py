@@ -26,7 +26,10 @@ injected per fleet, at the moment it hurts most, and healed the way the platform
 - ``kill-kvserver``, ``stop-kvserver`` (vLLM fleets, whose P/D goes through KV servers):
   ``kill -9`` (restarted 2 s later) or ``SIGSTOP`` (``SIGCONT`` 4 s later) of the prefill pod's
   KV server while a P/D turn is on the prefill pod, so the hand-off it is writing and the
-  decode pod's pull of it fail.
+  decode pod's pull of it fail;
+- ``layer-copy`` (vLLM fleets): every layer-wise copy of restored KV into a pod's pages fails
+  for 6 s (the failpoint ``layer_copy``, ``engine.failpoints``, which the bench's pods serve),
+  the pods' own prefix caches emptied so that the next turns restore from LMCache.
 
 The client (``bench.fault_client``) retries a failed turn as an agent harness would. Per
 fault: turns that failed (the client saw an error) and that never succeeded, turns the proxy
@@ -58,6 +61,8 @@ from typing import Any
 
 import httpx
 
+from agentserving.engine import failpoints
+from agentserving.engine.memory_api import engine_process_url
 from agentserving.replay.fleet.process import ManagedProcess
 from agentserving.replay.fleet.supervisor import Fleet
 from agentserving.replay.fleet.topology import FleetSpec, build
@@ -81,6 +86,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / f"{NAME}.json"
 PORTS = (19500, 19690)  # the fleets' ports; redis below gets its own
 REDIS_PORTS = range(19690, 19700)
 TMPFS_MIB = 64
+LAYER_COPY_FAILS = 1_000_000  # layer-copy: every copy fails until the fault heals
 MODEL = "tiny"
 ENGINES = ("reference", "vllm")
 # a killed pod's restart: a vLLM pod loads its model and warms up (30-130 s on 2 cores)
@@ -142,10 +148,10 @@ def fleet_spec(engine: str, kvindex: str, disk: Path) -> FleetSpec:
     from agentserving.replay.configs import fleet_spec as config_fleet
 
     # dev mode: the bench empties the pods' own prefix caches, so that the next turns read
-    # the disk tier it broke (``Injector._evict_dram``)
+    # the tiers it broke (``Injector._reset_prefix_caches``); failpoints: it arms them
     sizes = FleetSizes(engine="vllm", model=MODEL, cpu_cache_gib=0.5, disk_cache_gib=1.0,
                        device_kv_blocks=DEVICE_KV_BLOCKS, startup_timeout_s=400.0,
-                       worker_env={"VLLM_SERVER_DEV_MODE": "1"})
+                       worker_env={"VLLM_SERVER_DEV_MODE": "1", failpoints.ENV: "1"})
     return dataclasses.replace(config_fleet(CONFIGS["agentserving"], sizes), kvindex=kvindex,
                                disk_cache_root=disk)
 
@@ -267,6 +273,12 @@ class Injector:
             evicted = self._evict_dram()
             self.notes.append(f"corrupted {flipped} chunk files, dropped {evicted} chunks "
                               "from DRAM")
+        elif name == "layer-copy":
+            pods = self._vllm_pods()
+            for mp in pods:
+                act.arm_failpoint(mp.spec.memory_url or "", "layer_copy", LAYER_COPY_FAILS)
+            self._reset_prefix_caches()
+            self.notes.append(f"armed layer_copy on {len(pods)} pods")
 
     def heal(self, target: str | None) -> None:
         name = self.fault.name
@@ -282,6 +294,9 @@ class Injector:
             self.notes.append(f"redis keys after the restart (AOF): {self._dbsize()}")
         elif name == "stop-decode":
             act.resume(proc(self.fleet, target or "decode-0"))
+        elif name == "layer-copy":
+            for mp in self._vllm_pods():
+                act.arm_failpoint(mp.spec.memory_url or "", "layer_copy", 0)
         elif name == "disk-full":
             act.free(self.disk)
             # what was written (or failed to be) while it was full is read back from disk now
@@ -291,19 +306,24 @@ class Injector:
     def _evict_dram(self) -> int:
         """Drop every pod's disk-resident chunks from its DRAM, and a vLLM pod's own prefix
         cache: the next turns read the disk."""
+        evicted = sum(act.evict_dram(mp.spec.memory_url, act.disk_chunks(mp.spec.memory_url))
+                      for mp in self.fleet.procs if mp.spec.memory_url and mp.alive())
+        self._reset_prefix_caches()
+        return evicted
+
+    def _vllm_pods(self) -> list[ManagedProcess]:
+        return [mp for mp in self.fleet.procs
+                if mp.spec.memory_url and mp.alive() and serves_vllm(mp)]
+
+    def _reset_prefix_caches(self) -> None:
+        """Empty every vLLM pod's own prefix cache: the next turns restore from LMCache."""
         from agentserving.engine.vllm.prefix_cache import PrefixCacheBusy, reset_prefix_cache
 
-        evicted = 0
-        for mp in self.fleet.procs:
-            if not mp.spec.memory_url or not mp.alive():
-                continue
-            evicted += act.evict_dram(mp.spec.memory_url, act.disk_chunks(mp.spec.memory_url))
-            if serves_vllm(mp):
-                try:
-                    reset_prefix_cache(mp.spec.url or "", timeout_s=20.0)
-                except PrefixCacheBusy as exc:
-                    self.notes.append(f"{mp.spec.name} kept its prefix cache: {exc}"[:200])
-        return evicted
+        for mp in self._vllm_pods():
+            try:
+                reset_prefix_cache(mp.spec.url or "", timeout_s=20.0)
+            except PrefixCacheBusy as exc:
+                self.notes.append(f"{mp.spec.name} kept its prefix cache: {exc}"[:200])
 
     def _dbsize(self) -> int:
         import redis as redis_lib
@@ -351,8 +371,7 @@ def metrics_urls(mp: ManagedProcess) -> list[str]:
     url = mp.spec.memory_url
     if not serves_vllm(mp) or not url:
         return [mp.spec.url] if mp.spec.url else []
-    host, port = url.rsplit(":", 1)
-    return [url, f"{host}:{int(port) + 1}"]
+    return [url, engine_process_url(url)]
 
 
 def kv_counters(fleet: Fleet) -> dict[str, float]:

@@ -160,6 +160,13 @@ class MemoryBackend(Protocol):
 # ---------------------------------------------------------------- engine process
 
 
+def engine_process_url(memory_url: str, rank: int = 0) -> str:
+    """Engine process ``rank``'s memory API, from the pod's (the API process's) URL: where its
+    own counters and pins are (``memory_port_start + 1 + rank``)."""
+    parts = urllib.parse.urlsplit(memory_url)
+    return f"{parts.scheme}://{parts.hostname}:{(parts.port or 0) + 1 + rank}"
+
+
 def _memory_path(path: str) -> bool:
     """What the internal token guards on a pod: the memory API (the KV hand-off, which a
     decode pod pulls by an unguessable transfer id, is not yet)."""

@@ -24,10 +24,11 @@ On vLLM (the default engine, what users deploy):
   scheduler on the prefill pods, under the ShadowScheduler (the N+1 window's LMCache
   disk -> DRAM prefetch);
 - ``agentserving-fcfs``: the same without the scheduler (vLLM's own FCFS on the prefill pod);
-- ``agentserving-noprefetch``: the same scheduler without the ShadowScheduler's prefetch;
+- ``agentserving-noprefetch``: the same scheduler without the ShadowScheduler's prefetch, no
+  turn announced during its tool call and none read for while it waits for admission;
 - ``agentserving-nohold`` (not run by default): the same announcing each turn during its tool
-  call without holding the session's KV on its pod until the turn is due (the proxy's
-  ``--announce-hold 0``);
+  call, and reading for it while it waits for admission, without holding the session's KV on
+  its pod until the turn can go (the proxy's ``--announce-hold 0``);
 - ``agentserving-nolayerwise``: the same with every vLLM pod's KV reload from LMCache's tiers
   copied whole before the forward pass (``--no-kv-layerwise-load``), not layer by layer behind
   it;
@@ -191,13 +192,14 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 "scheduler (the engine's own FCFS on the prefill pods)", routing="kv-aware",
                 disaggregated=True, prefill_policy="fcfs"),
     BenchConfig("agentserving-noprefetch", ("vllm",), "agentserving without prefetch: no "
-                "ShadowScheduler (Longcap + Dynamic Chunk alone) and no turn announced during "
-                "its tool call (a session's KV on disk is read when its turn is scheduled)",
+                "ShadowScheduler (Longcap + Dynamic Chunk alone), no turn announced during "
+                "its tool call, none read for while it waits for admission (a session's KV on "
+                "disk is read when its turn is scheduled)",
                 routing="kv-aware", disaggregated=True, prefill_policy=VLLM_PREFILL_POLICY,
-                proxy_args=("--no-tool-prefetch",)),
+                proxy_args=("--no-tool-prefetch", "--no-queued-prefetch")),
     BenchConfig("agentserving-nohold", ("vllm",), "agentserving announcing a turn during "
-                "its tool call without holding the session's KV on its pod until the turn is "
-                "due (--announce-hold 0)", routing="kv-aware", disaggregated=True,
+                "its tool call and reading for it while it waits for admission, without "
+                "holding the session's KV on its pod until the turn can go (--announce-hold 0)", routing="kv-aware", disaggregated=True,
                 proxy_args=("--announce-hold", "0")),
     BenchConfig("agentserving-nolayerwise", ("vllm",), "agentserving without the layer-wise "
                 "KV load: a reload from LMCache's tiers is copied into vLLM's pages whole, "

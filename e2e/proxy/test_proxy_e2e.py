@@ -7,6 +7,7 @@ the proxy has nothing to look up), then a killed worker.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import time
@@ -266,6 +267,50 @@ def test_tool_gap_prefetch_is_warm_on_arrival(fleet):
     metrics = httpx.get(off.url + "/metrics").text
     assert 'proxy_tool_gap_prefetch_total{outcome="warm"}' not in metrics
     assert 'proxy_memory_hook_calls_total{ok="true",op="tool_prefetch"}' not in metrics
+
+
+def _turn_behind_a_long_one(fleet, flag: str, seed: int):  # type: ignore[no-untyped-def]
+    """Through a proxy admitting one turn at a time over w1: a session's turn, its KV then
+    left on disk only (as a busy pod's LRU leaves it), and its next turn sent while a long
+    turn holds the only place (longer until the next turn had to wait). Returns the proxy,
+    the waiting turn's answer, and the session's chunks and pod."""
+    proxy = fleet.start_proxy("--prefill", fleet.workers["w1"].url, "--admit-per-pod", "1",
+                              flag, name=f"proxy-admission{flag.removeprefix('-')}")
+    c, prompt = client(proxy), prompt_for(seed, 520)
+    first, headers = turn(c, f"queued{flag}", prompt)
+    chunks, pod = chunk_hashes_of(first)[:2], headers["x-agentserving-prefill-pod"]
+    free = functools.partial(metric, proxy, "proxy_admission_wait_seconds_count", how="free")
+    for output_tokens in (300, 1200, 4000):
+        wait_for(functools.partial(all_in_tier, fleet, chunks, pod, "disk"), what="on disk")
+        evict_from_dram(fleet, chunks)
+        wait_for(lambda: not any(all_in_tier(fleet, [h], pod, "cpu") for h in chunks),
+                 what="out of DRAM")
+        admitted = free()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            busy = pool.submit(turn, c, f"busy{flag}{output_tokens}", prompt_for(40, 300),
+                               max_tokens=output_tokens)
+            wait_for(lambda: free() > admitted, what="the long turn admitted")  # noqa: B023
+            resp, queued = turn(c, f"queued{flag}", prompt + prompt_for(12, 50))
+            busy.result()
+        if queued["x-agentserving-admission"].startswith("shortest"):
+            return proxy, resp, chunks, pod
+    pytest.fail("the session's turn never waited behind a 4,000-token answer")
+
+
+def test_a_turn_waiting_for_admission_has_its_kv_read_and_held_meanwhile(fleet):
+    """--admit-per-pod 1 over one pod: a session's turn that waits for its place has its pod
+    read the session's KV back into DRAM meanwhile, and hold it there; the turn then reuses
+    it. --no-queued-prefetch: the same wait reads nothing."""
+    found = "proxy_queued_prefetch_chunks_total"
+    proxy, resp, chunks, pod = _turn_behind_a_long_one(fleet, "--queued-prefetch", 31)
+    assert metric(proxy, found, found="disk") == metric(proxy, found, found="held") == 2
+    assert resp.usage.prompt_tokens_details.cached_tokens >= 512
+    wait_for(lambda: all_in_tier(fleet, chunks, pod, "cpu"), what="back in DRAM")
+    proxy.kill()
+    off, *_ = _turn_behind_a_long_one(fleet, "--no-queued-prefetch", 32)
+    assert metric(off, found, found="disk") == metric(off, found, found="held") == 0
+    assert 'op="queued_prefetch"' not in httpx.get(off.url + "/metrics").text
+    off.kill()
 
 
 def test_proxy_replicas_share_each_sessions_routing(fleet):

@@ -40,6 +40,7 @@ from typing import Any
 import httpx
 import pytest
 
+from agentserving.engine import failpoints
 from agentserving.engine.vllm.prompt_sources import prompt_tokens_by_source
 from agentserving.engine.vllm.serve_command import DEFAULT_ENV_DIR
 from agentserving.replay.fleet.process import ProcessSpec
@@ -134,7 +135,7 @@ def _own_pod(spec: FleetSpec, run_dir: Path, ports: PortAllocator, kv_url: str, 
     return ProcessSpec(
         name=name, role="both", url=f"http://{LOOPBACK}:{port}",
         startup_timeout_s=spec.startup_timeout_s, memory_url=f"http://{LOOPBACK}:{mem}",
-        env={"VLLM_CPU_OMP_THREADS_BIND": str(core)},
+        env={"VLLM_CPU_OMP_THREADS_BIND": str(core), failpoints.ENV: "1"},
         argv=[*agentserving_argv(), "worker", "--engine", "vllm", "--role", "both",
               "--port", str(port), "--memory-port-start", str(mem), "--pod-name", name,
               "--kvindex", kv_url, "--cpu-cache-gib", "0.5", "--chunk-size", str(CHUNK),

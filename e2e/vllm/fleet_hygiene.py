@@ -16,11 +16,11 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from agentserving.engine.memory_api import engine_process_url
 from agentserving.engine.vllm.prefix_cache import PrefixCacheBusy, reset_prefix_cache
 
 POD_ROLES = ("prefill", "decode", "both")
@@ -32,12 +32,6 @@ def metric_sum(text: str, name: str) -> float:
     """Every sample of ``name`` in a Prometheus text exposition, summed (0 when absent)."""
     return sum(s.value for family in text_string_to_metric_families(text)
                for s in family.samples if s.name == name)
-
-
-def engine_rank_url(memory_url: str) -> str:
-    """A vLLM pod's first engine rank's memory API (its LMCache tiers and their pins)."""
-    parts = urlsplit(memory_url)
-    return f"{parts.scheme}://{parts.hostname}:{(parts.port or 0) + 1}"
 
 
 def _batches(items: list[str]) -> Iterable[list[str]]:
@@ -83,7 +77,7 @@ class FleetView:
                                 "agentserving_vllm_device_pinned_blocks")
             if device:
                 left.append(f"{pod}: {device:.0f} device blocks pinned")
-            lmcache = metric_sum(client.get(engine_rank_url(memory) + "/metrics").text,
+            lmcache = metric_sum(client.get(engine_process_url(memory) + "/metrics").text,
                                  "agentserving_kv_pinned_chunks")
             if lmcache:
                 left.append(f"{pod}: {lmcache:.0f} LMCache chunks pinned")

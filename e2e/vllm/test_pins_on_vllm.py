@@ -17,8 +17,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from agentserving.engine.memory_api import engine_process_url
+
 from .conftest import VllmFleet, post, vllm_metrics, wait_until
-from .fleet_hygiene import engine_rank_url, metric_sum
+from .fleet_hygiene import metric_sum
 from .test_vllm_fleet import completion, delta, prompt_ids
 
 # the first test of the package also waits for the shared fleet to start
@@ -119,7 +121,7 @@ def test_a_pinned_turn_keeps_its_device_blocks_through_a_flood(vllm_fleet: VllmF
 
 def _rank_pinned(fleet: VllmFleet) -> float:
     """The chunks worker-0's first engine rank holds pinned in its LMCache tiers."""
-    text = httpx.get(engine_rank_url(fleet.memory_url(POD)) + "/metrics", timeout=10).text
+    text = httpx.get(engine_process_url(fleet.memory_url(POD)) + "/metrics", timeout=10).text
     return metric_sum(text, "agentserving_kv_pinned_chunks")
 
 

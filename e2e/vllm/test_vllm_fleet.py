@@ -13,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from agentserving.engine.memory_api import engine_process_url
 from agentserving.engine.model.tokenizer import ByteTokenizer
 from agentserving.engine.vllm.hashes import external_request_id
 from agentserving.engine.vllm.prefix_cache import reset_prefix_cache
@@ -394,8 +395,8 @@ def _restored_from_dram(fleet: VllmFleet, pod: str, prompt: list[int]) -> tuple[
 
 def _fallbacks(fleet: VllmFleet, cause: str) -> float:
     """worker-0's KV fallbacks of ``cause``, counted in its worker process (rank 0)."""
-    worker = fleet.memory_url("worker-0").rsplit(":", 1)
-    text = httpx.get(f"{worker[0]}:{int(worker[1]) + 1}/metrics", timeout=10).text
+    rank = engine_process_url(fleet.memory_url("worker-0"))
+    text = httpx.get(rank + "/metrics", timeout=10).text
     line = f'agentserving_kv_fallbacks_total{{cause="{cause}"}} '
     return sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines() if x.startswith(line))
 
@@ -445,6 +446,32 @@ def test_a_harmed_disk_chunk_is_recomputed_with_the_same_tokens(vllm_fleet: Vllm
     reset_prefix_cache(url)
     same_output(first, completion(url, prompt))
     _evict(vllm_fleet, hashes)
+
+
+def test_a_failed_layer_copy_is_recomputed_with_the_same_tokens(vllm_fleet: VllmFleet) -> None:
+    """worker-0 restores a context from DRAM layer by layer behind the forward, and the copy of
+    a layer into vLLM's pages fails (the failpoint ``layer_copy``, armed on its engine rank:
+    nothing outside the forward makes a DRAM-to-DRAM copy fail): the turn is answered with
+    the recompute's tokens and logprobs, says it fell back, and the fallback is counted. The
+    next restore, with nothing armed, is whole again."""
+    url = vllm_fleet.url("worker-0")
+    rank = engine_process_url(vllm_fleet.memory_url("worker-0"))
+    prompt = prompt_ids(33, 1300)
+    first = completion(url, prompt)
+    n = len(first["kv_transfer_params"]["chunk_hashes"]) * CHUNK
+    before = _fallbacks(vllm_fleet, "layer_copy")
+    assert post(rank, "/memory/failpoints", {"name": "layer_copy"})["armed"] == {
+        "layer_copy": 1}
+    reset_prefix_cache(url)
+    again = completion(url, prompt)
+    same_output(first, again)
+    assert sources(again)["fell_back"] is True
+    assert _fallbacks(vllm_fleet, "layer_copy") == before + 1
+    assert httpx.get(rank + "/memory/failpoints", timeout=10).json()["armed"] == {}
+    reset_prefix_cache(url)
+    restored = completion(url, prompt)
+    same_output(first, restored, SPLIT_TOL)
+    tokens_from(restored, cpu=n, computed=len(prompt) - n)
 
 
 def test_a_layerwise_restore_equals_a_whole_one_and_waits_per_layer(

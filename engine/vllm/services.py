@@ -37,6 +37,7 @@ from agentserving.core.schemas import (
     Tier,
 )
 from agentserving.core.service import error_responses, install_metrics_route
+from agentserving.engine import failpoints
 from agentserving.engine.memory_api import (
     EngineFanout,
     MemoryBackend,
@@ -171,7 +172,8 @@ class WorkerServices:
                  steps: StepClock | None = None, routers: Sequence[Any] = ()) -> None:
         self.port = settings.worker_port(rank)
         self.backend = backend
-        routers = [*routers, *([step_times_router(steps.summary)] if steps is not None else [])]
+        routers = [*routers, *([step_times_router(steps.summary)] if steps is not None else []),
+                   *([failpoints.router()] if failpoints.enabled() else [])]
         self.server, self.thread = _serve_thread(engine_memory_app(backend, routers,
                                                                    token=settings.internal_token),
                                                  settings.memory_host, self.port,

@@ -81,6 +81,10 @@ class AdmissionGate:
     def capacity(self) -> int:
         return self.per_pod * max(1, self._pods())
 
+    def would_wait(self) -> bool:
+        """Whether a turn asking now would wait for its place."""
+        return bool(self._waiters) or self.admitted >= self.capacity()
+
     async def admit(self, cost: int) -> Ticket:
         """Waits, if every place is taken, until this turn is the one to go."""
         if not self._waiters and self.admitted < self.capacity():

@@ -69,6 +69,12 @@ class ProxyMetrics:
             "(recomputed), scheduled (left to the pod's scheduler for when the turn is due); and "
             "held: those of them the pod pinned until the turn is due (--announce-hold).",
             ["found"], registry=registry)
+        self.queued_prefetch_chunks = Counter(
+            "proxy_queued_prefetch_chunks_total",
+            "Chunks of the sessions whose turn waited for admission, by where their pod found "
+            "them when the wait began (dram, disk: read into DRAM during the wait, missing), "
+            "and held: those the pod pinned until the turn could go.", ["found"],
+            registry=registry)
         self.sessions = Gauge("proxy_sessions", "Sessions remembered.", registry=registry)
         self.stalls = Counter("proxy_stalls_total",
                               "Pods that took a turn, went silent past a stall deadline and "

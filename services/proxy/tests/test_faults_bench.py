@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from agentserving.engine import failpoints
 from testkit.servers import import_bench
 
 plan = import_bench("fault_plan")
@@ -155,6 +156,11 @@ def test_a_vllm_fleet_is_agentserving_as_the_main_job_deploys_it(tmp_path: Path)
 
     assert bench.metrics_urls(ManagedProcess(pod, tmp_path)) == [pod.memory_url,
                                                                  f"{host}:{int(port) + 1}"]
-    assert plan.FAULTS["kill-kvserver"].engines == ("vllm",)
+    # the pods serve failpoints, which the layer-copy fault arms (vLLM's layer-wise load)
+    assert pod.env[failpoints.ENV] == "1"
+    assert plan.FAULTS["kill-kvserver"].engines == plan.FAULTS["layer-copy"].engines == (
+        "vllm",)
+    assert "layer-copy" in bench.parse_args(["--engine", "vllm"]).fault_names
+    assert "layer-copy" not in bench.parse_args([]).fault_names
     args = bench.parse_args(["--engine", "vllm", "--faults", "kill-kvserver"])
     assert args.restart_timeout_s > bench.RESTART_TIMEOUT_S["reference"]

@@ -199,7 +199,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 proxy_args=("--no-tool-prefetch", "--no-queued-prefetch")),
     BenchConfig("agentserving-nohold", ("vllm",), "agentserving announcing a turn during "
                 "its tool call and reading for it while it waits for admission, without "
-                "holding the session's KV on its pod until the turn can go (--announce-hold 0)", routing="kv-aware", disaggregated=True,
+                "holding the session's KV on its pod until the turn can go (--announce-hold "
+                "0)", routing="kv-aware", disaggregated=True,
                 proxy_args=("--announce-hold", "0")),
     BenchConfig("agentserving-nolayerwise", ("vllm",), "agentserving without the layer-wise "
                 "KV load: a reload from LMCache's tiers is copied into vLLM's pages whole, "

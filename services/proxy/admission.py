@@ -36,6 +36,9 @@ class Waiter:
     since: float  # when it began to wait (the gate's clock)
     seq: int  # arrival order: ties go to the earlier turn
     future: asyncio.Future = field(repr=False, compare=False)
+    # called once, when the turn is among the next to take a place (``upcoming``)
+    on_next: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+    told: bool = False
 
 
 def next_waiter(waiters: Sequence[Waiter], now: float, max_wait_s: float
@@ -49,6 +52,17 @@ def next_waiter(waiters: Sequence[Waiter], now: float, max_wait_s: float
         return min(aged, key=lambda i: waiters[i].seq), Admitted.AGED
     return min(range(len(waiters)), key=lambda i: (waiters[i].cost, waiters[i].seq)), \
         Admitted.SHORTEST
+
+
+def upcoming(waiters: Sequence[Waiter], now: float, max_wait_s: float, k: int) -> list[int]:
+    """The ``k`` waiting turns that would take the next ``k`` freed places, in order, as
+    ``next_waiter`` picks them now: those waiting ``max_wait_s`` or longer by arrival, then
+    the fewest tokens to compute."""
+    aged = [i for i, w in enumerate(waiters) if now - w.since >= max_wait_s]
+    rest = [i for i, w in enumerate(waiters) if now - w.since < max_wait_s]
+    aged.sort(key=lambda i: waiters[i].seq)
+    rest.sort(key=lambda i: (waiters[i].cost, waiters[i].seq))
+    return (aged + rest)[:max(0, k)]
 
 
 class Ticket:
@@ -67,8 +81,11 @@ class Ticket:
 
 class AdmissionGate:
     def __init__(self, per_pod: int, max_wait_s: float, pods: Callable[[], int],
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.per_pod, self.max_wait_s = per_pod, max_wait_s
+                 clock: Callable[[], float] = time.monotonic, lookahead: int = 2) -> None:
+        """``lookahead``: a waiting turn is told it is next (its ``on_next``) once it is
+        among those that take the next ``lookahead`` rounds of places (the places of every
+        pod, freed once each)."""
+        self.per_pod, self.max_wait_s, self.lookahead = per_pod, max_wait_s, lookahead
         self._pods, self._clock = pods, clock
         self._waiters: list[Waiter] = []
         self._seq = itertools.count()
@@ -81,17 +98,15 @@ class AdmissionGate:
     def capacity(self) -> int:
         return self.per_pod * max(1, self._pods())
 
-    def would_wait(self) -> bool:
-        """Whether a turn asking now would wait for its place."""
-        return bool(self._waiters) or self.admitted >= self.capacity()
 
-    async def admit(self, cost: int) -> Ticket:
-        """Waits, if every place is taken, until this turn is the one to go."""
+    async def admit(self, cost: int, on_next: Callable[[], None] | None = None) -> Ticket:
+        """Waits, if every place is taken, until this turn is the one to go; ``on_next()``
+        once it is among the next to go (``lookahead``), never if it goes at once."""
         if not self._waiters and self.admitted < self.capacity():
             self.admitted += 1
             return Ticket(self, Admitted.FREE, 0.0)
         waiter = Waiter(max(0, cost), self._clock(), next(self._seq),
-                        asyncio.get_running_loop().create_future())
+                        asyncio.get_running_loop().create_future(), on_next)
         self._waiters.append(waiter)
         self._admit_waiters()  # the pods may have grown since the last release
         try:
@@ -119,3 +134,12 @@ class AdmissionGate:
                 continue
             self.admitted += 1
             waiter.future.set_result(how)
+        self._tell_upcoming()
+
+    def _tell_upcoming(self) -> None:
+        k = self.lookahead * self.capacity()
+        for i in upcoming(self._waiters, self._clock(), self.max_wait_s, k):
+            waiter = self._waiters[i]
+            if waiter.on_next is not None and not waiter.told:
+                waiter.told = True
+                waiter.on_next()

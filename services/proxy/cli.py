@@ -141,10 +141,11 @@ setting = settings_option(ProxySettings)
               "scheduler predicts admissions (a ShadowScheduler), when it predicts the turn for "
               "its next step.")
 @setting("--queued-prefetch/--no-queued-prefetch",
-         help="While a turn waits for admission (--admit-per-pod), ask its session's pod to "
-              "read the session's KV from disk into DRAM and to hold it there (for "
-              "--admit-max-wait plus --announce-hold seconds; not held with --announce-hold "
-              "0): the wait moves the KV instead of the turn's prefill reading it.")
+         help="While a turn waits for admission (--admit-per-pod), once it is among those "
+              "that take the next two rounds of places, ask its session's pod to read the "
+              "session's KV from disk into DRAM and to hold it there for --announce-hold "
+              "seconds (not held with --announce-hold 0): the wait moves the KV instead of "
+              "the turn's prefill reading it.")
 @setting("--announce-hold", "announce_hold_s", type=click.FloatRange(min=0, max=3600),
          help="Seconds past a tool call's predicted return that its pod holds the session's KV "
               "from the announce on (--tool-prefetch): a pin on what DRAM and disk hold at the "

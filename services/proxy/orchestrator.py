@@ -38,7 +38,6 @@ from agentserving.core.clients import (
 )
 from agentserving.core.logging import get_logger
 from agentserving.core.schemas import (
-    MAX_PIN_TTL_S,
     POD_NAME_PATTERN,
     TENANT_HEADER,
     LookupRequest,
@@ -251,31 +250,30 @@ class Orchestrator:
             return None
         await self._ensure_pods()
         cost = self._tokens_to_compute(turn, state, own_pod=state.last_decode_pod is not None)
-        if self.admission.would_wait():
-            self._prefetch_while_queued(turn, state)
         with self.metrics.admission_waiting.track_inprogress():
             ticket = await self.admission.admit(
-                self._decode_policy.turn_tokens if cost is None else cost)
+                self._decode_policy.turn_tokens if cost is None else cost,
+                on_next=lambda: self._prefetch_while_queued(turn, state))
         self.metrics.admission_wait.labels(ticket.how.value).observe(ticket.waited_s)
         turn.headers[H_ADMISSION] = f"{ticket.how.value}; waited={ticket.waited_s:.3f}s"
         return ticket
 
     def _prefetch_while_queued(self, turn: Turn, state: SessionState) -> None:
-        """--queued-prefetch: a turn about to wait for admission has its session's pod read
-        the session's KV from disk now, and hold it in DRAM until the turn can go: a loaded
-        fleet keeps turns waiting for tens of seconds, long enough to move a context that a
-        read at admission would put on the turn's critical path (and for the pod's other
-        turns to evict one that an announce found in DRAM). Not awaited; a kvindex that fails
-        it fails no turn."""
+        """--queued-prefetch: a turn waiting for admission, once it is among the next to go
+        (the gate's look-ahead), has its session's pod read the session's KV from disk, and
+        hold it in DRAM for --announce-hold seconds: a loaded fleet keeps turns waiting for
+        tens of seconds, in which the pods' other turns evict what DRAM held when the wait
+        began (a read then would be evicted again, and so would a hold on it, within the pin
+        share, of every waiting session); read just before its place, the KV is in DRAM when
+        the turn gets there. Not awaited; a kvindex that fails it fails no turn."""
         s = self.settings
         if not (s.queued_prefetch and self.kvindex is not None and turn.session_id
                 and state.chunk_hashes and state.last_pod):
             return
-        hold_s = s.admit_max_wait_s + s.announce_hold_s if s.announce_hold_s > 0 else None
         request = PrefetchRequest(
             chunk_hashes=list(state.chunk_hashes), pod=state.last_pod,
             lookup_id=f"queued:{turn.session_id}",
-            hold_s=min(round(hold_s, 3), MAX_PIN_TTL_S) if hold_s else None)
+            hold_s=s.announce_hold_s if s.announce_hold_s > 0 else None)
         kvindex = self.kvindex
 
         async def fire() -> None:

@@ -106,8 +106,8 @@ class ProxySettings(BaseModel):
         default=True, description="Announce each session's next turn to its pod while a tool "
         "runs, so its KV is back in DRAM when the turn arrives.")
     queued_prefetch: bool = Field(
-        default=True, description="While a turn waits for admission, its session's pod reads "
-        "the session's KV into DRAM and holds it there until the turn can go.")
+        default=True, description="While a turn waits for admission, once it is among the "
+        "next to go, its session's pod reads the session's KV into DRAM and holds it there.")
     announce_hold_s: float = Field(
         default=10.0, ge=0, le=3600.0, description="An announced turn's KV is held (pinned) "
         "on its pod from the announce until this many seconds past the turn's predicted "

@@ -9,7 +9,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from prometheus_client import CollectorRegistry
 
-from agentserving.proxy.admission import AdmissionGate, Admitted, Waiter, next_waiter
+from agentserving.proxy.admission import AdmissionGate, Admitted, Waiter, next_waiter, upcoming
 from agentserving.proxy.metrics import ProxyMetrics
 from agentserving.proxy.orchestrator import H_ADMISSION, Orchestrator, Turn
 from agentserving.proxy.pods import PodPool
@@ -32,6 +32,38 @@ def test_a_turn_waiting_past_the_bound_goes_before_shorter_ones():
     waiters = _waiters((200, 5.0), (7000, 0.0), (6000, 1.0))
     assert next_waiter(waiters, 10.5, 10) == (1, Admitted.AGED)  # both aged: the earlier
     assert next_waiter(waiters, 9.0, 10) == (0, Admitted.SHORTEST)
+
+
+def test_the_next_to_go_are_the_aged_by_arrival_then_the_shortest():
+    waiters = _waiters((200, 5.0), (7000, 0.0), (6000, 1.0), (100, 9.5))
+    assert upcoming(waiters, 11.0, 10, 3) == [1, 2, 3]  # two aged, then the shortest
+    assert upcoming(waiters, 9.0, 10, 9) == [3, 0, 2, 1]
+    assert upcoming(waiters, 9.0, 10, 0) == [] and upcoming([], 9.0, 10, 2) == []
+    # the first of them is the one next_waiter admits
+    assert next_waiter(waiters, 11.0, 10)[0] == upcoming(waiters, 11.0, 10, 1)[0]
+
+
+def test_a_waiting_turn_is_told_once_when_it_is_among_the_next_to_go():
+    async def go() -> None:
+        told: list[int] = []
+        gate = AdmissionGate(1, 30.0, lambda: 1, clock=Clock(), lookahead=1)
+        held = await gate.admit(100, on_next=lambda: told.append(100))
+        assert told == []  # went at once: nothing to read ahead for
+        waits = [asyncio.create_task(gate.admit(c, on_next=lambda c=c: told.append(c)))
+                 for c in (900, 300, 600)]
+        await asyncio.sleep(0)
+        # one place ahead (lookahead 1 x 1 pod): 900, then 300 were next as they came; 600
+        # came behind 300 (900 was told already)
+        assert told == [900, 300]
+        held.release()  # 300 goes; 600 is next now
+        await asyncio.sleep(0)
+        assert told == [900, 300, 600] and waits[1].done()
+        for t in (waits[1], waits[2], waits[0]):  # each place freed in turn
+            (await t).release()
+            await asyncio.sleep(0)
+        assert told == [900, 300, 600]  # once each
+
+    asyncio.run(go())
 
 
 class Clock:

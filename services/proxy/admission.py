@@ -36,9 +36,10 @@ class Waiter:
     since: float  # when it began to wait (the gate's clock)
     seq: int  # arrival order: ties go to the earlier turn
     future: asyncio.Future = field(repr=False, compare=False)
-    # called once, when the turn is among the next to take a place (``upcoming``)
+    # called when the turn is among the next to take a place (``upcoming``), and again if it
+    # still waits ``retell_s`` later
     on_next: Callable[[], None] | None = field(default=None, repr=False, compare=False)
-    told: bool = False
+    told_at: float | None = None
 
 
 def next_waiter(waiters: Sequence[Waiter], now: float, max_wait_s: float
@@ -81,11 +82,15 @@ class Ticket:
 
 class AdmissionGate:
     def __init__(self, per_pod: int, max_wait_s: float, pods: Callable[[], int],
-                 clock: Callable[[], float] = time.monotonic, lookahead: int = 2) -> None:
+                 clock: Callable[[], float] = time.monotonic, lookahead: int = 2,
+                 age_lead_s: float = 2.0, retell_s: float = 10.0) -> None:
         """``lookahead``: a waiting turn is told it is next (its ``on_next``) once it is
         among those that take the next ``lookahead`` rounds of places (the places of every
-        pod, freed once each)."""
+        pod, freed once each), a turn about to have waited ``max_wait_s`` counted as having
+        waited so ``age_lead_s`` ahead (it goes first then, past every shorter one); told,
+        and still waiting ``retell_s`` later (shorter turns came), it is told again."""
         self.per_pod, self.max_wait_s, self.lookahead = per_pod, max_wait_s, lookahead
+        self.age_lead_s, self.retell_s = age_lead_s, retell_s
         self._pods, self._clock = pods, clock
         self._waiters: list[Waiter] = []
         self._seq = itertools.count()
@@ -137,9 +142,10 @@ class AdmissionGate:
         self._tell_upcoming()
 
     def _tell_upcoming(self) -> None:
-        k = self.lookahead * self.capacity()
-        for i in upcoming(self._waiters, self._clock(), self.max_wait_s, k):
+        now, k = self._clock(), self.lookahead * self.capacity()
+        for i in upcoming(self._waiters, now + self.age_lead_s, self.max_wait_s, k):
             waiter = self._waiters[i]
-            if waiter.on_next is not None and not waiter.told:
-                waiter.told = True
+            if waiter.on_next is not None and (
+                    waiter.told_at is None or now - waiter.told_at >= self.retell_s):
+                waiter.told_at = now
                 waiter.on_next()

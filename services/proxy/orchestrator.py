@@ -98,6 +98,8 @@ from agentserving.proxy.upstream import (
 log = get_logger(__name__)
 T = TypeVar("T")
 _POD_NAME = re.compile(POD_NAME_PATTERN)
+# --announce-hold 0 holds nothing: a waiting turn's KV is read for again this often
+DEFAULT_RETELL_S = 10.0
 
 H_PREFILL = "x-agentserving-prefill-pod"
 H_DECODE = "x-agentserving-decode-pod"
@@ -199,8 +201,10 @@ class Orchestrator:
         self._prober: asyncio.Task | None = None
         self._stall_signals: dict[str, asyncio.Event] = {}  # set when the pod is found stalled
         self._context_asked = False
+        # a waiting turn's queued prefetch is asked for again once its hold has lapsed
         self.admission = AdmissionGate(
-            settings.admit_per_pod, settings.admit_max_wait_s, self._pod_count) \
+            settings.admit_per_pod, settings.admit_max_wait_s, self._pod_count,
+            retell_s=settings.announce_hold_s or DEFAULT_RETELL_S) \
             if settings.admit_per_pod > 0 else None
 
     # ------------------------------------------------------------------ entry point

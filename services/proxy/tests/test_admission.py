@@ -46,7 +46,8 @@ def test_the_next_to_go_are_the_aged_by_arrival_then_the_shortest():
 def test_a_waiting_turn_is_told_once_when_it_is_among_the_next_to_go():
     async def go() -> None:
         told: list[int] = []
-        gate = AdmissionGate(1, 30.0, lambda: 1, clock=Clock(), lookahead=1)
+        clock = Clock()
+        gate = AdmissionGate(1, 30.0, lambda: 1, clock=clock, lookahead=1, retell_s=10.0)
         held = await gate.admit(100, on_next=lambda: told.append(100))
         assert told == []  # went at once: nothing to read ahead for
         waits = [asyncio.create_task(gate.admit(c, on_next=lambda c=c: told.append(c)))
@@ -58,10 +59,15 @@ def test_a_waiting_turn_is_told_once_when_it_is_among_the_next_to_go():
         held.release()  # 300 goes; 600 is next now
         await asyncio.sleep(0)
         assert told == [900, 300, 600] and waits[1].done()
-        for t in (waits[1], waits[2], waits[0]):  # each place freed in turn
+        # 900, told long ago, is about to have waited 30 s: it goes first, and is told again
+        clock.now = 28.5
+        (await waits[1]).release()
+        await asyncio.sleep(0)
+        assert waits[2].done() and told == [900, 300, 600, 900]
+        for t in (waits[2], waits[0]):  # each place freed in turn
             (await t).release()
             await asyncio.sleep(0)
-        assert told == [900, 300, 600]  # once each
+        assert told == [900, 300, 600, 900]
 
     asyncio.run(go())
 

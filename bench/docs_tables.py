@@ -116,6 +116,9 @@ AGENT_PRESSURE_COMMAND = ("python -m bench agent_pressure --from-run RUN --renam
 AGENT_PRESSURE_PREFETCH = "agent-pressure-prefetch.json"
 AGENT_PRESSURE_PREFETCH_COMMAND = ("python -m bench agent_pressure --configs "
                                    "agentserving,agentserving-noprefetch")
+AGENT_PRESSURE_HOLD = "agent-pressure-hold.json"
+AGENT_PRESSURE_HOLD_COMMAND = ("python -m bench agent_pressure --from-run RUN --rename "
+                               "agentserving=agentserving-hold")
 SIM_VALIDATION = "sim/validation-and-seed.json"
 SIM_VALIDATION_COMMAND = ("python -m bench sim --parts 1,2 --real sim/validation/run3-report.json "
                           "... --real sim/validation/run10-report.json")
@@ -514,7 +517,8 @@ def _agent_pressure_table(doc: Doc, name: str = AGENT_PRESSURE,
     renamed = "; ".join(f"`{ran}` reported as `{name}`" for ran, name in r["renamed"].items())
     return _finish(doc, lines, command, (name,),
                    f"Medians of {r['repeats']} interleaved repeats, [min–max] beside them. "
-                   f"Targets on the medians: {verdicts}. Compare: `{r['compare_command']}` "
+                   + (f"Targets on the medians: {verdicts}. " if verdicts else "")
+                   + f"Compare: `{r['compare_command']}` "
                    f"({r['seconds']:.0f} s in all)" + (f", its configurations {renamed} (the "
                    "names their flags have now)" if renamed else "") + ". ")
 
@@ -932,6 +936,8 @@ TABLES: dict[str, Callable[[Doc], str]] = {
     "agent-pressure": _agent_pressure_table,
     "agent-pressure-prefetch": lambda d: _agent_pressure_table(
         d, AGENT_PRESSURE_PREFETCH, AGENT_PRESSURE_PREFETCH_COMMAND),
+    "agent-pressure-hold": lambda d: _agent_pressure_table(
+        d, AGENT_PRESSURE_HOLD, AGENT_PRESSURE_HOLD_COMMAND),
     "announced-turns": _announced_table,
     "tool-gap-disk": _tool_gap_disk_table,
     "kv-lifecycle": _kv_lifecycle_table,

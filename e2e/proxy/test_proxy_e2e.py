@@ -250,9 +250,8 @@ def test_tool_gap_prefetch_is_warm_on_arrival(fleet):
     else:
         pytest.fail("the host never evicted within 1.3 s of a turn")
     assert metric(fleet.proxy_kv, chunks_found, found="disk") - on_disk_before == 2
-    # the turn says where its KV was when it was announced: on disk, both chunks, which the
-    # pod held (--announce-hold) from then until the turn was due
-    assert announced["x-agentserving-kv-at-announce"] == "disk=2,held=2"
+    # the turn says where its KV was when it was announced: on disk, both chunks
+    assert announced["x-agentserving-kv-at-announce"] == "disk=2"
     wait_for(lambda: all_in_tier(fleet, chunks, pod, "cpu"), what="back in DRAM")
     assert metric(fleet.proxy_kv, "proxy_tool_gap_prefetch_total", outcome="warm") == attempt + 1
     assert metric(fleet.proxy_kv, "proxy_tool_gap_prediction_error_seconds_count") == attempt + 1
@@ -267,6 +266,15 @@ def test_tool_gap_prefetch_is_warm_on_arrival(fleet):
     metrics = httpx.get(off.url + "/metrics").text
     assert 'proxy_tool_gap_prefetch_total{outcome="warm"}' not in metrics
     assert 'proxy_memory_hook_calls_total{ok="true",op="tool_prefetch"}' not in metrics
+    # --announce-hold: the pod also holds what the announce found until the turn is due
+    held = fleet.start_proxy("--prefill", fleet.workers["w0"].url, "--announce-hold", "10",
+                             name="proxy-announce-hold")
+    c = client(held)
+    turn(c, "tools-held", prompt, headers={"x-agentserving-next-tool": "bash"})
+    time.sleep(2.2)
+    _, announced = turn(c, "tools-held", prompt + list(range(100, 104)) + prompt_for(12, 50))
+    assert announced["x-agentserving-kv-at-announce"] == "dram=2,held=2"
+    assert metric(held, chunks_found, found="held") == 2
 
 
 def _turn_behind_a_long_one(fleet, flag: str, seed: int):  # type: ignore[no-untyped-def]
@@ -275,7 +283,8 @@ def _turn_behind_a_long_one(fleet, flag: str, seed: int):  # type: ignore[no-unt
     turn holds the only place (longer until the next turn had to wait). Returns the proxy,
     the waiting turn's answer, and the session's chunks and pod."""
     proxy = fleet.start_proxy("--prefill", fleet.workers["w1"].url, "--admit-per-pod", "1",
-                              flag, name=f"proxy-admission{flag.removeprefix('-')}")
+                              "--announce-hold", "10", flag,
+                              name=f"proxy-admission{flag.removeprefix('-')}")
     c, prompt = client(proxy), prompt_for(seed, 520)
     first, headers = turn(c, f"queued{flag}", prompt)
     chunks, pod = chunk_hashes_of(first)[:2], headers["x-agentserving-prefill-pod"]

@@ -120,7 +120,8 @@ def test_the_vllm_configurations_share_pods_and_device_kv(tmp_path):
     assert {"--no-tool-pin", "--no-tool-prefetch", "--no-fork-placement"} <= set(
         llmd.proxy_args) and "1" not in llmd.proxy_args  # no admission, no backlog
     assert s["agentserving-toolpin"].proxy_args == [*cand.proxy_args, "--tool-pin"]
-    assert s["agentserving-nohold"].proxy_args == [*cand.proxy_args, "--announce-hold", "0"]
+    assert s["agentserving-hold"].proxy_args == [*cand.proxy_args, "--announce-hold", "10",
+                                                 "--queued-prefetch"]
 
 
 def test_configurations_are_checked_against_the_engine():

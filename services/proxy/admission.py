@@ -11,7 +11,12 @@ Turns are routed after they are admitted, to the pods' load at that moment. (A p
 the oldest long prompt, so that the longest do not all finish last, was measured and did not
 pay: docs/replay.md.)
 
-The choice is pure (``next_waiter``); ``AdmissionGate`` is the thin asyncio layer around it.
+The gate also looks ahead: a waiting turn is told once it is among those that take the next
+rounds of places (``upcoming``, the same order), so that its KV can be read while it waits
+(the proxy's ``--queued-prefetch``).
+
+The choice is pure (``next_waiter``, ``upcoming``); ``AdmissionGate`` is the thin asyncio layer
+around it.
 """
 
 from __future__ import annotations
@@ -46,13 +51,11 @@ def next_waiter(waiters: Sequence[Waiter], now: float, max_wait_s: float
                 ) -> tuple[int, Admitted] | None:
     """Which waiting turn takes a freed place: the earliest of those waiting ``max_wait_s`` or
     longer, else the one with the fewest tokens to compute (the earlier on a tie)."""
-    if not waiters:
+    first = upcoming(waiters, now, max_wait_s, 1)
+    if not first:
         return None
-    aged = [i for i, w in enumerate(waiters) if now - w.since >= max_wait_s]
-    if aged:
-        return min(aged, key=lambda i: waiters[i].seq), Admitted.AGED
-    return min(range(len(waiters)), key=lambda i: (waiters[i].cost, waiters[i].seq)), \
-        Admitted.SHORTEST
+    i = first[0]
+    return i, Admitted.AGED if now - waiters[i].since >= max_wait_s else Admitted.SHORTEST
 
 
 def upcoming(waiters: Sequence[Waiter], now: float, max_wait_s: float, k: int) -> list[int]:
@@ -102,7 +105,6 @@ class AdmissionGate:
 
     def capacity(self) -> int:
         return self.per_pod * max(1, self._pods())
-
 
     async def admit(self, cost: int, on_next: Callable[[], None] | None = None) -> Ticket:
         """Waits, if every place is taken, until this turn is the one to go; ``on_next()``

@@ -145,13 +145,16 @@ setting = settings_option(ProxySettings)
               "that take the next two rounds of places, ask its session's pod to read the "
               "session's KV from disk into DRAM and to hold it there for --announce-hold "
               "seconds (not held with --announce-hold 0): the wait moves the KV instead of "
-              "the turn's prefill reading it.")
+              "the turn's prefill reading it. Off by default, as --announce-hold: measured "
+              "to take disk reads off the turns but to cost session time where pods are "
+              "saturated (docs/benchmarks.md, agent pressure).")
 @setting("--announce-hold", "announce_hold_s", type=click.FloatRange(min=0, max=3600),
          help="Seconds past a tool call's predicted return that its pod holds the session's KV "
               "from the announce on (--tool-prefetch): a pin on what DRAM and disk hold at the "
               "announce and on what the announce reads into DRAM, so the turns the pod serves "
               "meanwhile do not evict it before the turn arrives. A pin like any other: within "
-              "the pod's pin share, lapsing by itself. 0: announce without holding.")
+              "the pod's pin share, lapsing by itself. 0 (the default): announce without "
+              "holding; see --queued-prefetch for what was measured.")
 @setting("--tool-pin/--no-tool-pin",
          help="Pin a session's KV in every tier that honours pins after a turn that ends in a "
               "tool call (the caller names it in x-agentserving-next-tool, or the answer calls "

@@ -105,11 +105,17 @@ class ProxySettings(BaseModel):
     tool_prefetch: bool = Field(
         default=True, description="Announce each session's next turn to its pod while a tool "
         "runs, so its KV is back in DRAM when the turn arrives.")
+    # Off by default, as --announce-hold: on the agent-pressure workload (python -m bench
+    # agent_pressure, three repeats, docs/benchmarks.md) the two took most disk reads off the
+    # turns' critical path (disk_read_critical_s 0.74 s against 2.77 s without prefetch, all
+    # disk reads 2.73 s against 6.23 s) but sessions finished later (mean x1.09, against
+    # x0.96 for the announce alone): the DRAM a hold keeps is DRAM the pods' other turns lack,
+    # and a disk read here costs tens of milliseconds.
     queued_prefetch: bool = Field(
-        default=True, description="While a turn waits for admission, once it is among the "
+        default=False, description="While a turn waits for admission, once it is among the "
         "next to go, its session's pod reads the session's KV into DRAM and holds it there.")
     announce_hold_s: float = Field(
-        default=10.0, ge=0, le=3600.0, description="An announced turn's KV is held (pinned) "
+        default=0.0, ge=0, le=3600.0, description="An announced turn's KV is held (pinned) "
         "on its pod from the announce until this many seconds past the turn's predicted "
         "arrival; 0: not held.")
     # Off by default: on the agent-pressure workload (python -m bench agent_pressure, two

@@ -89,9 +89,10 @@ class AdmissionGate:
                  age_lead_s: float = 2.0, retell_s: float = 10.0) -> None:
         """``lookahead``: a waiting turn is told it is next (its ``on_next``) once it is
         among those that take the next ``lookahead`` rounds of places (the places of every
-        pod, freed once each), a turn about to have waited ``max_wait_s`` counted as having
-        waited so ``age_lead_s`` ahead (it goes first then, past every shorter one); told,
-        and still waiting ``retell_s`` later (shorter turns came), it is told again."""
+        pod, freed once each; 0: never told), a turn about to have waited ``max_wait_s``
+        counted as having waited so ``age_lead_s`` ahead (it goes first then, past every
+        shorter one); told, and still waiting ``retell_s`` later (shorter turns came), it is
+        told again."""
         self.per_pod, self.max_wait_s, self.lookahead = per_pod, max_wait_s, lookahead
         self.age_lead_s, self.retell_s = age_lead_s, retell_s
         self._pods, self._clock = pods, clock
@@ -145,6 +146,8 @@ class AdmissionGate:
 
     def _tell_upcoming(self) -> None:
         now, k = self._clock(), self.lookahead * self.capacity()
+        if k <= 0:  # not looking ahead: no order to work out
+            return
         for i in upcoming(self._waiters, now + self.age_lead_s, self.max_wait_s, k):
             waiter = self._waiters[i]
             if waiter.on_next is not None and (

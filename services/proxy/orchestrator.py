@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 from fastapi.responses import JSONResponse, StreamingResponse
+from prometheus_client import Counter
 
 from agentserving.core.clients import (
     KvindexClient,
@@ -201,9 +202,11 @@ class Orchestrator:
         self._prober: asyncio.Task | None = None
         self._stall_signals: dict[str, asyncio.Event] = {}  # set when the pod is found stalled
         self._context_asked = False
-        # a waiting turn's queued prefetch is asked for again once its hold has lapsed
+        # the gate looks ahead only for the queued prefetch, which is asked for again once
+        # its hold has lapsed
         self.admission = AdmissionGate(
             settings.admit_per_pod, settings.admit_max_wait_s, self._pod_count,
+            lookahead=2 if settings.queued_prefetch else 0,
             retell_s=settings.announce_hold_s or DEFAULT_RETELL_S) \
             if settings.admit_per_pod > 0 else None
 
@@ -278,18 +281,25 @@ class Orchestrator:
             chunk_hashes=list(state.chunk_hashes), pod=state.last_pod,
             lookup_id=f"queued:{turn.session_id}",
             hold_s=s.announce_hold_s if s.announce_hold_s > 0 else None)
-        kvindex = self.kvindex
+        self._spawn(self._prefetch_counted(request, "queued_prefetch",
+                                           self.metrics.queued_prefetch_chunks))
 
-        async def fire() -> None:
-            try:
-                answer = await kvindex.prefetch(request)
-                self._record_hook("queued_prefetch", True)
-                for found, n in prefetch_found(answer.results).items():
-                    self.metrics.queued_prefetch_chunks.labels(found).inc(n)
-            except (ServiceUnavailable, RequestRejected):
-                self._record_hook("queued_prefetch", False)
-
-        self._spawn(fire())
+    async def _prefetch_counted(self, request: PrefetchRequest, op: str, chunks: Counter
+                                ) -> dict[str, int] | None:
+        """A prefetch through the kvindex, recorded as the memory hook ``op`` and its chunks
+        counted in ``chunks`` by where the pods found them (``prefetch_found``, returned);
+        None when the kvindex failed it (a prefetch fails no turn)."""
+        assert self.kvindex is not None
+        try:
+            answer = await self.kvindex.prefetch(request)
+        except (ServiceUnavailable, RequestRejected):
+            self._record_hook(op, False)
+            return None
+        self._record_hook(op, True)
+        found = prefetch_found(answer.results)
+        for where, n in found.items():
+            chunks.labels(where).inc(n)
+        return found
 
     def _pod_count(self) -> int:
         return len(self.pool.prefill_candidates()) + len(self.pool.decode_candidates())
@@ -857,20 +867,15 @@ class Orchestrator:
         async def fire() -> None:
             await asyncio.sleep(delay)
             state.prefetch_fired_at = time.monotonic()
-            try:
-                assert self.kvindex is not None
-                expected_in_s = round(max(0.0, gap_s - delay), 3)
-                hold_s = self.settings.announce_hold_s
-                answer = await self.kvindex.prefetch(PrefetchRequest(
-                    chunk_hashes=chunks, pod=state.last_pod,
-                    lookup_id=f"tool-gap:{turn.session_id}", expected_in_s=expected_in_s,
-                    hold_s=round(expected_in_s + hold_s, 3) if hold_s > 0 else None))
-                self._record_hook("tool_prefetch", True)
-                state.kv_at_announce = prefetch_found(answer.results)
-                for found, n in state.kv_at_announce.items():
-                    self.metrics.tool_gap_chunks.labels(found).inc(n)
-            except (ServiceUnavailable, RequestRejected):
-                self._record_hook("tool_prefetch", False)
+            expected_in_s = round(max(0.0, gap_s - delay), 3)
+            hold_s = self.settings.announce_hold_s
+            found = await self._prefetch_counted(PrefetchRequest(
+                chunk_hashes=chunks, pod=state.last_pod,
+                lookup_id=f"tool-gap:{turn.session_id}", expected_in_s=expected_in_s,
+                hold_s=round(expected_in_s + hold_s, 3) if hold_s > 0 else None),
+                "tool_prefetch", self.metrics.tool_gap_chunks)
+            if found is not None:
+                state.kv_at_announce = found
 
         key = turn.session_key
         old = self._prefetch_tasks.pop(key, None)
